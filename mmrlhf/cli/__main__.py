@@ -1,0 +1,5 @@
+import sys
+
+from mmrlhf.cli import main
+
+sys.exit(main())

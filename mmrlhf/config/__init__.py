@@ -1,0 +1,27 @@
+"""Typed configuration: ``load_config(path, overrides)`` -> frozen :class:`MMRLHFConfig`."""
+
+from mmrlhf.config.algorithm import AlgorithmConfig
+from mmrlhf.config.base import Section
+from mmrlhf.config.data import DataConfig
+from mmrlhf.config.loader import ConfigError, apply_overrides, build_config, dump_config, load_config
+from mmrlhf.config.model import ModelConfig
+from mmrlhf.config.reward import RewardConfig
+from mmrlhf.config.rollout import RolloutConfig
+from mmrlhf.config.schema import MMRLHFConfig
+from mmrlhf.config.trainer import TrainerConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "ConfigError",
+    "DataConfig",
+    "MMRLHFConfig",
+    "ModelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "Section",
+    "TrainerConfig",
+    "apply_overrides",
+    "build_config",
+    "dump_config",
+    "load_config",
+]

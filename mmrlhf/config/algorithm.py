@@ -1,0 +1,92 @@
+"""``algorithm``: advantage estimator, KL and policy-loss settings (names resolve through the registries)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from mmrlhf.config.base import Section
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: str = "grpo"
+    """Registered advantage estimator name, or ``package.module:function``."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Discount factor."""
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    advantage_eps: float = Field(default=1e-6, gt=0.0)
+    """Added to the group std before dividing (``grpo``, ``cpgd``); zero-variance groups give 0 regardless."""
+    norm_by_std: bool = True
+    """``grpo``: divide by the group std (False gives Dr. GRPO's mean-only centring)."""
+    cpgd_weight: Literal["std", "clip_filter"] = "std"
+    """``cpgd``: z-score by the group std, or centre and up-weight informative groups (capped at 3x)."""
+    advantage_params: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the advantage estimator (e.g. for a user-registered one)."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator of the per-token penalty folded into the reward (k1 sums to the sequence log-ratio)."""
+    kl_reward_coef: float = Field(default=0.0, ge=0.0)
+    """Initial coefficient of the KL penalty in the reward; 0 disables it."""
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    """``fixed`` keeps ``kl_reward_coef``; ``adaptive`` steers it towards ``kl_target`` (Ziegler et al.)."""
+    kl_target: float = Field(default=6.0, gt=0.0)
+    """Adaptive controller: target per-response KL (nats)."""
+    kl_horizon: int = Field(default=10000, ge=1)
+    """Adaptive controller: horizon in samples (larger = slower coefficient changes)."""
+    kl_loss_coef: float = Field(default=0.0, ge=0.0)
+    """Coefficient of the KL loss term (GRPO style); 0 disables it. Can be combined with the reward penalty."""
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator of the loss term (k3: unbiased and non-negative)."""
+
+    overlong_buffer_len: int = Field(default=0, ge=0)
+    """DAPO overlong penalty: length of the linear ramp before the maximum response length; 0 disables it."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0.0)
+    """DAPO overlong penalty at (and beyond) the maximum response length."""
+    reward_normalization: bool = False
+    """Normalise rewards by running mean/std over training (checkpointed with the trainer)."""
+    reward_clip: float | None = Field(default=None, gt=0.0)
+    """Clip rewards to ``[-reward_clip, reward_clip]``; None disables it."""
+    advantage_whitening: Literal["none", "batch", "global"] = "none"
+    """Extra advantage whitening: per (micro-)batch, or with statistics pooled over the whole step (cross-batch)."""
+    advantage_clip: float | None = Field(default=None, gt=0.0)
+    """Clip advantages to ``[-advantage_clip, advantage_clip]``; None disables it."""
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop zero-variance groups and sample more until the batch is full."""
+    dynamic_sampling_max_extra_rounds: int = Field(default=3, ge=0)
+    """Extra sampling rounds allowed per step before training on a partially filled batch."""
+    dynamic_sampling_tol: float = Field(default=0.0, ge=0.0)
+    """A group is kept when its reward spread (max - min) exceeds this."""
+
+    policy_loss: str = "ppo"
+    """Registered policy loss name (``ppo``, ``gspo``, ``cispo``, ``cpgd``), or ``package.module:function``."""
+    clip_low: float = Field(default=0.2, ge=0.0)
+    """Lower ratio clip: the ratio is bounded below by ``1 - clip_low`` (>= 1 means no lower bound for cispo/cpgd)."""
+    clip_high: float = Field(default=0.2, ge=0.0)
+    """Upper ratio clip: ``1 + clip_high`` (DAPO clip-higher: 0.28 with clip_low 0.2; GSPO: ~4e-4)."""
+    dual_clip: float | None = Field(default=None, gt=1.0)
+    """``ppo`` dual clip constant c > 1 capping the loss of negative-advantage tokens at ``-c A``; None disables."""
+    policy_loss_params: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the policy loss (e.g. ``drift_coef`` for cpgd)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced (see docs/algorithms.md for the length weighting of each)."""
+    loss_agg_norm_len: int | None = Field(default=None, ge=1)
+    """Constant divisor of ``seq-mean-token-sum-norm``; None uses the padded length of each batch."""
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    """Entropy bonus coefficient; 0 disables it."""
+    high_entropy_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Train only on this fraction of response tokens with the highest entropy (0.2 in arXiv 2506.01939); 1 = all."""
+    value_clip: float | None = Field(default=0.2, gt=0.0)
+    """Critic (``gae``): clip range of the value update around the old values; None disables clipping."""
+    value_loss_coef: float = Field(default=0.5, ge=0.0)
+    """Critic (``gae``): weight of the value loss."""
+
+    @model_validator(mode="after")
+    def _check_adaptive(self) -> "AlgorithmConfig":
+        if self.kl_controller == "adaptive" and self.kl_reward_coef == 0.0:
+            raise ValueError("kl_controller 'adaptive' needs kl_reward_coef > 0 (a zero coefficient never moves)")
+        return self

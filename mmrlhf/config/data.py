@@ -1,0 +1,78 @@
+"""``data``: where prompts come from, how their images / videos are loaded, and how they are tokenised."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from mmrlhf.config.base import Section
+
+
+class DataConfig(Section):
+    prompt_data: list[str] = Field(default_factory=list)
+    """Prompt dataset paths (JSONL, Parquet, or a ``datasets.save_to_disk`` folder)."""
+    prompt_max_len: int = Field(default=1024, ge=1)
+    """Maximum prompt length in tokens (vision tokens included)."""
+
+    # ---- columns ----------------------------------------------------------------------------------------------
+    prompt_key: str = "prompt"
+    """Column holding the prompt: plain text (with placeholders) or a list of chat messages."""
+    image_key: str = "images"
+    """Column holding the record's images (one item or a list); a missing column means no images."""
+    video_key: str = "videos"
+    """Column holding the record's videos (one path / frame list, or a list of them); missing means no videos."""
+    label_key: str = "label"
+    """Column holding the label that selects the reward recipe (optional)."""
+    reference_key: str = "reference"
+    """Column holding the ground-truth answer handed to rewards (optional)."""
+    id_key: str = "id"
+    """Column holding a record id used in error messages (optional; the row index is always given too)."""
+    image_placeholder: str = "<image>"
+    """Marker in a plain-text prompt where the next image goes; one per image, checked per record."""
+    video_placeholder: str = "<video>"
+    """Marker in a plain-text prompt where the next video goes; one per video, checked per record."""
+    apply_chat_template: bool = True
+    """Render prompts with the model's chat template (off: plain text, placeholders become vision tokens)."""
+    system_prompt: Optional[str] = None
+    """System message prepended to plain-text prompts when the chat template is applied (None: none)."""
+
+    # ---- vision knobs (qwen-vl-utils semantics; a per-item dict may override min/max pixels) ---------------------
+    image_min_pixels: Optional[int] = Field(default=None, gt=0)
+    """Lower bound on an image's pixels after resizing (None: leave it to the model's processor)."""
+    image_max_pixels: Optional[int] = Field(default=None, gt=0)
+    """Upper bound on an image's pixels after resizing (None: leave it to the model's processor)."""
+    image_pixel_limit: int = Field(default=50_000_000, gt=0)
+    """Largest source image (width x height) accepted before decoding: guards against decompression bombs."""
+    video_fps: float = Field(default=2.0, gt=0.0)
+    """Frames sampled per second of video (ignored when ``video_nframes`` is set)."""
+    video_nframes: Optional[int] = Field(default=None, ge=1)
+    """Fixed number of frames sampled per video (None: use ``video_fps``)."""
+    video_min_frames: int = Field(default=4, ge=1)
+    """Fewest frames sampled from a video when sampling by fps (capped by the video's length)."""
+    video_max_frames: int = Field(default=64, ge=1)
+    """Most frames sampled from a video (bounds memory and vision tokens)."""
+    video_min_pixels: Optional[int] = Field(default=None, gt=0)
+    """Lower bound on a video frame's pixels after resizing (None: leave it to the model's processor)."""
+    video_max_pixels: Optional[int] = Field(default=None, gt=0)
+    """Upper bound on a video frame's pixels after resizing (None: leave it to the model's processor)."""
+
+    # ---- guard rails ------------------------------------------------------------------------------------------
+    on_bad_input: Literal["error", "skip"] = "error"
+    """Missing / corrupt / oversized / empty vision input or a malformed record: raise naming it, or skip it
+    (counted and logged)."""
+    prompt_overflow: Literal["truncate_left", "skip", "error"] = "truncate_left"
+    """A prompt over ``prompt_max_len``: drop its oldest text tokens (never vision tokens), skip it, or raise."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "DataConfig":
+        for lo, hi in (("image_min_pixels", "image_max_pixels"), ("video_min_pixels", "video_max_pixels"),
+                       ("video_min_frames", "video_max_frames")):
+            lo_v, hi_v = getattr(self, lo), getattr(self, hi)
+            if lo_v is not None and hi_v is not None and lo_v > hi_v:
+                raise ValueError(f"data.{lo} ({lo_v}) must not exceed data.{hi} ({hi_v})")
+        if not self.image_placeholder or not self.video_placeholder:
+            raise ValueError("data.image_placeholder and data.video_placeholder must be non-empty")
+        if self.image_placeholder == self.video_placeholder:
+            raise ValueError("data.image_placeholder and data.video_placeholder must differ")
+        return self

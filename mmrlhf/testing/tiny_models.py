@@ -1,0 +1,294 @@
+"""Offline, deterministic tiny Qwen-VL models for tests, demos and benchmarks.
+
+``tiny_model_dir(family, size, seed)`` returns a saved model directory (config, safetensors weights, tokenizer,
+processor with image + video support, chat template) that loads in transformers and in vLLM, built without any
+network access. Directories are cached under ``$MMRLHF_CACHE_DIR/tiny-models`` (default ``~/.cache/mmrlhf``),
+keyed by family, size, seed and a hash of this file, so the suite builds each model once per machine and a change
+to the factory invalidates old builds.
+
+Why these settings:
+- text ``head_dim`` is 64: vLLM's CPU attention rejects small head sizes (16 fails, 64 works);
+- ``mrope_section`` sums to ``head_dim / 2`` (the three M-RoPE axes share the rotary half-dimension);
+- the tokenizer is a byte-level BPE trained on a small built-in corpus, so every string encodes, common words
+  (colours, digits, answer/think tags) are single tokens, and the Qwen special tokens are present;
+- token ids (eos / pad / bos, image / video / vision-start) are set in BOTH the top config and ``text_config``,
+  because transformers and vLLM read them from different places;
+- the image processor's pixel bounds keep images small (a 56x56 image is 4 merged tokens) so tests stay fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+SIZES = ("tiny", "small")
+Family = Literal["qwen2_vl", "qwen2_5_vl"]
+Size = Literal["tiny", "small"]
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Words that should be single tokens (toy tasks answer with them).
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "cyan", "pink", "brown", "gray"]
+_WORDS = (
+    COLOURS
+    + "zero one two three four five six seven eight nine ten yes no true false left right up down".split()
+    + "what which how many is are the a an of in on to and or color colour square circle shape image video".split()
+    + "picture frame answer think question describe count number object objects there this that with".split()
+    + "user assistant system you please word one-word answer: first second third box boxed final".split()
+)
+_SENTENCES = [
+    "What color is the square? Answer with one word.",
+    "How many objects are in the image? Answer with a number.",
+    "Describe the picture in one sentence.",
+    "What happens in the video? Answer briefly.",
+    "<think>I look at the image first.</think><answer>red</answer>",
+    "The final answer is \\boxed{42}.",
+    "Question: which shape is on the left? Options: A. circle B. square C. triangle D. star",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = ( ) [ ] { } . , : ; ! ? ' \"",
+]
+
+# Chat template: Qwen-style turns; content may be a string or a list of parts ({"type": "image" | "video" |
+# "text", ...}); each image/video part becomes <|vision_start|><|image_pad|><|vision_end|> (the processor expands
+# the pad token to the image's merged-patch count). No default system prompt: tiny vocabularies stay short.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class _Dims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vision_dim: int
+    vision_depth: int
+    vision_heads: int
+    vocab: int
+
+
+# head_dim = hidden / heads = 64 in both sizes (vLLM CPU attention); vision head_dim = 32.
+_DIMS = {
+    "tiny": _Dims(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256,
+                  vision_dim=64, vision_depth=2, vision_heads=2, vocab=640),
+    "small": _Dims(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536,
+                   vision_dim=256, vision_depth=4, vision_heads=8, vocab=4096),
+}
+
+# Image/video pixel bounds of the processor (multiples of (patch 14 * merge 2)^2 = 784).
+_MIN_PIXELS = 56 * 56  # 4 merged tokens
+_MAX_PIXELS = 224 * 224  # 64 merged tokens
+_VIDEO_MAX_PIXELS = 112 * 112
+
+
+def _factory_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    base = os.environ.get("MMRLHF_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mmrlhf")
+    return Path(base) / "tiny-models"
+
+
+def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0) -> Path:
+    """Path of a built tiny model (built on first use, then reused from the cache).
+
+    Safe under concurrent callers: each builds in a private temporary folder and renames it into place; the loser
+    of a race discards its copy.
+    """
+    _check(family, size)
+    target = cache_root() / f"{family}-{size}-seed{seed}-{_factory_hash()}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build_tiny_model(tmp, family=family, size=size, seed=seed)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _check(family: str, size: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny-model family {family!r}; valid: {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny-model size {size!r}; valid: {', '.join(SIZES)}")
+
+
+def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0) -> Path:
+    """Build a model directory at ``out_dir`` (created if needed). Same arguments -> identical files."""
+    import torch
+
+    _check(family, size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dims = _DIMS[size]
+    tokenizer = _build_tokenizer(dims.vocab)
+    processor = _build_processor(family, tokenizer)
+    config = _build_config(family, dims, tokenizer)
+
+    model_cls = _model_class(family)
+    # Deterministic init: seed the global generator only for the duration of the build.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model = model.to(torch.bfloat16).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    _write_generation_config(out, tokenizer)
+    (out / "mmrlhf_tiny.json").write_text(
+        json.dumps({"family": family, "size": size, "seed": seed, "factory": _factory_hash()}, indent=2) + "\n"
+    )
+    return out
+
+
+def _model_class(family: str):
+    import transformers
+
+    return {
+        "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    }[family]
+
+
+def _build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Each word repeated (with and without a leading space) so BPE merges it into one token.
+    corpus = []
+    for word in _WORDS:
+        corpus.extend([word, " " + word] * 8)
+    corpus.extend(_SENTENCES * 4)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=32768,
+        chat_template=CHAT_TEMPLATE,
+        padding_side="left",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                              "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
+    )
+    return fast
+
+
+def _build_processor(family: str, tokenizer):
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2,
+        size={"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS},
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=_MIN_PIXELS, max_pixels=_VIDEO_MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2,
+        size={"shortest_edge": _MIN_PIXELS, "longest_edge": _VIDEO_MAX_PIXELS},
+        do_sample_frames=False, cap_pixels_per_frame=True,
+    )
+    cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
+    return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+               chat_template=CHAT_TEMPLATE)
+
+
+def _token_ids(tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return {
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "bos_token_id": ids["<|endoftext|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def _build_config(family: str, dims: _Dims, tokenizer):
+    import transformers
+
+    ids = _token_ids(tokenizer)
+    head_dim = dims.hidden // dims.heads
+    half = head_dim // 2
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]  # (t, h, w) axes; sums to head_dim / 2
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=dims.hidden,
+        intermediate_size=dims.intermediate,
+        num_hidden_layers=dims.layers,
+        num_attention_heads=dims.heads,
+        num_key_value_heads=dims.kv_heads,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope},
+        bos_token_id=ids["bos_token_id"],
+        eos_token_id=ids["eos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+    if family == "qwen2_vl":
+        vision = dict(depth=dims.vision_depth, embed_dim=dims.vision_dim, hidden_size=dims.hidden,
+                      num_heads=dims.vision_heads, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2)
+        cfg_cls = transformers.Qwen2VLConfig
+    else:
+        vision = dict(depth=dims.vision_depth, hidden_size=dims.vision_dim, out_hidden_size=dims.hidden,
+                      intermediate_size=dims.vision_dim * 2, num_heads=dims.vision_heads, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[dims.vision_depth - 1], tokens_per_second=2)
+        cfg_cls = transformers.Qwen2_5_VLConfig
+    top_ids = {k: v for k, v in ids.items()}
+    config = cfg_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **top_ids)
+    return config
+
+
+def _write_generation_config(out: Path, tokenizer) -> None:
+    ids = _token_ids(tokenizer)
+    gen = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
+           "pad_token_id": ids["pad_token_id"], "do_sample": True}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -1,0 +1,36 @@
+"""Suite-wide fixtures and guards."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM on the CPU: in-process engine and a small KV cache (scripts/env.sh sets these too; direct pytest runs
+# need them before vllm is imported).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    # A run that collects nothing is a broken run (wrong path, import-time skip, bad marker expression), never a
+    # pass: stop with a usage error rather than pytest's "no tests ran".
+    if not items:
+        raise pytest.UsageError("no tests were collected: check the paths and the -m / -k expressions")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl():
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("qwen2_vl", "tiny", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl():
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    return tiny_model_dir("qwen2_5_vl", "tiny", 0)

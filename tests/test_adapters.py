@@ -1,0 +1,46 @@
+"""Family adapters: facts come from the model config (never a literal merge factor)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmrlhf.models.adapters import ADAPTERS, Qwen2VLAdapter, get_adapter
+from mmrlhf.registry import RegistryError
+
+
+def _config(model_type: str, merge: int) -> dict:
+    return {"model_type": model_type, "image_token_id": 11, "video_token_id": 12, "vision_start_token_id": 13,
+            "vision_end_token_id": 14,
+            "vision_config": {"spatial_merge_size": merge, "temporal_patch_size": 2, "patch_size": 14}}
+
+
+@pytest.mark.parametrize("merge", [1, 2, 3])
+def test_tokens_per_grid_uses_the_configured_merge_size(merge):
+    adapter = get_adapter(_config("qwen2_vl", merge))
+    grid = torch.tensor([[1, 6, 6], [2, 6, 12]])
+    assert adapter.tokens_per_grid(grid).tolist() == [36 // merge**2, 144 // merge**2]
+
+
+def test_family_selection_and_errors(tiny_qwen2_vl, tiny_qwen2_5_vl):
+    assert isinstance(get_adapter(tiny_qwen2_vl), Qwen2VLAdapter)
+    assert get_adapter(tiny_qwen2_5_vl).family == "qwen2_5_vl"
+    assert set(ADAPTERS) >= {"qwen2_vl", "qwen2_5_vl"}
+    with pytest.raises(ValueError, match="no model-family adapter for model_type 'llama'"):
+        get_adapter(_config("llama", 2))
+    with pytest.raises(RegistryError, match="unknown model family"):
+        get_adapter(_config("qwen2_vl", 2), family="qwen9")
+    missing = _config("qwen2_vl", 2)
+    del missing["video_token_id"]
+    with pytest.raises(ValueError, match="video_token_id"):
+        get_adapter(missing)
+
+
+def test_vllm_video_metadata_only_where_needed():
+    frames = np.zeros((6, 28, 28, 3), dtype=np.uint8)
+    assert get_adapter(_config("qwen2_vl", 2)).vllm_video(frames, fps=2.0) is frames
+    wrapped, meta = get_adapter(_config("qwen2_5_vl", 2)).vllm_video(frames, fps=2.0)
+    assert wrapped is frames
+    assert meta["total_num_frames"] == 6 and meta["duration"] == 3.0 and meta["frames_indices"] == list(range(6))
+    assert get_adapter(_config("qwen2_vl", 2)).vision_special_token_ids() == [11, 12, 13, 14]

@@ -1,0 +1,108 @@
+"""Tiny Qwen-VL factory: offline, deterministic, loads and generates in transformers with images and video."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from mmrlhf.models.adapters import get_adapter
+from mmrlhf.testing.engine_check import default_cases
+from mmrlhf.testing.tiny_models import COLOURS, SPECIAL_TOKENS, build_tiny_model, tiny_model_dir
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+
+
+def _digests(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_build_is_deterministic(tmp_path, family):
+    a = _digests(build_tiny_model(tmp_path / "a", family, "tiny", seed=3))
+    b = _digests(build_tiny_model(tmp_path / "b", family, "tiny", seed=3))
+    assert {"model.safetensors", "tokenizer.json", "config.json", "processor_config.json"} <= a.keys()
+    assert a == b
+    c = _digests(build_tiny_model(tmp_path / "c", family, "tiny", seed=4))
+    assert c["model.safetensors"] != a["model.safetensors"]
+    assert c["tokenizer.json"] == a["tokenizer.json"]
+
+
+def test_cache_reuses_the_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMRLHF_CACHE_DIR", str(tmp_path))
+    first = tiny_model_dir("qwen2_vl", "tiny", seed=1)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert tiny_model_dir("qwen2_vl", "tiny", seed=1) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert first.parent == tmp_path / "tiny-models"
+
+
+def test_unknown_family_or_size_is_rejected():
+    with pytest.raises(ValueError, match="qwen2_vl"):
+        tiny_model_dir("llava", "tiny")
+    with pytest.raises(ValueError, match="tiny, small"):
+        tiny_model_dir("qwen2_vl", "huge")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenizer_and_config_ids(family):
+    path = tiny_model_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    tok = processor.tokenizer
+    for token in SPECIAL_TOKENS:
+        assert tok.convert_tokens_to_ids(token) != tok.unk_token_id
+        assert len(tok(token, add_special_tokens=False)["input_ids"]) == 1
+    for colour in COLOURS:  # toy-task answers are single tokens
+        assert len(tok(" " + colour, add_special_tokens=False)["input_ids"]) == 1
+    adapter = get_adapter(path)
+    assert adapter.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    assert adapter.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.text_config.eos_token_id == eos
+    assert model.generation_config.eos_token_id == eos
+    head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
+    assert head_dim >= 32  # vLLM CPU attention rejects small head sizes
+    assert sum(model.config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_generates_with_images_and_video(family):
+    path = tiny_model_dir(family)
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    adapter = get_adapter(path)
+    bad = [[t] for t in adapter.vision_special_token_ids()]
+    for case in default_cases(processor):
+        kwargs = {"text": [case.text], "return_tensors": "pt"}
+        if case.images:
+            kwargs["images"] = case.images
+        if case.videos:
+            kwargs["videos"] = case.videos
+        inputs = processor(**kwargs)
+        ids = inputs["input_ids"][0]
+        n_img = int((ids == adapter.image_token_id).sum())
+        n_vid = int((ids == adapter.video_token_id).sum())
+        if case.images:
+            assert n_img == int(adapter.tokens_per_grid(inputs["image_grid_thw"]).sum()) > 0
+            assert inputs["image_grid_thw"].shape[0] == len(case.images)
+        if case.videos:
+            assert n_vid == int(adapter.tokens_per_grid(inputs["video_grid_thw"]).sum()) > 0
+        if not case.images and not case.videos:
+            assert n_img == n_vid == 0
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=True, bad_words_ids=bad,
+                             generator=None, pad_token_id=processor.tokenizer.pad_token_id)
+        new = out[0, inputs["input_ids"].shape[1]:]
+        assert 1 <= new.numel() <= 6, case.name
+        assert not np.isin(new.numpy(), adapter.vision_special_token_ids()).any(), case.name
+
+
+@pytest.mark.slow
+def test_small_size_has_tens_of_millions_of_parameters(tmp_path):
+    path = build_tiny_model(tmp_path / "small", "qwen2_vl", "small", seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    n = sum(p.numel() for p in model.parameters())
+    assert 10e6 <= n <= 100e6, n
