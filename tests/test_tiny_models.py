@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmrlhf.models.adapters import get_adapter
-from mmrlhf.testing.engine_check import default_cases
+from mmrlhf.testing.engine_check import default_cases, processor_inputs
 from mmrlhf.testing.tiny_models import COLOURS, SPECIAL_TOKENS, build_tiny_model, tiny_model_dir
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 def _digests(folder) -> dict[str, str]:
@@ -77,12 +77,7 @@ def test_transformers_generates_with_images_and_video(family):
     adapter = get_adapter(path)
     bad = [[t] for t in adapter.vision_special_token_ids()]
     for case in default_cases(processor):
-        kwargs = {"text": [case.text], "return_tensors": "pt"}
-        if case.images:
-            kwargs["images"] = case.images
-        if case.videos:
-            kwargs["videos"] = case.videos
-        inputs = processor(**kwargs)
+        inputs = processor_inputs(processor, adapter, case)
         ids = inputs["input_ids"][0]
         n_img = int((ids == adapter.image_token_id).sum())
         n_vid = int((ids == adapter.video_token_id).sum())
@@ -100,7 +95,6 @@ def test_transformers_generates_with_images_and_video(family):
         assert not np.isin(new.numpy(), adapter.vision_special_token_ids()).any(), case.name
 
 
-@pytest.mark.slow
 def test_small_size_has_tens_of_millions_of_parameters(tmp_path):
     path = build_tiny_model(tmp_path / "small", "qwen2_vl", "small", seed=0)
     model = AutoModelForImageTextToText.from_pretrained(path)

@@ -12,7 +12,7 @@ class ModelConfig(Section):
 
     pretrain: str = ""
     """Local path (or hub id, if the user's machine reaches a hub) of the policy model; empty until set."""
-    family: Literal["auto", "qwen2_vl", "qwen2_5_vl"] = "auto"
+    family: Literal["auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = "auto"
     """Model-family adapter to use; ``auto`` reads ``model_type`` from the model's config."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Parameter dtype of the actor and reference models."""

@@ -65,21 +65,33 @@ class FamilyAdapter:
         """Tokens a response must never contain: sampling one breaks the next forward (feature/token mismatch)."""
         return [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
 
-    # ---- engine quirks ------------------------------------------------------------------------------------
+    # ---- video metadata quirks ----------------------------------------------------------------------------
+    # Some families need the video's fps and frame indices: vLLM to compute temporal positions (Qwen2.5-VL,
+    # Qwen3-VL), the HF processor to write frame timestamps into the prompt (Qwen3-VL).
+    processor_needs_video_metadata: ClassVar[bool] = False
+
+    @staticmethod
+    def video_metadata(num_frames: int, fps: float, frame_indices: Sequence[int] | None = None) -> dict[str, Any]:
+        return {
+            "fps": float(fps),
+            "total_num_frames": int(num_frames),
+            "frames_indices": list(frame_indices) if frame_indices is not None else list(range(num_frames)),
+            "duration": num_frames / float(fps),
+        }
+
     def vllm_video(self, frames: Any, fps: float, frame_indices: Sequence[int] | None = None) -> Any:
         """The object vLLM's ``multi_modal_data["video"]`` takes for one video of ``frames`` ([T, H, W, 3])."""
         if not self.vllm_video_needs_metadata:
             return frames
-        n = len(frames)
-        meta = {
-            "fps": float(fps),
-            "total_num_frames": n,
-            "frames_indices": list(frame_indices) if frame_indices is not None else list(range(n)),
-            "duration": n / float(fps),
-            "video_backend": "decord",
-            "do_sample_frames": False,
-        }
+        meta = self.video_metadata(len(frames), fps, frame_indices)
+        meta.update(video_backend="decord", do_sample_frames=False)
         return frames, meta
+
+    def processor_video_kwargs(self, videos: Sequence[Any], fps: float) -> dict[str, Any]:
+        """Extra keyword arguments for the HF processor call that carries ``videos`` (already-sampled frames)."""
+        if not videos or not self.processor_needs_video_metadata:
+            return {}
+        return {"video_metadata": [self.video_metadata(len(v), fps) for v in videos]}
 
 
 def _get(obj: Any, key: str) -> Any:
@@ -102,6 +114,15 @@ class Qwen25VLAdapter(FamilyAdapter):
     family = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
     vllm_video_needs_metadata = True
+
+
+@ADAPTERS.register("qwen3_vl")
+@dataclass(frozen=True)
+class Qwen3VLAdapter(FamilyAdapter):
+    family = "qwen3_vl"
+    model_types = ("qwen3_vl",)
+    vllm_video_needs_metadata = True
+    processor_needs_video_metadata = True
 
 
 def family_of(config: Any) -> str:

@@ -18,6 +18,7 @@ from PIL import Image
 
 from mmrlhf.models.adapters import get_adapter
 from mmrlhf.rollout.vllm_setup import forbid_tokens_bias, make_llm
+from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE, KNOWN_LOOSER_TOLERANCE, tolerance_for  # noqa: F401
 
 
 @dataclass
@@ -79,14 +80,22 @@ def default_cases(processor: Any) -> list[CheckCase]:
     ]
 
 
-def hf_response_logprobs(model: Any, processor: Any, case: CheckCase, responses: list[list[int]]) -> list[torch.Tensor]:
-    """Float32 transformers log-probs of each response's tokens given the case's prompt. Returns B tensors [A_i]."""
+VIDEO_FPS = 2.0
+
+def processor_inputs(processor: Any, adapter: Any, case: CheckCase) -> Any:
+    """The HF processor's output for one case (prompt ids, pixel values, grids, mm_token_type_ids)."""
     kwargs: dict[str, Any] = {"text": [case.text], "return_tensors": "pt"}
     if case.images:
         kwargs["images"] = case.images
     if case.videos:
         kwargs["videos"] = case.videos
-    inputs = processor(**kwargs)
+        kwargs.update(adapter.processor_video_kwargs(case.videos, VIDEO_FPS))
+    return processor(**kwargs)
+
+
+def hf_response_logprobs(model: Any, processor: Any, case: CheckCase, responses: list[list[int]]) -> list[torch.Tensor]:
+    """Float32 transformers log-probs of each response's tokens given the case's prompt. Returns B tensors [A_i]."""
+    inputs = processor_inputs(processor, get_adapter(model.config), case)
     prompt_ids = inputs.pop("input_ids")  # [1, P]
     inputs.pop("attention_mask")
     mm_types = inputs.pop("mm_token_type_ids", None)  # [1, P]
@@ -141,7 +150,7 @@ def run_engine_check(
         if case.images:
             mm["image"] = case.images if len(case.images) > 1 else case.images[0]
         if case.videos:
-            vids = [adapter.vllm_video(v, fps=2.0) for v in case.videos]
+            vids = [adapter.vllm_video(v, fps=VIDEO_FPS) for v in case.videos]
             mm["video"] = vids if len(vids) > 1 else vids[0]
         requests.append({"prompt": case.text, "multi_modal_data": mm} if mm else {"prompt": case.text})
     t1 = time.perf_counter()

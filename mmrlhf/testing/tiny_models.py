@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SIZES = ("tiny", "small")
-Family = Literal["qwen2_vl", "qwen2_5_vl"]
+Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 Size = Literal["tiny", "small"]
 
 SPECIAL_TOKENS = [
@@ -101,10 +101,6 @@ _DIMS = {
                    vision_dim=256, vision_depth=4, vision_heads=8, vocab=4096),
 }
 
-# Image/video pixel bounds of the processor (multiples of (patch 14 * merge 2)^2 = 784).
-_MIN_PIXELS = 56 * 56  # 4 merged tokens
-_MAX_PIXELS = 224 * 224  # 64 merged tokens
-_VIDEO_MAX_PIXELS = 112 * 112
 
 
 def _factory_hash() -> str:
@@ -181,6 +177,7 @@ def _model_class(family: str):
     return {
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
     }[family]
 
 
@@ -218,20 +215,31 @@ def _build_tokenizer(vocab_size: int):
     return fast
 
 
-def _build_processor(family: str, tokenizer):
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+def _patch_size(family: str) -> int:
+    return 16 if family == "qwen3_vl" else 14
 
+
+def _build_processor(family: str, tokenizer):
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    # Pixel bounds scale with the patch: (patch * merge)^2 pixels make one LLM token.
+    unit = (_patch_size(family) * 2) ** 2
+    lo, hi, video_hi = 4 * unit, 64 * unit, 16 * unit
+    patch = dict(patch_size=_patch_size(family), temporal_patch_size=2, merge_size=2)
     image_processor = Qwen2VLImageProcessor(
-        min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2,
-        size={"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS},
+        min_pixels=lo, max_pixels=hi, size={"shortest_edge": lo, "longest_edge": hi}, **patch
     )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=_MIN_PIXELS, max_pixels=_VIDEO_MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2,
-        size={"shortest_edge": _MIN_PIXELS, "longest_edge": _VIDEO_MAX_PIXELS},
-        do_sample_frames=False, cap_pixels_per_frame=True,
-    )
-    cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
+    if family == "qwen3_vl":
+        video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": lo, "longest_edge": video_hi},
+                                                do_sample_frames=False, **patch)
+    else:
+        video_processor = Qwen2VLVideoProcessor(
+            min_pixels=lo, max_pixels=video_hi, size={"shortest_edge": lo, "longest_edge": video_hi},
+            do_sample_frames=False, cap_pixels_per_frame=True, **patch,
+        )
+    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
                chat_template=CHAT_TEMPLATE)
 
@@ -276,12 +284,20 @@ def _build_config(family: str, dims: _Dims, tokenizer):
                       num_heads=dims.vision_heads, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2)
         cfg_cls = transformers.Qwen2VLConfig
-    else:
+    elif family == "qwen2_5_vl":
         vision = dict(depth=dims.vision_depth, hidden_size=dims.vision_dim, out_hidden_size=dims.hidden,
                       intermediate_size=dims.vision_dim * 2, num_heads=dims.vision_heads, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                       fullatt_block_indexes=[dims.vision_depth - 1], tokens_per_second=2)
         cfg_cls = transformers.Qwen2_5_VLConfig
+    else:  # qwen3_vl: explicit head_dim, interleaved M-RoPE, deepstack features from the first vision block
+        text["head_dim"] = head_dim
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision = dict(depth=dims.vision_depth, hidden_size=dims.vision_dim, out_hidden_size=dims.hidden,
+                      intermediate_size=dims.vision_dim * 2, num_heads=dims.vision_heads, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
+                      deepstack_visual_indexes=[0])
+        cfg_cls = transformers.Qwen3VLConfig
     top_ids = {k: v for k, v in ids.items()}
     config = cfg_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **top_ids)
     return config
