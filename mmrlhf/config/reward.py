@@ -65,6 +65,13 @@ class RemoteSourceConfig(Section):
     send_images: bool = True
     """Send the samples' raw images (base64 PNG) along with the text."""
 
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {value!r}")
+        return value
+
 
 SourceConfig = Annotated[
     Union[FunctionSourceConfig, ModelSourceConfig, RemoteSourceConfig], Field(discriminator="type")

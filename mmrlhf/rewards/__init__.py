@@ -1,0 +1,34 @@
+"""Rewards: rule functions, user plugins, local reward models, remote reward servers, and per-label recipes.
+
+Modules, each with one job:
+
+- ``types``: ``RewardBatch`` (input), ``RewardResult`` (output), ``SourceScores`` (one source's answer).
+- ``plugins``: the reward-function contract: loading by name, sync/async calls, output checking.
+- ``rules`` / ``math_accuracy``: built-in rule rewards (format checks, matching, math-verify accuracy).
+- ``local_model``: torch reward models (e.g. Qwen-VL backbone + scalar head), moved to the device only to score.
+- ``wire`` / ``remote`` / ``server``: the HTTP protocol, its client (retries, batching) and its server.
+- ``sources``: the uniform source interface and the ``type`` -> builder registry.
+- ``engine``: ``RewardComputationEngine`` (recipes, filtering, scatter-back, failure policy, metrics).
+
+See docs/rewards.md.
+"""
+
+from mmrlhf.rewards.engine import RewardComputationEngine
+from mmrlhf.rewards.plugins import REWARD_FUNCTIONS, load_reward_function
+from mmrlhf.rewards.sources import SOURCE_TYPES, FunctionSource, RewardSource, build_source
+from mmrlhf.rewards.types import RewardBatch, RewardError, RewardInputError, RewardResult, SourceScores
+
+__all__ = [
+    "REWARD_FUNCTIONS",
+    "SOURCE_TYPES",
+    "FunctionSource",
+    "RewardBatch",
+    "RewardComputationEngine",
+    "RewardError",
+    "RewardInputError",
+    "RewardResult",
+    "RewardSource",
+    "SourceScores",
+    "build_source",
+    "load_reward_function",
+]

@@ -1,0 +1,76 @@
+"""Score TEXT (+ raw images) with a local reward model, by running its own processor first.
+
+A reward server receives prompt and response strings and PIL images, not token ids: the server's model may use a
+different tokenizer than the policy. This wrapper turns each sample into ``prompt + response`` token ids and vision
+inputs with the model's processor, then scores through :class:`LocalRewardModel` (same batching and device moves).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrlhf.rewards.local_model import LocalRewardModel
+from mmrlhf.rewards.types import RewardBatch, RewardInputError, SourceScores
+
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""Per-image / per-video processor outputs; per-token ones (``mm_token_type_ids``) are rebuilt by the model."""
+
+
+class TextRewardModel:
+    """``score(batch)`` for batches carrying text and images only (what ``serve-reward`` gets)."""
+
+    def __init__(self, model: LocalRewardModel, processor: Any, *, name: str = "reward_model") -> None:
+        self.model = model
+        self.processor = processor
+        self.name = name
+
+    def tokenize(self, batch: RewardBatch) -> RewardBatch:
+        """A copy of ``batch`` with right-padded ``sequences`` / ``attention_mask`` and per-sample ``vision``."""
+        rows, vision = [], []
+        for i in range(len(batch)):
+            images = (batch.images or [[]] * len(batch))[i] or None
+            try:
+                enc = self.processor(
+                    text=[batch.prompts[i] + batch.responses[i]], images=images, return_tensors="pt"
+                )
+            except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
+                raise RewardInputError(f"{batch.describe(i)}: the reward model's processor failed: {exc}") from exc
+            rows.append(enc["input_ids"][0])
+            vision.append({k: v for k, v in enc.items() if k in VISION_KEYS})
+        width = max(len(r) for r in rows)
+        pad_id = getattr(getattr(self.processor, "tokenizer", self.processor), "pad_token_id", None) or 0
+        sequences = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            sequences[i, : len(row)] = row
+            mask[i, : len(row)] = 1
+        return RewardBatch(
+            responses=batch.responses,
+            prompts=batch.prompts,
+            labels=batch.labels,
+            references=batch.references,
+            extra=batch.extra,
+            sequences=sequences,
+            attention_mask=mask,
+            vision=vision,
+            images=batch.images,
+            index=batch.index,
+        )
+
+    async def score(self, batch: RewardBatch) -> SourceScores:
+        if len(batch) == 0:
+            return SourceScores.empty(0)
+        return await self.model.score(self.tokenize(batch))
+
+
+def load_text_reward_model(kind: str, path: str, *, dtype: str = "float32", device: str = "auto", **options: Any):
+    """Build the ``kind`` reward model from ``path`` and the processor saved there, ready to score text."""
+    from transformers import AutoProcessor
+
+    from mmrlhf.rewards.local_model import build_reward_model
+
+    module = build_reward_model(kind, path=path, dtype=dtype, **options)
+    processor = AutoProcessor.from_pretrained(path)
+    return TextRewardModel(LocalRewardModel(module, name=kind, device=device), processor, name=kind)
