@@ -1,0 +1,117 @@
+"""Prompt shapes: count vision slots, turn placeholder text into chat messages, render the text to tokenise.
+
+A prompt is plain text with one ``<image>`` / ``<video>`` placeholder per item, or chat messages whose content
+parts say where each image / video goes. Both become chat messages whose parts keep the placeholders' order, so
+image k of a record is the k-th image part: the processor then lines up images and pad tokens in that order.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+from mmrlhf.data.types import Prompt
+
+
+def part_kind(part: Any) -> Optional[str]:
+    """``"image"`` / ``"video"`` / ``"text"`` for a content part (``{"type": ..}`` or a bare ``{"image": ..}``)."""
+    if not isinstance(part, dict):
+        return None
+    kind = part.get("type")
+    if kind in ("image", "image_url"):
+        return "image"
+    if kind == "video":
+        return "video"
+    if kind == "text":
+        return "text"
+    if "image" in part or "image_url" in part:
+        return "image"
+    if "video" in part:
+        return "video"
+    return "text" if "text" in part else None
+
+
+def iter_parts(messages: list):
+    """Content parts of every message, in order (string contents yield one text part)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            yield {"type": "text", "text": content}
+        elif isinstance(content, list):
+            yield from content
+
+
+def count_slots(prompt: Prompt, image_placeholder: str, video_placeholder: str) -> tuple[int, int]:
+    """(images, videos) the prompt has places for."""
+    if isinstance(prompt, str):
+        return prompt.count(image_placeholder), prompt.count(video_placeholder)
+    kinds = [part_kind(p) for p in iter_parts(prompt)]
+    return kinds.count("image"), kinds.count("video")
+
+
+class PromptRenderer:
+    """Renders prompts to the exact text that is tokenised (chat template applied, or not, by configuration)."""
+
+    def __init__(self, template_owner: Any, *, apply_chat_template: bool = True, image_placeholder: str = "<image>",
+                 video_placeholder: str = "<video>", system_prompt: Optional[str] = None,
+                 image_sequence: str = "", video_sequence: str = "") -> None:
+        # ``template_owner``: the processor (or tokenizer) whose ``apply_chat_template`` renders messages.
+        self.owner = template_owner
+        self.apply_chat_template = apply_chat_template
+        self.image_placeholder = image_placeholder
+        self.video_placeholder = video_placeholder
+        self.system_prompt = system_prompt
+        # Without a chat template, placeholders become the model's own vision sequence
+        # (``<|vision_start|><|image_pad|><|vision_end|>``), which the processor then expands.
+        self.image_sequence = image_sequence
+        self.video_sequence = video_sequence
+        self._split = re.compile(f"({re.escape(image_placeholder)}|{re.escape(video_placeholder)})")
+
+    def to_messages(self, prompt: Prompt) -> list:
+        """Chat messages for ``prompt``; plain text becomes one user turn (after the system prompt, if any)."""
+        if not isinstance(prompt, str):
+            return [_clean_message(m) for m in prompt]
+        if self.image_placeholder in prompt or self.video_placeholder in prompt:
+            parts = []
+            for piece in self._split.split(prompt):
+                if piece == self.image_placeholder:
+                    parts.append({"type": "image"})
+                elif piece == self.video_placeholder:
+                    parts.append({"type": "video"})
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
+            content: Any = parts
+        else:
+            content = prompt
+        messages = [{"role": "user", "content": content}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def render(self, prompt: Prompt) -> str:
+        if self.apply_chat_template:
+            return self.owner.apply_chat_template(self.to_messages(prompt), tokenize=False,
+                                                  add_generation_prompt=True)
+        if not isinstance(prompt, str):
+            raise ValueError("chat-message prompts need data.apply_chat_template=true")
+        return (prompt.replace(self.image_placeholder, self.image_sequence)
+                .replace(self.video_placeholder, self.video_sequence))
+
+
+def _clean_message(message: dict) -> dict:
+    """A message whose parts are bare ``{"type": ..}`` markers (and text).
+
+    Why: chat templates test ``'image' in part``, and Parquet / ``datasets`` store every part with every key (a text
+    part gets ``"image": None``), which would render a phantom image; item payloads (paths, PIL images) have no
+    business in the template either."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        kind = part_kind(part)
+        if kind in ("image", "video"):
+            parts.append({"type": kind})
+        elif kind == "text":
+            parts.append({"type": "text", "text": part.get("text") or ""})
+    return {**message, "content": parts}

@@ -1,0 +1,100 @@
+"""One dataset row -> :class:`PromptRecord`: column mapping, item lists, and the per-record placeholder check.
+
+Why check placeholders here: a prompt with two ``<image>`` markers and three images is a data bug. Caught at load
+time, the message names the row; caught by the HF processor it is an anonymous shape error, and not caught at all
+the model reads the wrong image for a question.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from mmrlhf.data.errors import DataError
+from mmrlhf.data.prompts import count_slots, iter_parts, part_kind
+from mmrlhf.data.types import PromptRecord
+
+
+def as_image_list(value: Any) -> list:
+    """Images of a row: None -> [], one item -> [item], a list -> the list (each element one image)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def as_video_list(value: Any) -> list:
+    """Videos of a row. A bare path or ``{"video": ..}`` dict is one video; a list is a list of videos, so a video
+    given as frames is a list inside the list (``[[frame0, frame1, ...]]``)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and value != value)  # NaN from pandas-written files
+
+
+def items_from_parts(prompt: list, kind: str) -> list:
+    """Image / video items embedded in chat content parts (``{"type": "image", "image": "a.png"}``)."""
+    out = []
+    for part in iter_parts(prompt):
+        if part_kind(part) == kind:
+            value = part.get(kind) if kind in part else part.get("image_url")
+            if isinstance(value, dict) and "url" in value:
+                value = value["url"]
+            if value is not None:
+                out.append(value)
+    return out
+
+
+def record_from_row(row: dict, index: int, columns: Any, *, base_dir: Optional[str] = None,
+                    source: Optional[str] = None) -> PromptRecord:
+    """Build and validate a record. ``columns``: a ``DataConfig`` (its ``*_key`` and placeholder fields)."""
+    record_id = row.get(columns.id_key)
+    record_id = None if _is_missing(record_id) else record_id
+
+    def fail(message: str, field: str, reason: str = "bad_record") -> DataError:
+        return DataError(message, reason=reason, index=index, record_id=record_id, field=field, file=source)
+
+    prompt = row.get(columns.prompt_key)
+    if _is_missing(prompt):
+        present = ", ".join(sorted(map(str, row))) or "none"
+        raise fail(f"no prompt (columns present: {present}); set data.prompt_key", columns.prompt_key)
+    if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not all(isinstance(m, dict)
+                                                                                  for m in prompt)):
+        raise fail(f"prompt must be text or a list of chat messages, got {type(prompt).__name__}", columns.prompt_key)
+
+    images = as_image_list(None if _is_missing(row.get(columns.image_key)) else row.get(columns.image_key))
+    videos = as_video_list(None if _is_missing(row.get(columns.video_key)) else row.get(columns.video_key))
+    if isinstance(prompt, list):
+        if not images:
+            images = items_from_parts(prompt, "image")
+        if not videos:
+            videos = items_from_parts(prompt, "video")
+    check_slots(prompt, len(images), len(videos), columns.image_placeholder, columns.video_placeholder,
+                index=index, record_id=record_id, file=source, field=columns.prompt_key)
+
+    label = row.get(columns.label_key)
+    reference = row.get(columns.reference_key)
+    return PromptRecord(index=index, prompt=prompt, images=images, videos=videos,
+                        label=None if _is_missing(label) else label,
+                        reference=None if _is_missing(reference) else reference,
+                        record_id=record_id, base_dir=base_dir, source=source)
+
+
+def check_slots(prompt: Any, n_images: int, n_videos: int, image_placeholder: str, video_placeholder: str, *,
+                index: Optional[int], record_id: Any = None, file: Optional[str] = None,
+                field: str = "prompt") -> None:
+    """Raise unless the prompt has exactly one place per image and per video."""
+    slots_img, slots_vid = count_slots(prompt, image_placeholder, video_placeholder)
+    problems = []
+    if slots_img != n_images:
+        problems.append(f"{slots_img} image place(s) ({image_placeholder!r} or image parts) for {n_images} image(s)")
+    if slots_vid != n_videos:
+        problems.append(f"{slots_vid} video place(s) ({video_placeholder!r} or video parts) for {n_videos} video(s)")
+    if problems:
+        raise DataError("; ".join(problems) + ": put one placeholder where each item goes",
+                        reason="placeholder_mismatch", index=index, record_id=record_id, field=field, file=file)
