@@ -18,6 +18,8 @@ All of it is linear in the number of prompts, items and tokens (no list membersh
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -26,7 +28,7 @@ import torch
 from mmrlhf.data.errors import DataError, SkipLog
 from mmrlhf.data.prompts import PromptRenderer
 from mmrlhf.data.records import as_image_list, as_video_list, check_slots, items_from_parts
-from mmrlhf.data.truncation import truncate_text_left
+from mmrlhf.data.truncation import structure_mask, truncate_text_left
 from mmrlhf.data.types import IMAGE_KEYS, VIDEO_KEYS, LoadedVideo, MultimodalBatch, PromptRecord, VisionInputs
 from mmrlhf.data.vision import VisionLoader, VisionSettings
 
@@ -88,6 +90,11 @@ class MultimodalDataProcessor:
         # Tokens that belong to a vision block; left truncation never removes them.
         self._vision_ids = frozenset((adapter.image_token_id, adapter.video_token_id,
                                       adapter.vision_start_token_id, adapter.vision_end_token_id))
+        # ... nor the chat structure (special tokens, role headers): see ``structure_mask``.
+        self._special_ids = frozenset(self.tokenizer.all_special_ids) | frozenset(
+            self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.get_added_vocab()
+            if t.startswith("<|") and t.endswith("|>"))
+        self._is_newline = functools.lru_cache(maxsize=None)(lambda t: "\n" in self.tokenizer.decode([t]))
 
     @classmethod
     def from_config(cls, processor: Any, adapter: Any, data_config: Any, **kwargs: Any) -> "MultimodalDataProcessor":
@@ -331,11 +338,14 @@ class MultimodalDataProcessor:
                 raise err
             skips.record(err)  # prompt_overflow="skip" skips whatever on_bad_input says
             return "skipped"
-        fitted = truncate_text_left(p.ids, p.mm_types, self.prompt_max_len, self._vision_ids)
+        protected = structure_mask(p.ids, special_ids=self._special_ids, is_newline=self._is_newline,
+                                   vision_start=self.adapter.vision_start_token_id,
+                                   vision_end=self.adapter.vision_end_token_id)
+        fitted = truncate_text_left(p.ids, p.mm_types, self.prompt_max_len, self._vision_ids, protected)
         if fitted is None:
-            n_vision = sum(t in self._vision_ids for t in p.ids)
-            raise DataError(f"prompt has {len(p.ids)} tokens, {n_vision} of them vision tokens; it cannot fit "
-                            f"prompt_max_len={self.prompt_max_len} without cutting a vision block",
+            n_kept = sum(t in self._vision_ids or k for t, k in zip(p.ids, protected))
+            raise DataError(f"prompt has {len(p.ids)} tokens, {n_kept} of them vision or chat-structure tokens; it "
+                            f"cannot fit prompt_max_len={self.prompt_max_len} without cutting a vision block",
                             reason="prompt_too_long", **where)
         p.ids, p.mm_types = fitted
         return "truncated"

@@ -8,17 +8,48 @@ dropping the earliest text tokens keeps ids and grids consistent and keeps the n
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
+
+
+def structure_mask(ids: Sequence[int], *, special_ids: frozenset[int], vision_start: int, vision_end: int,
+                   is_newline: Callable[[int], bool]) -> list[bool]:
+    """Tokens that hold the prompt's structure and must survive truncation (linear in ``len(ids)``):
+
+    - special tokens (turn markers, vision markers and pads);
+    - everything inside a vision block, nesting included (Qwen3-VL writes frame timestamps as text there);
+    - the role header after a non-vision special token, up to its first newline (``<|im_start|>user\n``), so a
+      truncated prompt still starts a proper turn and still ends with the generation prompt.
+    """
+    out = [False] * len(ids)
+    depth = 0
+    header = False
+    for i, tok in enumerate(ids):
+        if tok == vision_start:
+            depth += 1
+        if tok in special_ids:
+            out[i] = True
+            header = tok not in (vision_start, vision_end) and depth == 0
+        elif depth > 0 or header:
+            out[i] = True
+            if header and is_newline(tok):
+                header = False
+        if tok == vision_end and depth > 0:
+            depth -= 1
+    return out
 
 
 def truncate_text_left(ids: list[int], mm_types: list[int], max_len: int,
-                       vision_ids: frozenset[int]) -> Optional[tuple[list[int], list[int]]]:
-    """``(ids, mm_types)`` shortened to ``max_len`` by dropping the earliest non-vision tokens, or None when the
-    vision tokens alone exceed ``max_len``. Inputs are left unchanged; linear in ``len(ids)``."""
+                       vision_ids: frozenset[int],
+                       protected: Optional[Sequence[bool]] = None) -> Optional[tuple[list[int], list[int]]]:
+    """``(ids, mm_types)`` shortened to ``max_len`` by dropping the earliest tokens that are neither vision tokens
+    nor ``protected`` (see :func:`structure_mask`), or None when the kept tokens alone exceed ``max_len``.
+    Inputs are left unchanged; linear in ``len(ids)``."""
     excess = len(ids) - max_len
     if excess <= 0:
         return ids, mm_types
     keep = [t in vision_ids for t in ids]  # vision tokens always stay
+    if protected is not None:
+        keep = [k or bool(p) for k, p in zip(keep, protected)]
     dropped = 0
     for k, is_vision in enumerate(keep):
         if not is_vision:

@@ -211,9 +211,11 @@ def test_truncate_left_keeps_vision_tokens(make_processor, adapter, hf_processor
 
 
 def test_truncate_left_text_only(make_processor):
-    full = make_processor().process_multimodal_batch(["one two three four five six"]).all_prompt_token_ids[0]
+    proc = make_processor()
+    full = proc.process_multimodal_batch(["one two three four five six"]).all_prompt_token_ids[0]
     out = make_processor(prompt_max_len=len(full) - 3).process_multimodal_batch(["one two three four five six"])
-    assert out.all_prompt_token_ids[0] == full[3:]
+    head = len(proc.tokenizer.encode("<|im_start|>user\n"))  # the turn header survives; the oldest text goes
+    assert out.all_prompt_token_ids[0] == full[:head] + full[head + 3:]
 
 
 def test_too_long_error_and_skip(make_processor):
@@ -302,3 +304,38 @@ def test_truncate_text_left_properties(tokens, max_len):
     kept_text = [t for t in ids if t not in vision]
     assert kept_text == text[len(text) - len(kept_text):]
     assert kept_types == [1 if t in vision else 0 for t in ids]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_left_truncation_keeps_chat_structure_and_vision_blocks(family):
+    """Truncation drops the oldest user text only: the turn header, the generation prompt and every token of a
+    vision block (Qwen3-VL video timestamps included) survive."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from mmrlhf.config.data import DataConfig
+    from mmrlhf.data.processor import MultimodalDataProcessor
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir(family)
+    processor, adapter = AutoProcessor.from_pretrained(path), get_adapter(path)
+    frames = [Image.new("RGB", (64, 64), (30 * t, 0, 0)) for t in range(4)]
+    prompt = "<video>" + " ".join(["red green blue"] * 20) + " What happens?"
+    full = MultimodalDataProcessor(processor, 4096, adapter).process_multimodal_batch([prompt], None, None,
+                                                                                     all_videos=[[frames]])
+    ids = full.all_prompt_token_ids[0]
+    limit = len(ids) - 30
+    cut = MultimodalDataProcessor(processor, limit, adapter,
+                                  data_config=DataConfig(prompt_max_len=limit, prompt_overflow="truncate_left"))
+    out = cut.process_multimodal_batch([prompt], None, None, all_videos=[[frames]])
+    short = out.all_prompt_token_ids[0]
+    assert out.truncated == 1 and len(short) == limit
+    tok = processor.tokenizer
+    head = tok.encode("<|im_start|>user\n")
+    tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n")
+    assert short[: len(head)] == head and short[-len(tail):] == tail
+    start, end = adapter.vision_start_token_id, adapter.vision_end_token_id
+    block = ids[ids.index(start): len(ids) - ids[::-1].index(end)]  # outermost vision block, text inside included
+    assert block == short[short.index(start): len(short) - short[::-1].index(end)]
+    assert tok.decode(short).endswith("What happens?<|im_end|>\n<|im_start|>assistant\n")
