@@ -44,3 +44,13 @@ def test_vllm_video_metadata_only_where_needed():
     assert wrapped is frames
     assert meta["total_num_frames"] == 6 and meta["duration"] == 3.0 and meta["frames_indices"] == list(range(6))
     assert get_adapter(_config("qwen2_vl", 2)).vision_special_token_ids() == [11, 12, 13, 14]
+
+
+def test_engine_prompt_ids_collapse_pad_runs():
+    adapter = get_adapter(_config("qwen2_vl", 2))
+    ids = [1, 13, 11, 11, 11, 14, 13, 11, 11, 14, 13, 12, 12, 12, 14, 2]
+    assert adapter.engine_prompt_ids(ids) == [1, 13, 11, 14, 13, 11, 14, 13, 12, 14, 2]
+    assert adapter.engine_prompt_ids([5, 6]) == [5, 6]
+    qwen3 = get_adapter(_config("qwen3_vl", 2))
+    assert qwen3.engine_prompt_ids(ids) is None  # video expansion carries timestamps: send text instead
+    assert qwen3.engine_prompt_ids([13, 11, 11, 14]) == [13, 11, 14]

@@ -196,6 +196,7 @@ class ExperienceVL(Experience):
     image_num: list[int] = field(default_factory=list)  # B
     video_num: list[int] = field(default_factory=list)  # B
     raw_images: list[list[Any]] | None = None  # B lists of PIL images (reports only; not moved to devices)
+    vision_extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-video extras, e.g. second_per_grid_ts
 
     def vision_inputs(self, index: int) -> dict[str, torch.Tensor]:
         """One sample's vision tensors (see :meth:`SamplesVL.vision_inputs`)."""

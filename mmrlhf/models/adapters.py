@@ -61,6 +61,19 @@ class FamilyAdapter:
         grid = torch.as_tensor(grid_thw, dtype=torch.long).reshape(-1, 3)
         return grid.prod(dim=-1) // self.merge_factor
 
+    def engine_prompt_ids(self, ids: Sequence[int]) -> list[int] | None:
+        """The processor's prompt ids (vision pads expanded) in the form vLLM expands itself: one pad token per
+        image / video. Sending ids instead of text lets the engine see exactly the processor's (possibly
+        left-truncated) prompt. None where the family's expansion is not a plain run of pads (the caller then
+        sends the prompt text)."""
+        pads = (self.image_token_id, self.video_token_id)
+        out: list[int] = []
+        for tok in ids:
+            if tok in pads and out and out[-1] == tok:
+                continue
+            out.append(int(tok))
+        return out
+
     def vision_special_token_ids(self) -> list[int]:
         """Tokens a response must never contain: sampling one breaks the next forward (feature/token mismatch)."""
         return [self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id]
@@ -86,6 +99,40 @@ class FamilyAdapter:
         meta = self.video_metadata(len(frames), fps, frame_indices)
         meta.update(video_backend="decord", do_sample_frames=False)
         return frames, meta
+
+    # ---- M-RoPE position ids (delegated to the model's own rule) --------------------------------------------
+    # Per-video processor outputs that the family's ``get_rope_index`` reads besides the grids (one value per video).
+    rope_video_keys: ClassVar[tuple[str, ...]] = ()
+
+    def rope_index(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        image_grid_thw: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **rope_extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """3-D (t, h, w) position ids [3, B, S] of ``input_ids`` [B, S], computed by the HF model's ``get_rope_index``.
+
+        Why delegate: each family places vision tokens differently (Qwen2.5-VL scales video time by
+        ``second_per_grid_ts``, Qwen3-VL splits videos into per-frame grids); re-implementing that here would drift
+        from the model. ``model`` is the ``...ForConditionalGeneration`` or its base model; grids are the vision
+        items of the rows in order; ``attention_mask`` [B, S] (0 = padding, positions 0 there) may be None;
+        ``rope_extra`` holds the per-video keys of :attr:`rope_video_keys` (others are ignored).
+        """
+        base = model if hasattr(model, "get_rope_index") else model.base_model
+        extra = {k: v for k, v in rope_extra.items() if k in self.rope_video_keys and v is not None}
+        position_ids, _ = base.get_rope_index(
+            input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw,
+            attention_mask=attention_mask,
+            **extra,
+        )
+        return position_ids  # [3, B, S]
 
     def processor_video_kwargs(self, videos: Sequence[Any], fps: float) -> dict[str, Any]:
         """Extra keyword arguments for the HF processor call that carries ``videos`` (already-sampled frames)."""
@@ -114,6 +161,7 @@ class Qwen25VLAdapter(FamilyAdapter):
     family = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
     vllm_video_needs_metadata = True
+    rope_video_keys = ("second_per_grid_ts",)  # seconds per temporal patch: scales video time positions
 
 
 @ADAPTERS.register("qwen3_vl")
@@ -123,6 +171,12 @@ class Qwen3VLAdapter(FamilyAdapter):
     model_types = ("qwen3_vl",)
     vllm_video_needs_metadata = True
     processor_needs_video_metadata = True
+
+    def engine_prompt_ids(self, ids: Sequence[int]) -> list[int] | None:
+        # Video expansion interleaves frame-timestamp text with the pads: not a plain run to collapse.
+        if self.video_token_id in ids:
+            return None
+        return super().engine_prompt_ids(ids)
 
 
 def family_of(config: Any) -> str:

@@ -21,9 +21,13 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     images: list[Any] = field(default_factory=list)  # PIL images, in placeholder order
     videos: list[Any] = field(default_factory=list)  # [T, H, W, 3] uint8 frame arrays
-    video_fps: float = 2.0
+    video_fps: float | list[float] = 2.0  # one value for all videos, or one per video
     vision_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # processor tensors of this prompt
     mm_token_type_ids: list[int] | None = None  # per prompt token: 0 text, 1 image pad, 2 video pad
+
+
+    def fps_of(self, i: int) -> float:
+        return float(self.video_fps[i] if isinstance(self.video_fps, (list, tuple)) else self.video_fps)
 
 
 @dataclass(frozen=True)

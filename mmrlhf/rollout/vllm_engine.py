@@ -101,9 +101,13 @@ class VLLMEngine(RolloutEngine):
         if req.images:
             mm["image"] = list(req.images) if len(req.images) > 1 else req.images[0]
         if req.videos:
-            vids = [self.adapter.vllm_video(v, fps=req.video_fps) for v in req.videos]
+            vids = [self.adapter.vllm_video(v, fps=req.fps_of(i)) for i, v in enumerate(req.videos)]
             mm["video"] = vids if len(vids) > 1 else vids[0]
-        return {"prompt": req.prompt, "multi_modal_data": mm} if mm else {"prompt": req.prompt}
+        ids = None if req.prompt_token_ids is None else self.adapter.engine_prompt_ids(req.prompt_token_ids)
+        prompt: dict[str, Any] = {"prompt_token_ids": ids} if ids is not None else {"prompt": req.prompt}
+        if mm:
+            prompt["multi_modal_data"] = mm
+        return prompt
 
     def generate(self, requests: list[GenerationRequest], settings: SamplingSettings) -> GenerationResult:
         if self._asleep:

@@ -1,0 +1,80 @@
+"""Config tree -> a ready ``FastExperienceMaker`` (or ``NaiveExperienceMaker``).
+
+This is trainer-level wiring: the one function below the CLI that reads several sections. Everything it builds
+receives plain arguments or its own section only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmrlhf.algorithms.kl import kl_controller
+from mmrlhf.config.schema import MMRLHFConfig
+from mmrlhf.experience.settings import experience_settings
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ExperienceStack:
+    """What the builder made (the trainer keeps references to the models and the engine)."""
+
+    maker: Any
+    actor: Any
+    reference: Any
+    critic: Any
+    engine: Any
+    tokenizer: Any
+    processor: Any
+
+
+def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None
+                           ) -> ExperienceStack:
+    """Build actor, reference (if KL is used), engine, data processor, reward engine and the maker."""
+    from transformers import AutoProcessor
+
+    from mmrlhf.data.processor import MultimodalDataProcessor
+    from mmrlhf.experience.fast_maker import FastExperienceMaker
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.rewards.engine import RewardComputationEngine
+    from mmrlhf.rollout.builder import build_engine, sampling_settings
+
+    model_cfg = config.model
+    if not model_cfg.pretrain:
+        raise ValueError("model.pretrain is empty: set it to a model directory")
+    dtype = _DTYPES[model_cfg.dtype]
+    target = torch.device(device) if device is not None else _auto_device(config.trainer.device)
+    load = dict(dtype=dtype, attn_implementation=model_cfg.attn_implementation,
+                trust_remote_code=model_cfg.trust_remote_code)
+    actor = ActorVL.from_pretrained(model_cfg.pretrain, **load).to(target)
+    adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
+    settings = experience_settings(config.algorithm, config.rollout, config.trainer)
+    reference = None
+    if settings.need_reference:
+        reference = ActorVL.from_pretrained(model_cfg.reference or model_cfg.pretrain, **load).to(target).eval()
+        reference.requires_grad_(False)
+    processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
+    tokenizer = processor.tokenizer
+    engine = build_engine(config.rollout, model_cfg.pretrain, dtype=model_cfg.dtype, family=model_cfg.family,
+                          hf_model=actor.model, tokenizer=tokenizer)
+    data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)
+    rewards = RewardComputationEngine.from_config(config.reward)
+    algo = config.algorithm
+    controller = kl_controller(algo.kl_controller, algo.kl_reward_coef, target=algo.kl_target,
+                               horizon=algo.kl_horizon) if settings.kl_in_reward else None
+    maker = FastExperienceMaker(actor, engine, data_processor, rewards, tokenizer, settings,
+                                sampling_settings(config.rollout), initial_model=reference, critic=critic,
+                                kl_controller=controller)
+    return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+
+
+def _auto_device(name: str) -> torch.device:
+    if name != "auto":
+        return torch.device(name)
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator()
+    return torch.device("cpu")

@@ -1,0 +1,200 @@
+"""Builders from per-sample pieces (prompt ids, response ids, vision tensors) to the two batch layouts of
+:class:`~mmrlhf.experience.types.SamplesVL`.
+
+Both builders take the same inputs and encode the same samples, so the padded and the packed forward of one batch
+must give the same log-probs (the model tests check exactly that). Pure functions: no model, no device.
+
+Stop handling: a response keeps its tokens up to and including its first stop token; anything after it carries no
+learning signal (an engine that ignored EOS, or padding a generator wrote) and is dropped, so it is neither scored
+nor attended to. A response with no stop token ran into the length limit: it is marked ``truncated`` so rewards and
+losses can treat it (e.g. overlong shaping) without re-deriving it from the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, NamedTuple, Sequence
+
+import torch
+
+from mmrlhf.experience.types import SamplesVL
+from mmrlhf.models.adapters import FamilyAdapter
+
+# Processor keys of one sample's vision dict -> SamplesVL field names (items concatenated in sample order).
+_VISION_FIELDS = {
+    "pixel_values": "pixel_values",
+    "image_grid_thw": "image_grid_thws",
+    "pixel_values_videos": "pixel_values_videos",
+    "video_grid_thw": "video_grid_thws",
+}
+# Keys a processor returns that are not model inputs of the vision tower.
+_NON_VISION_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids"}
+
+# Values of ``mm_token_type_ids`` as transformers' ``ProcessorMixin.create_mm_token_type_ids`` defines them.
+TEXT_TYPE, IMAGE_TYPE, VIDEO_TYPE = 0, 1, 2
+
+
+class BuiltSamples(NamedTuple):
+    """A built batch: the samples, which responses hit the length limit, and extra per-video vision inputs."""
+
+    samples: SamplesVL
+    truncated: torch.Tensor  # [B] bool: the response has no stop token (cut by the length limit)
+    vision_extra: dict[str, torch.Tensor]  # e.g. {"second_per_grid_ts": [total videos]}; SamplesVL has no field
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, adapter: FamilyAdapter) -> torch.Tensor:
+    """Modality of every token (same shape as ``input_ids``): image pad 1, video pad 2, anything else 0.
+
+    Rebuilt from the ids rather than carried from the processor because responses (and padding) are appended
+    after processing; the values match what the HF processor returns for the prompt part.
+    """
+    types = torch.zeros_like(input_ids, dtype=torch.long)  # [..., S]
+    types[input_ids == adapter.image_token_id] = IMAGE_TYPE
+    types[input_ids == adapter.video_token_id] = VIDEO_TYPE
+    return types
+
+
+def cut_at_stop(response: Sequence[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:
+    """(response through its first stop token, truncated = no stop token found)."""
+    stops = set(stop_ids)
+    for j, tok in enumerate(response):
+        if tok in stops:
+            return list(response[: j + 1]), False
+    return list(response), True
+
+
+def _stop_set(eos_id: int | Iterable[int]) -> set[int]:
+    return {int(eos_id)} if isinstance(eos_id, int) else {int(x) for x in eos_id}
+
+
+def _concat_vision(
+    vision: Sequence[dict[str, Any]] | None, batch: int, adapter: FamilyAdapter, prompts: list[list[int]]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Concatenate per-sample vision dicts in sample order; check pad-token counts against the grids."""
+    vision = list(vision) if vision is not None else [{} for _ in range(batch)]
+    if len(vision) != batch:
+        raise ValueError(f"{len(vision)} vision dicts for {batch} samples")
+    parts: dict[str, list[torch.Tensor]] = {}
+    image_num, video_num = [], []
+    for i, v in enumerate(vision):
+        v = {k: x for k, x in v.items() if k not in _NON_VISION_KEYS and x is not None}
+        img_grid = v.get("image_grid_thw")
+        vid_grid = v.get("video_grid_thw")
+        image_num.append(0 if img_grid is None else int(img_grid.shape[0]))
+        video_num.append(0 if vid_grid is None else int(vid_grid.shape[0]))
+        ids = torch.as_tensor(prompts[i])
+        for grid, token, name in ((img_grid, adapter.image_token_id, "image"),
+                                  (vid_grid, adapter.video_token_id, "video")):
+            expected = 0 if grid is None else int(adapter.tokens_per_grid(grid).sum())
+            found = int((ids == token).sum())
+            if expected != found:
+                raise ValueError(f"sample {i}: prompt has {found} {name} pad tokens, its grids need {expected}")
+        for key, value in v.items():
+            parts.setdefault(key, []).append(torch.as_tensor(value))
+    fields: dict[str, Any] = {"image_num": image_num, "video_num": video_num}
+    extra: dict[str, torch.Tensor] = {}
+    for key, values in parts.items():
+        joined = torch.cat(values, dim=0)  # items (or patch rows) of all samples, in sample order
+        if key in _VISION_FIELDS:
+            fields[_VISION_FIELDS[key]] = joined
+        else:
+            # Unknown keys are per-video values (the only kind Qwen-VL processors add, e.g. second_per_grid_ts).
+            if joined.shape[0] != sum(video_num):
+                raise ValueError(f"{key!r}: {joined.shape[0]} values for {sum(video_num)} videos")
+            extra[key] = joined
+    return fields, extra
+
+
+def _prepare(prompt_ids, response_ids, eos_id):
+    if len(prompt_ids) != len(response_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts for {len(response_ids)} responses")
+    stops = _stop_set(eos_id)
+    cut = [cut_at_stop(r, stops) for r in response_ids]
+    responses = [c[0] for c in cut]
+    truncated = torch.tensor([c[1] for c in cut], dtype=torch.bool)  # [B]
+    prompts = [list(p) for p in prompt_ids]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: every sample needs at least one prompt token to score its response")
+    return prompts, responses, truncated
+
+
+def build_padded_samples(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    eos_id: int | Iterable[int],
+    adapter: FamilyAdapter,
+    vision: Sequence[dict[str, Any]] | None = None,
+    **meta: Any,
+) -> BuiltSamples:
+    """Batched layout: left-padded prompts + right-padded responses, ``sequences`` [B, P + A].
+
+    ``eos_id``: one stop token id or several. ``meta``: extra SamplesVL fields passed through (prompts, labels,
+    references, raw_images).
+    """
+    prompts, responses, truncated = _prepare(prompt_ids, response_ids, eos_id)
+    batch = len(prompts)
+    p_max = max(len(p) for p in prompts)
+    a_max = max(len(r) for r in responses)
+    sequences = torch.full((batch, p_max + a_max), pad_id, dtype=torch.long)  # [B, S]
+    attention_mask = torch.zeros((batch, p_max + a_max), dtype=torch.long)  # [B, S] 1 real token, 0 padding
+    action_mask = torch.zeros((batch, a_max), dtype=torch.bool)  # [B, A]
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        sequences[i, p_max - len(p) : p_max] = torch.tensor(p, dtype=torch.long)
+        sequences[i, p_max : p_max + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention_mask[i, p_max - len(p) : p_max + len(r)] = 1
+        action_mask[i, : len(r)] = True
+    types = mm_token_type_ids(sequences, adapter) * attention_mask  # [B, S]; pad tokens are text
+    fields, extra = _concat_vision(vision, batch, adapter, prompts)
+    samples = SamplesVL(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=action_mask,
+        num_actions=a_max,
+        packed_seq_lens=None,
+        response_length=torch.tensor([len(r) for r in responses], dtype=torch.long),  # [B]
+        total_length=torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)], dtype=torch.long),
+        mm_token_type_ids=types,
+        **fields,
+        **meta,
+    )
+    return BuiltSamples(samples, truncated, extra)
+
+
+def build_packed_samples(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    *,
+    pad_id: int,
+    eos_id: int | Iterable[int],
+    adapter: FamilyAdapter,
+    vision: Sequence[dict[str, Any]] | None = None,
+    **meta: Any,
+) -> BuiltSamples:
+    """Packed layout: every sample's prompt + response back to back, ``sequences`` [1, T], no padding.
+
+    ``attention_mask`` [1, T] holds the 1-based sample index of each token. ``pad_id`` is unused (kept so both
+    builders take the same arguments).
+    """
+    del pad_id
+    prompts, responses, truncated = _prepare(prompt_ids, response_ids, eos_id)
+    batch = len(prompts)
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    sequences = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long)[None]  # [1, T]
+    lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [B]
+    attention_mask = torch.repeat_interleave(torch.arange(1, batch + 1), lens)[None]  # [1, T]
+    fields, extra = _concat_vision(vision, batch, adapter, prompts)
+    response_length = torch.tensor([len(r) for r in responses], dtype=torch.long)  # [B]
+    samples = SamplesVL(
+        sequences=sequences,
+        attention_mask=attention_mask,
+        action_mask=None,
+        num_actions=response_length.clone(),
+        packed_seq_lens=lens,
+        response_length=response_length,
+        total_length=lens.clone(),
+        mm_token_type_ids=mm_token_type_ids(sequences, adapter),  # [1, T]
+        **fields,
+        **meta,
+    )
+    return BuiltSamples(samples, truncated, extra)

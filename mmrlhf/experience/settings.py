@@ -1,0 +1,68 @@
+"""Plain settings of the experience maker, and the one function that derives them from the config tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class ExperienceSettings:
+    """What the experience maker needs to know, as plain values (the maker never sees the config tree)."""
+
+    n_samples_per_prompt: int = 8
+    micro_batch_size: int = 8  # samples per actor / reference / critic forward (bounds memory)
+    packing: bool = False  # packed layout (no padding) for the forwards
+    advantage_estimator: str = "grpo"  # registry name or "module:function"
+    advantage_params: Mapping[str, Any] = field(default_factory=dict)  # estimator keyword arguments
+    kl_estimator: str = "k1"  # KL folded into the reward
+    kl_in_reward: bool = False  # fold -coef * KL into the token rewards (coef from the controller)
+    need_reference: bool = False  # compute reference log-probs (KL in the reward, or a KL loss later)
+    compute_entropy: bool = False  # per-token entropy (high-entropy filtering, logging)
+    temperature: float = 1.0  # divides the logits when scoring; match the sampler for on-policy ratios
+    overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)
+    overlong_penalty_factor: float = 1.0
+    max_new_tokens: int = 1024  # response budget (the overlong penalty's reference length)
+    reward_normalization: bool = False  # running mean/std normalisation of sequence rewards (state in the maker)
+    reward_clip: float | None = None
+    advantage_whitening: bool = False  # whiten advantages over the rollout's response tokens
+    advantage_clip: float | None = None
+    check_prompt_ids: bool = True  # the engine's prompt ids must equal the processor's (vision layout check)
+
+
+def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> ExperienceSettings:
+    """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections."""
+    params: dict[str, Any] = {}
+    name = algorithm.advantage_estimator
+    if name == "gae":
+        params.update(gamma=algorithm.gamma, lam=algorithm.lam)
+    elif name in ("grpo", "group_norm"):
+        params.update(eps=algorithm.advantage_eps, norm_by_std=algorithm.norm_by_std)
+    elif name in ("reinforce", "reinforce++", "reinforce_baseline"):
+        params.update(gamma=algorithm.gamma)
+    params.update(algorithm.advantage_params)
+    if algorithm.dynamic_sampling:
+        raise ValueError(
+            "algorithm.dynamic_sampling is applied by the trainer's step loop (filter_groups + fill_batch around "
+            "the experience maker), which has not landed yet; set algorithm.dynamic_sampling=false for now")
+    kl_in_reward = algorithm.kl_reward_coef > 0
+    return ExperienceSettings(
+        n_samples_per_prompt=rollout.n_samples_per_prompt,
+        micro_batch_size=rollout.micro_rollout_batch_size,
+        packing=trainer.packing_samples,
+        advantage_estimator=name,
+        advantage_params=params,
+        kl_estimator=algorithm.kl_estimator,
+        kl_in_reward=kl_in_reward,
+        need_reference=kl_in_reward or algorithm.kl_loss_coef > 0,
+        compute_entropy=algorithm.high_entropy_top_p < 1.0 or algorithm.entropy_coef > 0,
+        temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
+        overlong_buffer_len=algorithm.overlong_buffer_len,
+        overlong_penalty_factor=algorithm.overlong_penalty_factor,
+        max_new_tokens=rollout.max_new_tokens,
+        reward_normalization=algorithm.reward_normalization,
+        reward_clip=algorithm.reward_clip,
+        # One process holds the whole rollout, so "batch" and "global" pool the same statistics here.
+        advantage_whitening=algorithm.advantage_whitening != "none",
+        advantage_clip=algorithm.advantage_clip,
+    )

@@ -1,0 +1,191 @@
+"""``ActorVL``: log-probs (and entropy) of the response tokens of a Qwen-VL policy, padded or packed layout.
+
+The forward runs the base model (vision tower + decoder, no lm_head) once for the whole micro-batch, picks the
+hidden states that predict response tokens, and hands only those rows to :func:`chunked_log_probs`. Prompt
+positions never reach the lm_head, and no [B, S, V] logits tensor exists at any point.
+
+Packed layout: one [1, T] sequence with explicit positions ([4, 1, T]: per-sample text positions first, then
+M-RoPE) and no 2-D attention mask. transformers (5.19, ``masking_utils.find_packed_sequence_indices``) reads the
+text row, sees positions restart, and builds a block-diagonal causal mask, so each sample attends only to itself;
+this is the library's own packing path (sdpa and eager verified by the tests on CPU; flash-attention takes the
+same row to derive varlen boundaries, not verified here). Vision tensors of all samples go in concatenated: the
+vision tower treats each grid independently.
+
+Both layouts return [B, A] tensors (A = longest response) plus the action mask, so callers are layout-agnostic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from mmrlhf.experience.types import SamplesVL, split_vision_inputs
+from mmrlhf.models.adapters import FamilyAdapter, get_adapter
+from mmrlhf.models.logprobs import chunked_log_probs
+from mmrlhf.models.positions import packed_position_ids, padded_position_ids
+
+
+class ActionLogProbs(NamedTuple):
+    log_probs: torch.Tensor  # [B, A] float32 log-prob of each response token; 0 where action_mask is False
+    entropy: torch.Tensor | None  # [B, A] float32 next-token entropy at each response position (0 off-mask)
+    action_mask: torch.Tensor  # [B, A] bool
+
+
+def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the response tokens are, for either layout.
+
+    Returns (flat positions of the tokens that PREDICT each response token [N] (into sequences.flatten()),
+    flat positions of the response tokens themselves [N], action mask [B, A] bool). N = total response tokens,
+    ordered sample by sample, matching ``action_mask.nonzero()`` order.
+    """
+    device = samples.sequences.device
+    if samples.packed:
+        lens = samples.packed_seq_lens.to(device)  # [B]
+        acts = torch.as_tensor(samples.num_actions, device=device).long()  # [B]
+        a_max = int(acts.max()) if acts.numel() else 0
+        action_mask = torch.arange(a_max, device=device)[None] < acts[:, None]  # [B, A]
+        ends = lens.cumsum(0)  # [B] exclusive end of each sample
+        first = (ends - acts)[:, None] + torch.arange(a_max, device=device)[None]  # [B, A] response token index
+        targets = first[action_mask]  # [N]
+    else:
+        action_mask = samples.action_mask.to(device).bool()  # [B, A]
+        b, s = samples.sequences.shape
+        a = action_mask.shape[1]
+        cols = torch.arange(s - a, s, device=device)[None] + torch.arange(b, device=device)[:, None] * s  # [B, A]
+        targets = cols[action_mask]  # [N]
+    return targets - 1, targets, action_mask
+
+
+class ActorVL(nn.Module):
+    """A Qwen-VL ``...ForConditionalGeneration`` model scored on response tokens only.
+
+    ``micro_batch_size`` in :meth:`forward` runs samples in groups (each group re-laid-out in the same layout) and
+    concatenates the [b, A] results; None runs the whole batch at once. That bounds memory for scoring under
+    ``torch.no_grad()`` (experience making). For training, the graphs of all groups would stay alive until the
+    backward: the trainer should call ``forward`` per micro-batch and backward each (gradient accumulation).
+    """
+
+    def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024):
+        super().__init__()
+        self.model = model
+        self.adapter = adapter if adapter is not None else get_adapter(model.config)
+        self.chunk_size = chunk_size
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, chunk_size: int = 1024, **model_kwargs: Any) -> "ActorVL":
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
+        return cls(model, get_adapter(model.config), chunk_size=chunk_size)
+
+    # ---- one micro-batch ----------------------------------------------------------------------------------
+    def hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Final (normed) decoder hidden states [B, S, H] (padded) or [1, T, H] (packed)."""
+        if samples.packed:
+            position_ids = packed_position_ids(self.model, self.adapter, samples, vision_extra)  # [4, 1, T]
+            attention_mask = None  # the block-diagonal causal mask comes from position_ids[0]
+        else:
+            position_ids = padded_position_ids(self.model, self.adapter, samples, vision_extra)  # [3, B, S]
+            attention_mask = samples.attention_mask  # [B, S] 0/1
+        out = self.model.base_model(
+            input_ids=samples.sequences,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            pixel_values=samples.pixel_values,
+            image_grid_thw=samples.image_grid_thws,
+            pixel_values_videos=samples.pixel_values_videos,
+            video_grid_thw=samples.video_grid_thws,
+            mm_token_type_ids=samples.mm_token_type_ids,
+            use_cache=False,
+        )
+        return out.last_hidden_state
+
+    def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature) -> ActionLogProbs:
+        hidden = self.hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
+        src, tgt, action_mask = response_index(samples)  # [N], [N], [B, A]
+        h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
+        lm_head = self.model.get_output_embeddings()
+        logp, ent = chunked_log_probs(
+            h, lm_head.weight, samples.sequences.reshape(-1)[tgt], bias=lm_head.bias,
+            chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy,
+        )  # [N], [N] | None
+        log_probs = logp.new_zeros(action_mask.shape).masked_scatter(action_mask, logp)  # [B, A]
+        entropy = None if ent is None else ent.new_zeros(action_mask.shape).masked_scatter(action_mask, ent)
+        return ActionLogProbs(log_probs, entropy, action_mask)
+
+    def forward(
+        self,
+        samples: SamplesVL,
+        *,
+        vision_extra: dict[str, torch.Tensor] | None = None,
+        return_entropy: bool = False,
+        chunk_size: int | None = None,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,
+    ) -> ActionLogProbs:
+        """Log-probs [B, A] of the response tokens of ``samples`` (padded or packed) and optionally entropy [B, A].
+
+        ``vision_extra``: per-video inputs SamplesVL has no field for (``BuiltSamples.vision_extra``, e.g.
+        Qwen2.5-VL's ``second_per_grid_ts``). ``temperature`` divides the logits (match the sampler's).
+        """
+        chunk = chunk_size or self.chunk_size
+        batch = samples.batch_size
+        if micro_batch_size is None or micro_batch_size >= batch:
+            return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature)
+        parts = [
+            self._forward_one(*select_samples(samples, vision_extra, range(s, min(s + micro_batch_size, batch))),
+                              return_entropy, chunk, temperature)
+            for s in range(0, batch, micro_batch_size)
+        ]
+        a_max = max(p.action_mask.shape[1] for p in parts)
+
+        def cat(tensors):  # [b_i, A_i] ... -> [B, A]
+            return torch.cat([nn.functional.pad(t, (0, a_max - t.shape[1])) for t in tensors], dim=0)
+
+        return ActionLogProbs(
+            cat([p.log_probs for p in parts]),
+            cat([p.entropy for p in parts]) if return_entropy else None,
+            cat([p.action_mask for p in parts]),
+        )
+
+
+def select_samples(
+    samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None, indices: range
+) -> tuple[SamplesVL, dict[str, torch.Tensor] | None]:
+    """A contiguous group of samples as its own SamplesVL (same layout) + its slice of ``vision_extra``."""
+    i0, i1 = indices.start, indices.stop
+    batch = samples.batch_size
+    image_num = samples.image_num or [0] * batch
+    video_num = samples.video_num or [0] * batch
+    vision = split_vision_inputs(image_num, video_num, samples.pixel_values, samples.image_grid_thws,
+                                 samples.pixel_values_videos, samples.video_grid_thws)[i0:i1]
+
+    def join(key):
+        parts = [v[key] for v in vision if key in v]
+        return torch.cat(parts, dim=0) if parts else None
+
+    v0, v1 = sum(video_num[:i0]), sum(video_num[:i1])
+    extra = {k: t[v0:v1] for k, t in (vision_extra or {}).items()} or None
+    common = dict(
+        response_length=samples.response_length[i0:i1], total_length=samples.total_length[i0:i1],
+        pixel_values=join("pixel_values"), image_grid_thws=join("image_grid_thw"),
+        pixel_values_videos=join("pixel_values_videos"), video_grid_thws=join("video_grid_thw"),
+        image_num=image_num[i0:i1], video_num=video_num[i0:i1],
+    )
+    if samples.packed:
+        lens = samples.packed_seq_lens
+        t0, t1 = int(lens[:i0].sum()), int(lens[:i1].sum())
+        sub = SamplesVL(
+            sequences=samples.sequences[:, t0:t1], attention_mask=samples.attention_mask[:, t0:t1] - i0,
+            action_mask=None, num_actions=torch.as_tensor(samples.num_actions)[i0:i1],
+            packed_seq_lens=lens[i0:i1], mm_token_type_ids=samples.mm_token_type_ids[:, t0:t1], **common,
+        )
+    else:
+        sub = SamplesVL(
+            sequences=samples.sequences[i0:i1], attention_mask=samples.attention_mask[i0:i1],
+            action_mask=samples.action_mask[i0:i1], num_actions=samples.num_actions, packed_seq_lens=None,
+            mm_token_type_ids=samples.mm_token_type_ids[i0:i1], **common,
+        )
+    return sub, extra

@@ -1,0 +1,43 @@
+"""``CriticVL``: a Qwen-VL backbone with a scalar value head, scored at the same positions as the actor's
+log-probs (the value of the state that precedes each response token)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmrlhf.experience.types import SamplesVL
+from mmrlhf.models.actor import ActorVL, response_index
+
+
+class CriticVL(nn.Module):
+    """Values [B, A] for either sample layout.
+
+    Args:
+        body: an :class:`ActorVL` whose decoder provides the hidden states (its lm_head is unused).
+        value_head: maps hidden size -> 1; a zero-initialised ``nn.Linear`` by default, so a fresh critic predicts 0
+            and GAE starts from plain returns instead of random values.
+    """
+
+    def __init__(self, body: ActorVL, value_head: nn.Module | None = None) -> None:
+        super().__init__()
+        self.body = body
+        if value_head is None:
+            hidden = body.model.get_output_embeddings().weight.shape[1]
+            value_head = nn.Linear(hidden, 1)
+            nn.init.zeros_(value_head.weight)
+            nn.init.zeros_(value_head.bias)
+        self.value_head = value_head
+
+    @classmethod
+    def from_pretrained(cls, path: str, **model_kwargs: Any) -> "CriticVL":
+        return cls(ActorVL.from_pretrained(path, **model_kwargs))
+
+    def forward(self, samples: SamplesVL, *, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        hidden = self.body.hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
+        src, _, action_mask = response_index(samples)  # [N], [N], [B, A]
+        h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H]
+        v = self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [N]
+        return v.new_zeros(action_mask.shape).masked_scatter(action_mask, v)  # [B, A]

@@ -1,0 +1,140 @@
+"""Log-probs of chosen tokens and per-token entropy from final hidden states, in chunks over tokens.
+
+Why chunks: with a 151,936-token vocabulary, float32 logits cost 600 KB per token, so a batch of 8k response tokens
+would need ~5 GB just for one [N, V] logits tensor (and autograd would keep it, plus the log-softmax, for the
+backward). Here the lm_head is applied to at most ``chunk_size`` tokens at a time, each chunk is reduced to what is
+needed ([c] log-prob, log-sum-exp, entropy) and freed. The backward recomputes each chunk's logits instead of
+storing them (a custom autograd function), so training peaks at a few [chunk_size, V] tensors as well.
+
+Numerics match the naive ``log_softmax(F.linear(h, W, b).float() / T)``: logits are computed in the weights' dtype
+and upcast to float32 before the softmax, as the model's own lm_head + ``.float()`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax dtype: float32, or float64 for float64 inputs (lets tests check the math to 1e-10)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+    """[c, H] -> [c, V] float32 logits (matmul in the weights' dtype, like the model's lm_head)."""
+    logits = F.linear(h, weight, bias)  # [c, V] in the weights' dtype
+    logits = logits.to(_acc_dtype(logits.dtype))  # [c, V] float32 (float64 stays float64)
+    return logits.div_(temperature) if temperature != 1.0 else logits  # in place: no second [c, V] buffer
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Autograd function: forward and backward both walk the tokens in chunks; nothing of size [N, V] is stored."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy):
+        # hidden [N, H], weight [V, H], bias [V] | None, targets [N] long
+        n, acc = hidden.shape[0], _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+        logp = hidden.new_empty(n, dtype=acc)  # [N]
+        lse = hidden.new_empty(n, dtype=acc)  # [N] log-sum-exp of each token's logits
+        entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)  # [N] | [0]
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            logits = _chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+            chunk_lse = torch.logsumexp(logits, dim=-1)  # [c]
+            lse[s:e] = chunk_lse
+            logp[s:e] = logits.gather(-1, targets[s:e, None])[:, 0] - chunk_lse
+            if with_entropy:
+                logq = logits.sub_(chunk_lse[:, None])  # [c, V] log-probs, in place (same buffer)
+                plogp = logq.exp().mul_(logq)  # [c, V] p log p: the only second buffer
+                entropy[s:e] = -plogp.sum(-1)
+                del logq, plogp
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.set_materialize_grads(False)  # an unused output (e.g. a detached entropy) gets None: skip its term
+        ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        # grad_logp [N], grad_entropy [N] | [0] | None
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        n, chunk, temp = hidden.shape[0], ctx.chunk_size, ctx.temperature
+        grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
+        acc = lse.dtype
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None  # [V, H] accumulated in fp32
+        grad_b = torch.zeros_like(bias, dtype=acc) if need_b else None  # [V]
+        use_ent = ctx.with_entropy and grad_entropy is not None
+        if grad_logp is None:
+            grad_logp = lse.new_zeros(n)  # [N]
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            # d logp_t / dz = onehot(t) - p ;  d H / dz = -p * (log p + H).  Two [c, V] buffers, updated in place.
+            logq = _chunk_logits(hidden[s:e], weight, bias, temp).sub_(lse[s:e, None])  # [c, V] log-probs
+            g = logq.exp()  # [c, V] probabilities p, turned into the logits' gradient below
+            if use_ent:
+                ent_term = logq.add_(entropy[s:e, None]).mul_(g).mul_(grad_entropy[s:e, None])  # [c, V] in logq
+            g.mul_(-grad_logp[s:e, None])  # [c, V] -p * dL/dlogp
+            if use_ent:
+                g.sub_(ent_term)
+                del ent_term
+            del logq
+            g.scatter_add_(-1, targets[s:e, None], grad_logp[s:e, None].to(g.dtype))
+            if temp != 1.0:
+                g.div_(temp)
+            g_lin = g.to(weight.dtype)  # [c, V] grad of the linear output, in the matmul dtype (as autograd casts)
+            if need_h:
+                grad_h[s:e] = (g_lin @ weight).to(hidden.dtype)  # [c, H]
+            if need_w:
+                grad_w.add_(g_lin.t() @ hidden[s:e].to(weight.dtype))  # [V, H]
+            if need_b:
+                grad_b.add_(g_lin.sum(0))
+            del g, g_lin
+        grad_w = grad_w.to(weight.dtype) if need_w else None
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def chunked_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets`` and (optionally) entropy of the next-token distribution at each hidden state.
+
+    hidden [N, H] (rows = the positions that predict each target), weight [V, H] (the lm_head), bias [V] | None,
+    targets [N] long. Returns (log_probs [N] float32, entropy [N] float32 | None; float64 for float64 inputs).
+    Differentiable w.r.t. hidden, weight and bias (entropy too: usable as a bonus term); peak extra memory is two
+    [chunk_size, V] buffers in the forward and in the backward (plus the weight's gradient).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.ndim != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
+    logp, entropy = _ChunkedLogProbs.apply(
+        hidden, weight, bias, targets.long(), int(chunk_size), float(temperature), bool(return_entropy)
+    )
+    return logp, (entropy if return_entropy else None)
+
+
+def naive_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: full [N, V] float32 logits at once. For tests and benchmarks only (memory O(N * V))."""
+    logits = F.linear(hidden, weight, bias)  # [N, V]
+    logits = logits.to(_acc_dtype(logits.dtype)) / temperature  # [N, V] float32 (float64 stays float64)
+    logq = torch.log_softmax(logits, dim=-1)  # [N, V]
+    logp = logq.gather(-1, targets.long()[:, None])[:, 0]  # [N]
+    entropy = -(logq.exp() * logq).sum(-1)  # [N]
+    return logp, entropy

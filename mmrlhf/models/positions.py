@@ -1,0 +1,76 @@
+"""M-RoPE (3-D temporal/height/width) position ids for the padded and the packed layout.
+
+The family-specific rule lives in the HF model and is reached through :meth:`FamilyAdapter.rope_index`; this module
+only decides what each call sees:
+
+- padded: one call for the whole batch with the 0/1 attention mask (padding gets position 0 and is never attended);
+- packed: one call per sample on that sample's own tokens and vision items, so its positions restart at 0 exactly
+  as if it were alone, then the samples are concatenated. A fourth row (first) carries plain per-sample text
+  positions: transformers reads it to build the block-diagonal causal mask of packed sequences.
+
+Always passing explicit positions matters: for a text-only batch transformers would otherwise use ``arange(S)``,
+which ignores left padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrlhf.experience.types import SamplesVL, split_vision_inputs
+from mmrlhf.models.adapters import FamilyAdapter
+
+
+def padded_position_ids(
+    model: Any, adapter: FamilyAdapter, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """[3, B, S] M-RoPE positions of a padded batch (``samples.sequences`` [B, S])."""
+    return adapter.rope_index(
+        model,
+        samples.sequences,  # [B, S]
+        samples.mm_token_type_ids,  # [B, S]
+        image_grid_thw=samples.image_grid_thws,  # [total images, 3] in sample order
+        video_grid_thw=samples.video_grid_thws,  # [total videos, 3]
+        attention_mask=samples.attention_mask,  # [B, S] 0/1
+        **(vision_extra or {}),
+    )
+
+
+def _split_extra(extra: dict[str, torch.Tensor] | None, video_num: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Per-video extra inputs (e.g. second_per_grid_ts [total videos]) split by each sample's video count."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in video_num]
+    for key, values in (extra or {}).items():
+        for i, part in enumerate(torch.split(values, video_num)):
+            if part.numel():
+                out[i][key] = part
+    return out
+
+
+def packed_position_ids(
+    model: Any, adapter: FamilyAdapter, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """[4, 1, T] positions of a packed batch: row 0 per-sample text positions, rows 1..3 M-RoPE (t, h, w)."""
+    ids = samples.sequences[0]  # [T]
+    types = samples.mm_token_type_ids[0]  # [T]
+    lens = samples.packed_seq_lens.tolist()  # B lengths
+    batch = len(lens)
+    vision = split_vision_inputs(
+        samples.image_num or [0] * batch, samples.video_num or [0] * batch, samples.pixel_values,
+        samples.image_grid_thws, samples.pixel_values_videos, samples.video_grid_thws,
+    )
+    extras = _split_extra(vision_extra, samples.video_num or [0] * batch)
+    rows = []
+    for i, (sample_ids, sample_types) in enumerate(zip(torch.split(ids, lens), torch.split(types, lens))):
+        mrope = adapter.rope_index(
+            model,
+            sample_ids[None],  # [1, L_i]
+            sample_types[None],  # [1, L_i]
+            image_grid_thw=vision[i].get("image_grid_thw"),
+            video_grid_thw=vision[i].get("video_grid_thw"),
+            attention_mask=None,
+            **extras[i],
+        )  # [3, 1, L_i]
+        text = torch.arange(len(sample_ids), device=ids.device, dtype=mrope.dtype).view(1, 1, -1)  # [1, 1, L_i]
+        rows.append(torch.cat([text, mrope], dim=0))  # [4, 1, L_i]
+    return torch.cat(rows, dim=2)  # [4, 1, T]

@@ -1,0 +1,177 @@
+"""FastExperienceMaker on the real vLLM engine (CPU): a mixed text/image/video batch end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoProcessor
+
+from mmrlhf.algorithms.kl import FixedKLController
+from mmrlhf.data.processor import MultimodalDataProcessor
+from mmrlhf.experience.fast_maker import FastExperienceMaker, PromptMismatchError
+from mmrlhf.experience.settings import ExperienceSettings
+from mmrlhf.models.actor import ActorVL
+from mmrlhf.models.adapters import get_adapter
+from mmrlhf.rollout.types import PromptTooLongError, SamplingSettings
+from mmrlhf.testing.tiny_models import tiny_model_dir
+from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE
+from maker_helpers import RecordingReward, mixed_batch, reward_engine
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+N = 3
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from mmrlhf.rollout.vllm_engine import VLLMEngine
+
+    path = str(tiny_model_dir("qwen2_vl"))
+    adapter, processor = get_adapter(path), AutoProcessor.from_pretrained(path)
+    actor = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
+    ref = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
+    engine = VLLMEngine(path, adapter, max_model_len=1024)
+    return path, adapter, processor, actor, ref, engine
+
+
+def _maker(parts, fn, **overrides):
+    path, adapter, processor, actor, ref, engine = parts
+    settings = ExperienceSettings(n_samples_per_prompt=N, micro_batch_size=4, need_reference=True,
+                                  kl_in_reward=True, compute_entropy=True, **overrides)
+    return FastExperienceMaker(actor, engine, MultimodalDataProcessor(processor, 2048, adapter), reward_engine(fn),
+                               processor.tokenizer, settings, SamplingSettings(max_new_tokens=12, seed=0),
+                               initial_model=ref, kl_controller=FixedKLController(0.05))
+
+
+def test_mixed_batch_end_to_end(parts):
+    path, adapter, processor, *_ = parts
+    fn = RecordingReward()
+    prompts, images, videos, refs, labels = mixed_batch()
+    exps = _maker(parts, fn).make_experience_list(prompts, images=images, videos=videos, references=refs,
+                                                  labels=labels)
+    assert [e.sequences.shape[0] for e in exps] == [4, 4, 4, 3]  # 15 samples, micro-batches of 4
+    expected = MultimodalDataProcessor(processor, 2048, adapter).process_multimodal_batch(
+        prompts, images, refs, n_samples_per_prompt=N, all_videos=videos, all_labels=labels)
+    k = 0
+    for e in exps:
+        b, a = e.action_log_probs.shape
+        for tensor in (e.base_action_log_probs, e.advantages, e.returns, e.kl, e.action_entropy, e.action_mask):
+            assert tensor.shape == (b, a)
+        assert torch.equal(e.action_mask.sum(1), e.info["response_length"])
+        assert torch.equal(e.attention_mask.sum(1), e.info["total_length"])
+        assert torch.all(e.advantages[~e.action_mask] == 0) and torch.all(e.kl[~e.action_mask] == 0)
+        for i in range(b):
+            p = len(expected.all_prompt_token_ids[k])
+            row = e.sequences[i][e.attention_mask[i].bool()]
+            assert row[:p].tolist() == expected.all_prompt_token_ids[k]  # prompt exactly as processed
+            got, want = e.vision_inputs(i), expected.all_vision_inputs[k]
+            assert set(got) == {key for key in want if key in got} and set(got) <= set(want)
+            for key in got:
+                assert torch.equal(got[key], want[key]), (k, key)
+            assert e.image_num[i] == expected.all_images_num[k] and e.video_num[i] == expected.all_videos_num[k]
+            n_img = int((e.mm_token_type_ids[i] == 1).sum())
+            grid = got.get("image_grid_thw")
+            assert n_img == (0 if grid is None else int(adapter.tokens_per_grid(grid).sum()))
+            k += 1
+    # GRPO groups (n consecutive samples of one prompt) have zero-sum advantages.
+    seq_adv = torch.cat([(e.advantages.sum(1) / e.action_mask.sum(1).clamp(min=1)) for e in exps])
+    assert torch.allclose(seq_adv.view(-1, N).sum(1), torch.zeros(len(prompts)), atol=1e-4)
+    # Rule rewards saw the response text only, never the prompt.
+    seen = [r for call in fn.calls for r in call["responses"]]
+    assert len(seen) == 15 and not any("What color" in r or "<|im_start|>" in r for r in seen)
+    info = exps[0].info["batch"]
+    assert info["samples"] == 15 and info["skipped_prompts"] == 0
+    assert info["engine_logprob_diff/max"] < DEFAULT_TOLERANCE
+    assert {"time/generate", "time/actor", "time/reference", "time/reward", "time/total"} <= set(info)
+    assert "reward/parity/mean" in info and 0 <= info["truncation_rate"] <= 1
+
+
+def test_packed_log_probs_equal_padded(parts):
+    prompts, images, videos, refs, labels = mixed_batch()
+    padded = _maker(parts, RecordingReward()).make_experience_list(prompts, images=images, videos=videos,
+                                                                    references=refs)
+    packed = _maker(parts, RecordingReward(), packing=True).make_experience_list(
+        prompts, images=images, videos=videos, references=refs)
+    for a, b in zip(padded, packed):
+        assert b.packed_seq_lens is not None and b.sequences.shape[0] == 1
+        assert torch.equal(a.action_mask, b.action_mask)
+        m = a.action_mask
+        assert torch.allclose(a.action_log_probs[m], b.action_log_probs[m], atol=1e-5)
+        assert torch.allclose(a.base_action_log_probs[m], b.base_action_log_probs[m], atol=1e-5)
+        assert torch.allclose(a.advantages, b.advantages, atol=1e-5)
+
+
+def test_too_long_prompt_is_skipped_and_counted_or_errors(parts):
+    engine = parts[-1]
+    prompts = ["<image>What color is the square?", " ".join(["red"] * 1100), "Describe the picture."]
+    from PIL import Image
+
+    images = [[Image.new("RGB", (56, 56), (255, 0, 0))], None, None]
+    maker = _maker(parts, RecordingReward())
+    exps = maker.make_experience_list(prompts, images=images)
+    info = exps[0].info["batch"]
+    assert info["skipped_prompts"] == 1 and info["samples"] == 2 * N
+    assert sum(e.sequences.shape[0] for e in exps) == 2 * N
+    engine.prompt_too_long = "error"
+    try:
+        with pytest.raises(PromptTooLongError, match="request 1"):
+            maker.make_experience_list(prompts, images=images)
+    finally:
+        engine.prompt_too_long = "skip"
+
+
+def test_engine_prompt_mismatch_is_an_error_naming_the_sample(parts):
+    maker = _maker(parts, RecordingReward())
+    real = maker.engine
+
+    class Shifted:
+        def generate(self, requests, settings):
+            result = real.generate(requests, settings)
+            result.outputs[1].prompt_token_ids = result.outputs[1].prompt_token_ids[1:]
+            return result
+
+    maker.engine = Shifted()
+    with pytest.raises(PromptMismatchError, match=f"sample {N} \\(prompt 1\\)"):
+        maker.make_experience_list(["Describe it.", "What color is the square?"])
+    with pytest.raises(TypeError, match="unknown generation argument"):
+        _maker(parts, RecordingReward()).make_experience_list(["hi"], temprature=0.5)
+    assert dataclasses.is_dataclass(maker.settings)
+
+
+def test_left_truncated_prompt_reaches_the_engine_as_processed(parts):
+    """The engine gets the processor's (truncated) ids, not the original text: no mismatch, same prompt."""
+    from PIL import Image
+
+    from mmrlhf.config.data import DataConfig
+
+    path, adapter, processor, actor, ref, engine = parts
+    config = DataConfig(prompt_max_len=40, prompt_overflow="truncate_left")
+    dp = MultimodalDataProcessor(processor, 40, adapter, data_config=config)
+    maker = _maker(parts, RecordingReward())
+    maker.data_processor = dp
+    long_prompt = "<image>" + " ".join(["red green blue"] * 30) + " What color is the square?"
+    exps = maker.make_experience_list([long_prompt], images=[[Image.new("RGB", (56, 56), (255, 0, 0))]])
+    info = exps[0].info["batch"]
+    assert info["truncated_prompts"] == 1 and info["samples"] == N
+    e = exps[0]
+    prompt_len = int(e.attention_mask[0].sum()) - int(e.info["response_length"][0])
+    assert prompt_len <= 40
+    grid = e.vision_inputs(0)["image_grid_thw"]
+    assert int((e.mm_token_type_ids[0] == 1).sum()) == int(adapter.tokens_per_grid(grid).sum())
+
+
+def test_reward_normalisation_whitening_and_state(parts):
+    prompts, images, videos, refs, labels = mixed_batch()
+    maker = _maker(parts, RecordingReward(), reward_normalization=True, advantage_whitening=True)
+    exps = maker.make_experience_list(prompts, images=images, videos=videos, references=refs)
+    adv = torch.cat([e.advantages[e.action_mask] for e in exps])
+    assert abs(float(adv.mean())) < 1e-4 and abs(float(adv.std(unbiased=False)) - 1) < 1e-2
+    info = exps[0].info["batch"]
+    assert {"reward_running_mean", "advantage_mean", "advantage_std"} <= set(info)
+    state = maker.state_dict()
+    assert set(state) == {"kl_controller", "reward_norm"}
+    fresh = _maker(parts, RecordingReward(), reward_normalization=True)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state

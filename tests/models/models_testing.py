@@ -1,0 +1,96 @@
+"""Helpers for the model-side tests: a mixed batch of the engine-check cases with random responses, and an
+independent per-sample reference (the HF model's own full-logits forward on one unpadded sample)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmrlhf.testing.engine_check import default_cases, processor_inputs
+
+PROMPT_ONLY_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
+
+
+@dataclass
+class Bundle:
+    """A loaded tiny model with its processor, adapter and the default cases' processor outputs."""
+
+    family: str
+    model: Any
+    processor: Any
+    adapter: Any
+    inputs: list[dict[str, torch.Tensor]]  # per case: the processor's full output for the prompt
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [x["input_ids"][0].tolist() for x in self.inputs]
+
+    @property
+    def vision(self) -> list[dict[str, torch.Tensor]]:
+        return [{k: v for k, v in x.items() if k not in PROMPT_ONLY_KEYS} for x in self.inputs]
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.processor.tokenizer.eos_token_id)
+
+
+def load_bundle(family: str, **model_kwargs: Any) -> Bundle:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir(family, "tiny", 0)
+    processor = AutoProcessor.from_pretrained(path)
+    adapter = get_adapter(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, **model_kwargs).eval()
+    inputs = [dict(processor_inputs(processor, adapter, case)) for case in default_cases(processor)]
+    return Bundle(family, model, processor, adapter, inputs)
+
+
+def random_responses(bundle: Bundle, seed: int = 0) -> list[list[int]]:
+    """Uneven responses per case (x2 samples per case): some end with EOS, one has junk after EOS, some have none.
+
+    Tokens avoid vision specials and EOS except where planted.
+    """
+    g = torch.Generator().manual_seed(seed)
+    vocab = bundle.model.config.text_config.vocab_size
+    banned = set(bundle.adapter.vision_special_token_ids()) | {bundle.eos_id}
+    lengths = [5, 11, 1, 8, 13, 3, 9, 6]
+    out = []
+    for k, n in enumerate(lengths):
+        toks = [t for t in torch.randint(0, vocab, (n + 8,), generator=g).tolist() if t not in banned][:n]
+        if k % 3 == 0:
+            toks[-1] = bundle.eos_id  # ends with EOS
+        if k == 4:
+            toks[6] = bundle.eos_id  # EOS in the middle: tokens after it must be dropped
+        out.append(toks)
+    return out
+
+
+def batch_pieces(bundle: Bundle, seed: int = 0):
+    """(prompt ids, responses, vision dicts, per-sample processor outputs): every case twice, interleaved."""
+    n_cases = len(bundle.inputs)
+    responses = random_responses(bundle, seed)
+    order = [k % n_cases for k in range(len(responses))]
+    prompts = [bundle.prompt_ids[c] for c in order]
+    vision = [bundle.vision[c] for c in order]
+    inputs = [bundle.inputs[c] for c in order]
+    return prompts, responses, vision, inputs
+
+
+@torch.no_grad()
+def reference_log_probs(bundle: Bundle, inputs: dict[str, torch.Tensor], response: list[int]) -> torch.Tensor:
+    """[A] log-probs of ``response`` after one sample's prompt: the HF model's own forward (it computes its own
+    M-RoPE positions from the processor outputs), full float32 logits, no padding, no packing."""
+    prompt = inputs["input_ids"]  # [1, P]
+    resp = torch.tensor([response], dtype=prompt.dtype)  # [1, A]
+    ids = torch.cat([prompt, resp], dim=1)  # [1, P + A]
+    extra = {k: v for k, v in inputs.items() if k not in PROMPT_ONLY_KEYS}
+    types = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(resp)], dim=1)  # [1, P + A]
+    logits = bundle.model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                          **extra).logits.float()  # [1, P + A, V]
+    logq = torch.log_softmax(logits[0, prompt.shape[1] - 1 : -1], dim=-1)  # [A, V]
+    return logq.gather(-1, resp[0, :, None])[:, 0]  # [A]
