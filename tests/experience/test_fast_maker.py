@@ -175,3 +175,22 @@ def test_reward_normalisation_whitening_and_state(parts):
     fresh = _maker(parts, RecordingReward(), reward_normalization=True)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+def test_engine_matches_actor_before_and_after_a_weight_sync(parts):
+    """The rollout's own check (engine vs actor log-probs on the sampled tokens) across a policy update."""
+    from mmrlhf.testing.weights import perturb_
+
+    path, adapter, processor, _, ref, engine = parts
+    actor = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
+    maker = _maker(parts, RecordingReward())
+    maker.actor = actor
+    prompts, images, videos, refs, _ = mixed_batch()
+    gap = lambda: maker.make_experience_list(prompts, images=images, videos=videos)[0].info["batch"][  # noqa: E731
+        "engine_logprob_diff/max"]
+    assert gap() < DEFAULT_TOLERANCE
+    perturb_(actor.model)
+    assert gap() > DEFAULT_TOLERANCE  # the engine still serves the old policy
+    engine.update_weights(actor.model.state_dict().items())
+    assert gap() < DEFAULT_TOLERANCE
+    engine.update_weights(ActorVL.from_pretrained(path, dtype=torch.float32).model.state_dict().items())  # restore

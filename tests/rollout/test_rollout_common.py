@@ -12,7 +12,8 @@ from mmrlhf.rollout.hf_engine import HFGenerateEngine
 from mmrlhf.rollout.types import PromptTooLongError, SamplingSettings
 from mmrlhf.testing.engine_check import default_cases, hf_response_logprobs
 from mmrlhf.testing.tiny_models import tiny_model_dir
-from rollout_helpers import perturb_, request_for
+from mmrlhf.testing.weights import perturb_
+from rollout_helpers import request_for
 
 
 def test_buckets_are_bounded_and_ordered():

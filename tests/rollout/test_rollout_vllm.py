@@ -11,7 +11,8 @@ from mmrlhf.rollout.types import GenerationRequest, PromptTooLongError, Sampling
 from mmrlhf.testing.engine_check import default_cases, hf_response_logprobs
 from mmrlhf.testing.tiny_models import tiny_model_dir
 from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE
-from rollout_helpers import perturb_, request_for
+from mmrlhf.testing.weights import perturb_
+from rollout_helpers import request_for
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
