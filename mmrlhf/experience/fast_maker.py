@@ -97,7 +97,7 @@ class FastExperienceMaker(ExperienceMaker):
         self.reward_norm = RunningRewardNorm() if settings.reward_normalization else None
         self.adapter = actor.adapter
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = sorted({tokenizer.convert_tokens_to_ids(tokenizer.eos_token), *sampling.stop_token_ids})
+        self.eos_ids = stop_token_ids(actor.model, tokenizer, sampling.stop_token_ids)
 
     # ---- state a trainer checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -305,7 +305,9 @@ class FastExperienceMaker(ExperienceMaker):
             "response_length/max": float(lengths.max()),
             "response_length/min": float(lengths.min()),
             "truncation_rate": float(truncated.mean()),
-            "reward/mean": float(shaped["seq_reward"][shaped["valid"]].mean()) if shaped["valid"].any() else 0.0,
+            # "reward/mean" and the per-source keys come from the reward engine (raw scores); this is after shaping
+            "reward/shaped_mean": (float(shaped["seq_reward"][shaped["valid"]].mean())
+                                   if shaped["valid"].any() else 0.0),
             "reward/valid_frac": float(shaped["valid"].float().mean()),
         }
         if shaped["kl"] is not None:
@@ -343,6 +345,16 @@ class FastExperienceMaker(ExperienceMaker):
             ))
             start += n
         return experiences
+
+
+def stop_token_ids(model: Any, tokenizer: Any, extra: Sequence[int] = ()) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS, the generation config's EOS ids (real Qwen models list
+    two) and any configured stop ids. The engines stop on the same set."""
+    ids = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token), *extra}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+    return sorted(int(i) for i in ids)
 
 
 def _cat_padded(tensors: list[torch.Tensor | None], width: int) -> torch.Tensor | None:

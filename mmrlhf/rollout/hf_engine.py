@@ -35,6 +35,9 @@ class HFGenerateEngine(RolloutEngine):
         self.adapter = adapter
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        extra = [] if gen_eos is None else list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+        self.stop_ids = sorted({int(eos_token_id), *map(int, extra)})  # tokenizer EOS + generation-config EOS
         self.batch_size = batch_size
 
     @property
@@ -81,7 +84,7 @@ class HFGenerateEngine(RolloutEngine):
         greedy = settings.temperature == 0
         gen_kwargs: dict[str, Any] = dict(
             max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens,
-            do_sample=not greedy, num_return_sequences=settings.n, eos_token_id=self.eos_token_id,
+            do_sample=not greedy, num_return_sequences=settings.n,
             pad_token_id=self.pad_token_id, bad_words_ids=[[t] for t in forbidden],
             return_dict_in_generate=True, output_logits=settings.logprobs,
         )
@@ -90,8 +93,7 @@ class HFGenerateEngine(RolloutEngine):
                               top_k=settings.top_k if settings.top_k > 0 else None)
         if settings.stop:
             gen_kwargs["stop_strings"] = list(settings.stop)
-        if settings.stop_token_ids:
-            gen_kwargs["eos_token_id"] = [self.eos_token_id, *settings.stop_token_ids]
+        gen_kwargs["eos_token_id"] = sorted(set(self.stop_ids) | set(settings.stop_token_ids))
         if settings.seed is not None:
             torch.manual_seed(settings.seed + chunk[0])
         was_training = self.model.training
@@ -103,10 +105,13 @@ class HFGenerateEngine(RolloutEngine):
         new = out.sequences[:, width:]  # [B * n, A]
         logps = None
         if settings.logprobs:
-            # Raw logits (before temperature and bans): the policy's own log-probs, as vLLM reports them.
-            logits = torch.stack(out.logits, dim=1).float()  # [B * n, A, V] (generation-sized; fine here)
-            logps = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B * n, A]
-        stops = {self.eos_token_id, *settings.stop_token_ids}
+            # Raw logits (before temperature and bans): the policy's own log-probs, as vLLM reports them. One step
+            # at a time, so only a [B * n, V] float32 slice exists at once.
+            logps = torch.stack([
+                torch.log_softmax(step.float(), dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                for t, step in enumerate(out.logits)
+            ], dim=1)  # [B * n, A]
+        stops = set(self.stop_ids) | set(settings.stop_token_ids)
         results = []
         for j, i in enumerate(chunk):
             completions = []
