@@ -48,12 +48,14 @@ _mm_setup() {
   ) || return 1
   # shellcheck disable=SC1091
   . "$_mm_env/bin/activate" || _mm_fail "activate" || return 1
-  # Point the editable install at this clone (skipped when it already does).
+  # Point the editable install at this clone (skipped when it already does). The check runs from / so that a
+  # checkout in the current directory cannot answer for the installed package.
   local here
-  here="$(python -c 'import mmrlhf, os; print(os.path.dirname(os.path.dirname(mmrlhf.__file__)))' 2>/dev/null)"
+  here="$(cd / && python -c 'import mmrlhf, os; print(os.path.dirname(os.path.dirname(mmrlhf.__file__)))' 2>/dev/null)"
   if [ "$here" != "$_mm_repo" ]; then
-    python -m pip install -q --no-deps --no-build-isolation -e "$_mm_repo" >/dev/null \
-      || _mm_fail "editable install of $_mm_repo" || return 1
+    local log
+    log="$(python -m pip install -q --no-deps --no-build-isolation -e "$_mm_repo" 2>&1)" \
+      || { echo "$log" >&2; _mm_fail "editable install of $_mm_repo"; return 1; }
   fi
   # vLLM on the CPU: in-process engine, a small KV cache (see docs/environment.md).
   export VLLM_ENABLE_V1_MULTIPROCESSING="${VLLM_ENABLE_V1_MULTIPROCESSING:-0}"
