@@ -51,7 +51,7 @@ _mm_setup() {
   # Point the editable install at this clone (skipped when it already does). The check runs from / so that a
   # checkout in the current directory cannot answer for the installed package.
   local here
-  here="$(cd / && python -c 'import mmrlhf, os; print(os.path.dirname(os.path.dirname(mmrlhf.__file__)))' 2>/dev/null)"
+  here="$(cd / && python -c 'import mmrlhf, os; print(os.path.dirname(os.path.dirname(mmrlhf.__file__)))' 2>/dev/null)" || here=""  # not installed yet
   if [ "$here" != "$_mm_repo" ]; then
     local log
     log="$(python -m pip install -q --no-deps --no-build-isolation -e "$_mm_repo" 2>&1)" \
