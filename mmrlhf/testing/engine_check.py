@@ -18,7 +18,7 @@ from PIL import Image
 
 from mmrlhf.models.adapters import get_adapter
 from mmrlhf.rollout.vllm_setup import forbid_tokens_bias, make_llm
-from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE, KNOWN_LOOSER_TOLERANCE, tolerance_for  # noqa: F401
+from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE  # noqa: F401 - re-exported for callers
 
 
 @dataclass

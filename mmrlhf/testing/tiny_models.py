@@ -228,8 +228,10 @@ def _build_processor(family: str, tokenizer):
     unit = (_patch_size(family) * 2) ** 2
     lo, hi, video_hi = 4 * unit, 64 * unit, 16 * unit
     patch = dict(patch_size=_patch_size(family), temporal_patch_size=2, merge_size=2)
+    # Qwen3-VL normalises images and videos alike (mean = std = 0.5), as its released checkpoints do.
+    norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if family == "qwen3_vl" else {}
     image_processor = Qwen2VLImageProcessor(
-        min_pixels=lo, max_pixels=hi, size={"shortest_edge": lo, "longest_edge": hi}, **patch
+        min_pixels=lo, max_pixels=hi, size={"shortest_edge": lo, "longest_edge": hi}, **patch, **norm
     )
     if family == "qwen3_vl":
         video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": lo, "longest_edge": video_hi},
