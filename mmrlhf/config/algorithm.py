@@ -10,6 +10,11 @@ from mmrlhf.config.base import Section
 
 
 class AlgorithmConfig(Section):
+    """Advantages, KL, shaping and losses. The experience maker reads the estimator, KL-in-reward, shaping,
+    whitening and entropy keys; the policy-loss, value-loss, KL-loss-estimator and dynamic-sampling round keys are
+    read by the trainer (roadmap item 1, not landed yet): until then they are validated and documented only, and
+    ``dynamic_sampling: true`` is refused."""
+
     advantage_estimator: str = "grpo"
     """Registered advantage estimator name, or ``package.module:function``."""
     gamma: float = Field(default=1.0, ge=0.0, le=1.0)

@@ -42,6 +42,10 @@ class RolloutConfig(Section):
     """Disable CUDA graphs / compilation in vLLM (required on CPU; slower on GPU)."""
     max_model_len: int = Field(default=4096, ge=16)
     """vLLM context length (prompt + response)."""
+    limit_images_per_prompt: int | None = Field(default=None, ge=0)
+    """Most images one prompt may carry in the vLLM engine (None: vLLM's default); more is a per-prompt error."""
+    limit_videos_per_prompt: int | None = Field(default=None, ge=0)
+    """Most videos one prompt may carry in the vLLM engine (None: vLLM's default)."""
     weight_sync_bucket_mb: int = Field(default=512, ge=1)
     """Size bound of one weight-update bucket pushed into the engine."""
     seed: int = 0

@@ -50,17 +50,18 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     target = torch.device(device) if device is not None else _auto_device(config.trainer.device)
     load = dict(dtype=dtype, attn_implementation=model_cfg.attn_implementation,
                 trust_remote_code=model_cfg.trust_remote_code)
-    actor = ActorVL.from_pretrained(model_cfg.pretrain, **load).to(target)
     adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
+    actor = ActorVL.from_pretrained(model_cfg.pretrain, adapter=adapter, **load).to(target)
     settings = experience_settings(config.algorithm, config.rollout, config.trainer)
     reference = None
     if settings.need_reference:
-        reference = ActorVL.from_pretrained(model_cfg.reference or model_cfg.pretrain, **load).to(target).eval()
+        reference = ActorVL.from_pretrained(model_cfg.reference or model_cfg.pretrain, adapter=adapter,
+                                            **load).to(target).eval()
         reference.requires_grad_(False)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
     engine = build_engine(config.rollout, model_cfg.pretrain, dtype=model_cfg.dtype, family=model_cfg.family,
-                          hf_model=actor.model, tokenizer=tokenizer)
+                          hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code)
     data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)
     rewards = RewardComputationEngine.from_config(config.reward)
     algo = config.algorithm

@@ -52,6 +52,7 @@ class Rollout:
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     engine_logprobs: list[list[float] | None]
+    finished: list[bool]  # the engine's word: stopped by EOS / a stop string (False: cut by max_new_tokens)
     vision: list[dict[str, torch.Tensor]]
     prompts: list[str]
     labels: list[Any]
@@ -95,6 +96,7 @@ class FastExperienceMaker(ExperienceMaker):
         self.sampling = dataclasses.replace(sampling, n=settings.n_samples_per_prompt)
         self.kl_controller = kl_controller
         self.reward_norm = RunningRewardNorm() if settings.reward_normalization else None
+        self._calls = 0  # make_experience_list calls so far (per-call sampling seeds)
         self.adapter = actor.adapter
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = stop_token_ids(actor.model, tokenizer, sampling.stop_token_ids)
@@ -102,7 +104,7 @@ class FastExperienceMaker(ExperienceMaker):
     # ---- state a trainer checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Running statistics that must survive a resume (KL coefficient, reward normalisation)."""
-        state: dict[str, Any] = {}
+        state: dict[str, Any] = {"calls": self._calls}
         if self.kl_controller is not None:
             state["kl_controller"] = self.kl_controller.state_dict()
         if self.reward_norm is not None:
@@ -110,6 +112,7 @@ class FastExperienceMaker(ExperienceMaker):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._calls = int(state.get("calls", self._calls))
         if self.kl_controller is not None and "kl_controller" in state:
             self.kl_controller.load_state_dict(state["kl_controller"])
         if self.reward_norm is not None and "reward_norm" in state:
@@ -130,7 +133,8 @@ class FastExperienceMaker(ExperienceMaker):
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(generate_kwargs.pop("micro_batch_size", self.settings.micro_batch_size))
-        sampling = self._sampling_for_call(generate_kwargs)
+        sampling = self._sampling_for_call(generate_kwargs)  # the ONE source of temperature / length this call
+        self._calls += 1
         with timer("prepare"):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=self.settings.n_samples_per_prompt,
@@ -143,16 +147,15 @@ class FastExperienceMaker(ExperienceMaker):
         with timer("build"):
             built = [self._build(rollout.select(range(s, min(s + micro, len(rollout)))))
                      for s in range(0, len(rollout), micro)]
-        scored = self._score(built, timer)
+        scored = self._score(built, timer, _scoring_temperature(sampling))
         with timer("reward"):
-            reward_parts = [self._rewards(rollout.select(range(s, min(s + micro, len(rollout)))), b)
-                            for s, b in zip(range(0, len(rollout), micro), built)]
+            rewards = self._rewards(rollout, built)
         with timer("advantages"):
-            shaped = self._shape_and_advantages(rollout, built, scored, reward_parts)
-        info = self._batch_info(batch, result, rollout, built, scored, reward_parts, shaped)
+            shaped = self._shape_and_advantages(rollout, built, scored, rewards, sampling)
+        info = self._batch_info(batch, result, rollout, built, scored, rewards, shaped, sampling)
         info.update(timer.as_info(time.perf_counter() - t_start))
         info["throughput/gen_tokens_per_s"] = result.num_tokens / max(timer.seconds["generate"], 1e-9)
-        return self._assemble(built, scored, reward_parts, shaped, info)
+        return self._assemble(built, scored, shaped, info)
 
     # ---- phases ------------------------------------------------------------------------------------------------
     def _sampling_for_call(self, overrides: dict[str, Any]) -> SamplingSettings:
@@ -160,7 +163,12 @@ class FastExperienceMaker(ExperienceMaker):
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise TypeError(f"unknown generation argument(s) {unknown}; valid: {sorted(names)}")
-        return dataclasses.replace(self.sampling, **overrides)
+        call = dataclasses.replace(self.sampling, **overrides)
+        if "seed" not in overrides and call.seed is not None:
+            # A fresh stream per call (request i of call c: seed + c * stride + i), reproducible across a resume
+            # through state_dict(); without it every step would replay the same random numbers.
+            call = dataclasses.replace(call, seed=call.seed + self._calls * _SEED_STRIDE)
+        return call
 
     def _requests(self, batch: Any) -> list[GenerationRequest]:
         """One request per unique prompt (its first sample), with both the text and the processor's ids."""
@@ -197,6 +205,7 @@ class FastExperienceMaker(ExperienceMaker):
                 cols["prompt_ids"].append(list(expected))
                 cols["response_ids"].append(list(completion.token_ids))
                 cols["engine_logprobs"].append(completion.logprobs)
+                cols["finished"].append(not completion.truncated)
                 cols["vision"].append(batch.all_vision_inputs[k])
                 cols["prompts"].append(batch.all_prompts[k])
                 cols["labels"].append(batch.all_labels[k])
@@ -206,18 +215,22 @@ class FastExperienceMaker(ExperienceMaker):
 
     def _build(self, rows: Rollout) -> BuiltSamples:
         build = build_packed_samples if self.settings.packing else build_padded_samples
-        return build(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
-                     adapter=self.adapter, vision=rows.vision, prompts=rows.prompts,
-                     labels=rows.labels, references=rows.references, raw_images=rows.images)
+        built = build(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
+                      adapter=self.adapter, vision=rows.vision, prompts=rows.prompts,
+                      labels=rows.labels, references=rows.references, raw_images=rows.images)
+        # Truncation is the engine's call: a response ended by a stop STRING has no stop token yet is complete.
+        return built._replace(truncated=torch.tensor([not f for f in rows.finished], dtype=torch.bool))
 
     @torch.no_grad()
-    def _score(self, built: list[BuiltSamples], timer: PhaseTimer) -> list[dict[str, torch.Tensor | None]]:
-        """Actor (+ entropy), reference and critic forwards per micro-batch, all in the padded [b, A] shape."""
+    def _score(self, built: list[BuiltSamples], timer: PhaseTimer,
+               temperature: float) -> list[dict[str, torch.Tensor | None]]:
+        """Actor (+ entropy), reference and critic forwards per micro-batch, all in the padded [b, A] shape,
+        scored at the sampling temperature (the distribution the samples were drawn from)."""
         scored = []
         for b in built:
             with timer("actor"):
                 out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
-                                 temperature=self.settings.temperature)
+                                 temperature=temperature)
             row: dict[str, torch.Tensor | None] = {
                 "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
                 "ref_log_probs": None, "values": None,
@@ -225,42 +238,41 @@ class FastExperienceMaker(ExperienceMaker):
             if self.settings.need_reference:
                 with timer("reference"):
                     row["ref_log_probs"] = self.initial_model(b.samples, vision_extra=b.vision_extra,
-                                                              temperature=self.settings.temperature).log_probs
+                                                              temperature=temperature).log_probs
             if self.critic is not None:
                 with timer("critic"):
                     row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
             scored.append(row)
         return scored
 
-    def _rewards(self, rows: Rollout, built: BuiltSamples) -> Any:
-        """Score one micro-batch: response text only for rules, padded ids + vision for local models."""
-        responses = self.tokenizer.batch_decode(
-            [r[: int(n)] for r, n in zip(rows.response_ids, built.samples.response_length.tolist())],
-            skip_special_tokens=True)
-        padded = built if not built.samples.packed else build_padded_samples(
-            rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids, adapter=self.adapter,
-            vision=rows.vision)
+    def _rewards(self, rows: Rollout, built: list[BuiltSamples]) -> Any:
+        """Score the whole rollout at once (per-source filtering, concurrency and metrics see every sample):
+        decoded RESPONSE text for rules, prompt+response ids and per-sample vision for local models."""
+        lengths = torch.cat([b.samples.response_length for b in built]).tolist()
+        responses_ids = [r[: int(n)] for r, n in zip(rows.response_ids, lengths)]
+        responses = self.tokenizer.batch_decode(responses_ids, skip_special_tokens=True)
+        sequences, attention_mask = _right_padded(rows.prompt_ids, responses_ids, self.pad_id)
         batch = RewardBatch(
             responses=responses, prompts=list(rows.prompts),
-            labels=["default" if label is None else str(label) for label in rows.labels],
-            references=list(rows.references), sequences=padded.samples.sequences,
-            attention_mask=padded.samples.attention_mask, vision=list(rows.vision), images=list(rows.images),
-            index=list(rows.sample_index),
+            labels=[DEFAULT_LABEL if label is None else str(label) for label in rows.labels],
+            references=list(rows.references), sequences=sequences, attention_mask=attention_mask,
+            vision=list(rows.vision), images=list(rows.images), index=list(rows.sample_index),
         )
         return self.reward_engine.compute(batch)
 
-    def _shape_and_advantages(self, rollout: Rollout, built, scored, reward_parts) -> dict[str, Any]:
+    def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling) -> dict[str, Any]:
         """Whole-rollout shaping, KL and advantages; returns [N, A_max] tensors and metrics."""
         s = self.settings
         a_max = max(r["action_mask"].shape[1] for r in scored)
         cat = lambda key: _cat_padded([r[key] for r in scored], a_max)  # noqa: E731
         mask = cat("action_mask").bool()  # [N, A]
-        valid = torch.cat([p.valid for p in reward_parts])  # [N]
-        seq_reward = torch.cat([p.rewards for p in reward_parts]).float()  # [N]
+        valid = rewards.valid.clone()  # [N]
+        seq_reward = rewards.rewards.float().clone()  # [N]
         metrics: dict[str, float] = {}
         if s.overlong_buffer_len > 0:
             lengths = torch.cat([b.samples.response_length for b in built])
-            pen, m = overlong_penalty(lengths, s.max_new_tokens, s.overlong_buffer_len, s.overlong_penalty_factor)
+            pen, m = overlong_penalty(lengths, sampling.max_new_tokens, s.overlong_buffer_len,
+                                      s.overlong_penalty_factor)
             seq_reward = seq_reward + pen
             metrics.update({k: float(v) for k, v in m.items()})
         if self.reward_norm is not None and valid.any():
@@ -293,7 +305,7 @@ class FastExperienceMaker(ExperienceMaker):
         return {"advantages": adv, "returns": ret, "mask": mask, "kl": kl, "seq_reward": seq_reward,
                 "valid": valid, "metrics": metrics}
 
-    def _batch_info(self, batch, result, rollout, built, scored, reward_parts, shaped) -> dict[str, float]:
+    def _batch_info(self, batch, result, rollout, built, scored, rewards, shaped, sampling) -> dict[str, float]:
         lengths = torch.cat([b.samples.response_length for b in built]).float()
         truncated = torch.cat([b.truncated for b in built]).float()
         info: dict[str, float] = {
@@ -313,18 +325,17 @@ class FastExperienceMaker(ExperienceMaker):
         if shaped["kl"] is not None:
             m = shaped["mask"]
             info["kl/mean"] = float(shaped["kl"][m].mean()) if m.any() else 0.0
-        info.update(_engine_mismatch(rollout, scored))
-        for part in reward_parts:  # the engine's metrics: means weighted by micro-batch size, counts summed
-            for k, v in part.metrics.items():
-                key = k if k.startswith("reward/") else f"reward/{k}"
-                w = len(part.rewards) / len(rollout) if k.endswith("mean") else 1.0
-                info[key] = info.get(key, 0.0) + float(v) * w
+        if _scoring_temperature(sampling) == 1.0:
+            # Engines report raw (temperature-1) log-probs; the comparison is only meaningful at temperature 1.
+            info.update(_engine_mismatch(rollout, scored))
+        for k, v in rewards.metrics.items():
+            info[k if k.startswith("reward/") else f"reward/{k}"] = float(v)
         info.update(shaped["metrics"])
         return info
 
-    def _assemble(self, built, scored, reward_parts, shaped, info) -> list[ExperienceVL]:
+    def _assemble(self, built, scored, shaped, info) -> list[ExperienceVL]:
         experiences, start = [], 0
-        for b, row, part in zip(built, scored, reward_parts):
+        for b, row in zip(built, scored):
             n, a = row["action_mask"].shape
             sl = slice(start, start + n)
             mask = shaped["mask"][sl, :a]
@@ -345,6 +356,27 @@ class FastExperienceMaker(ExperienceMaker):
             ))
             start += n
         return experiences
+
+
+_SEED_STRIDE = 1_000_003  # > any batch's request count: call streams never overlap
+DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a recipe or a default_recipe)
+
+
+def _scoring_temperature(sampling: SamplingSettings) -> float:
+    """Log-probs are taken at the sampling temperature; greedy decoding (0) is scored at 1."""
+    return sampling.temperature if sampling.temperature > 0 else 1.0
+
+
+def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):
+    """[B, S] prompt+response ids, right-padded, and their 0/1 mask (reward models read the last real token)."""
+    rows = [p + r for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(r) for r in rows)
+    seq = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [B, S]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, S]
+    for i, row in enumerate(rows):
+        seq[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return seq, mask
 
 
 def stop_token_ids(model: Any, tokenizer: Any, extra: Sequence[int] = ()) -> list[int]:

@@ -19,10 +19,8 @@ class ExperienceSettings:
     kl_in_reward: bool = False  # fold -coef * KL into the token rewards (coef from the controller)
     need_reference: bool = False  # compute reference log-probs (KL in the reward, or a KL loss later)
     compute_entropy: bool = False  # per-token entropy (high-entropy filtering, logging)
-    temperature: float = 1.0  # divides the logits when scoring; match the sampler for on-policy ratios
     overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)
     overlong_penalty_factor: float = 1.0
-    max_new_tokens: int = 1024  # response budget (the overlong penalty's reference length)
     reward_normalization: bool = False  # running mean/std normalisation of sequence rewards (state in the maker)
     reward_clip: float | None = None
     advantage_whitening: bool = False  # whiten advantages over the rollout's response tokens
@@ -40,6 +38,8 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> Experienc
         params.update(eps=algorithm.advantage_eps, norm_by_std=algorithm.norm_by_std)
     elif name in ("reinforce", "reinforce++", "reinforce_baseline"):
         params.update(gamma=algorithm.gamma)
+    elif name == "cpgd":
+        params.update(weight=algorithm.cpgd_weight, eps=algorithm.advantage_eps)
     params.update(algorithm.advantage_params)
     if algorithm.dynamic_sampling:
         raise ValueError(
@@ -56,10 +56,8 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> Experienc
         kl_in_reward=kl_in_reward,
         need_reference=kl_in_reward or algorithm.kl_loss_coef > 0,
         compute_entropy=algorithm.high_entropy_top_p < 1.0 or algorithm.entropy_coef > 0,
-        temperature=rollout.temperature if rollout.temperature > 0 else 1.0,
         overlong_buffer_len=algorithm.overlong_buffer_len,
         overlong_penalty_factor=algorithm.overlong_penalty_factor,
-        max_new_tokens=rollout.max_new_tokens,
         reward_normalization=algorithm.reward_normalization,
         reward_clip=algorithm.reward_clip,
         # One process holds the whole rollout, so "batch" and "global" pool the same statistics here.

@@ -74,11 +74,13 @@ class ActorVL(nn.Module):
         self.chunk_size = chunk_size
 
     @classmethod
-    def from_pretrained(cls, path: str, *, chunk_size: int = 1024, **model_kwargs: Any) -> "ActorVL":
+    def from_pretrained(cls, path: str, *, chunk_size: int = 1024, adapter: FamilyAdapter | None = None,
+                        **model_kwargs: Any) -> "ActorVL":
+        """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own."""
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
-        return cls(model, get_adapter(model.config), chunk_size=chunk_size)
+        return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
     def hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

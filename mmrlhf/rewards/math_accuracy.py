@@ -51,7 +51,9 @@ def math_equal(response: str, reference: str, timeout_s: int = 5) -> bool:
     answer = parse(_as_math(extract_answer(response)), parsing_timeout=seconds)
     if not answer:
         return False
-    return bool(verify(gold, answer, timeout_seconds=seconds, raise_on_error=True))
+    # Likewise a verification that errors or times out on the policy's answer scores 0 rather than stopping the
+    # step (the reference already parsed, so the failure is the response's).
+    return bool(verify(gold, answer, timeout_seconds=seconds, raise_on_error=False))
 
 
 def _as_math(text: str) -> str:

@@ -131,7 +131,9 @@ def parse_number(text: str) -> float | None:
         return None
 
 
-_CHOICE_AFTER_WORD = re.compile(r"(?:answer|option|choice)\s*(?:is|:)?\s*\(?([A-Za-z])\)?(?![A-Za-z])", re.IGNORECASE)
+_CHOICE_KEYWORD = re.compile(r"(?:answer|option|choice)\s*(?:is\b|:)?\s*", re.IGNORECASE)
+# After a keyword only UPPER-case standalone letters count: "the answer is a cat" names no option.
+_UPPER_OPTION = re.compile(r"(?<![A-Za-z])\(?([A-Z])\)?(?![A-Za-z])")
 _CHOICE_ALONE = re.compile(r"\(?([A-Za-z])\)?(?:[.:)]\s.*|[.:)]?)", re.DOTALL)
 
 
@@ -146,12 +148,24 @@ def extract_choice(text: str, letters: str = "ABCDEFGH") -> str | None:
     'D'
     >>> extract_choice("Banana") is None
     True
+    >>> extract_choice("The answer is a cat") is None  # an article is not option A
+    True
+    >>> extract_choice("the answer is A or B") is None  # a hedge names no single option
+    True
     """
     text = text.strip()
     match = _CHOICE_ALONE.fullmatch(text) or None
     if match is None:
-        hits = _CHOICE_AFTER_WORD.findall(text)
-        letter = hits[-1] if hits else None
+        keywords = list(_CHOICE_KEYWORD.finditer(text))
+        if not keywords:
+            return None
+        clause = re.split(r"[.;\n]", text[keywords[-1].end():], maxsplit=1)[0].strip()
+        whole = re.fullmatch(r"\(?([A-Za-z])\)?", clause)  # "the answer is b": any case when it stands alone
+        if whole:
+            letter = whole.group(1)
+        else:
+            picks = {m.group(1) for m in _UPPER_OPTION.finditer(clause) if m.group(1) in letters.upper()}
+            letter = picks.pop() if len(picks) == 1 else None
     else:
         letter = match.group(1)
     if letter is None or letter.upper() not in letters.upper():

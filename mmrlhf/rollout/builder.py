@@ -21,14 +21,17 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
 
 
 def build_engine(cfg: RolloutConfig, model_path: str, *, dtype: str = "bfloat16", family: str = "auto",
-                 hf_model: Any = None, tokenizer: Any = None) -> RolloutEngine:
+                 hf_model: Any = None, tokenizer: Any = None, trust_remote_code: bool = False) -> RolloutEngine:
     """Build the configured engine. The transformers engine needs the (actor) model and tokenizer."""
     adapter = get_adapter(model_path, family)
     if cfg.engine == "vllm":
         from mmrlhf.rollout.vllm_engine import VLLMEngine
 
+        limits = {k: v for k, v in (("image", cfg.limit_images_per_prompt), ("video", cfg.limit_videos_per_prompt))
+                  if v is not None}
         return VLLMEngine(
             model_path, adapter, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
+            limit_mm_per_prompt=limits or None, trust_remote_code=trust_remote_code,
             weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=dtype, seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep,
@@ -40,5 +43,5 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, dtype: str = "bfloat16"
     return HFGenerateEngine(
         hf_model, adapter, eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
         pad_token_id=tokenizer.pad_token_id, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
-        batch_size=cfg.micro_rollout_batch_size,
+        batch_size=cfg.micro_rollout_batch_size, weight_sync_bucket_mb=cfg.weight_sync_bucket_mb,
     )

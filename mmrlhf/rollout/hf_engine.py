@@ -26,10 +26,12 @@ class HFGenerateEngine(RolloutEngine):
         max_model_len: context length used for the too-long check.
         prompt_too_long: ``"skip"`` or ``"error"``.
         batch_size: prompts per ``generate`` call (bounds memory).
+        weight_sync_bucket_mb: bound on one weight-update bucket.
     """
 
     def __init__(self, model: Any, adapter: FamilyAdapter, *, eos_token_id: int, pad_token_id: int,
-                 max_model_len: int = 4096, prompt_too_long: str = "skip", batch_size: int = 8) -> None:
+                 max_model_len: int = 4096, prompt_too_long: str = "skip", batch_size: int = 8,
+                 weight_sync_bucket_mb: int = 256) -> None:
         super().__init__(max_model_len, prompt_too_long)
         self.model = model
         self.adapter = adapter
@@ -39,6 +41,7 @@ class HFGenerateEngine(RolloutEngine):
         extra = [] if gen_eos is None else list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos]
         self.stop_ids = sorted({int(eos_token_id), *map(int, extra)})  # tokenizer EOS + generation-config EOS
         self.batch_size = batch_size
+        self.bucket_bytes = int(weight_sync_bucket_mb) << 20
 
     @property
     def device(self) -> torch.device:
@@ -94,12 +97,16 @@ class HFGenerateEngine(RolloutEngine):
         if settings.stop:
             gen_kwargs["stop_strings"] = list(settings.stop)
         gen_kwargs["eos_token_id"] = sorted(set(self.stop_ids) | set(settings.stop_token_ids))
-        if settings.seed is not None:
-            torch.manual_seed(settings.seed + chunk[0])
         was_training = self.model.training
         self.model.eval()
+        # Seeded sampling on a private copy of the RNG state: the trainer's global stream (dropout, shuffling)
+        # is left exactly as it was.
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
         try:
-            out = self.model.generate(**inputs, **gen_kwargs)
+            with torch.random.fork_rng(devices=devices):
+                if settings.seed is not None:
+                    torch.manual_seed(settings.seed + chunk[0])
+                out = self.model.generate(**inputs, **gen_kwargs)
         finally:
             self.model.train(was_training)
         new = out.sequences[:, width:]  # [B * n, A]
@@ -117,10 +124,7 @@ class HFGenerateEngine(RolloutEngine):
             completions = []
             for k in range(settings.n):
                 row = j * settings.n + k
-                toks = new[row].tolist()
-                end = next((t + 1 for t, tok in enumerate(toks) if tok in stops), None)
-                finish = "stop" if end is not None else "length"
-                toks = toks[:end] if end is not None else toks  # no EOS: every position was sampled
+                toks, finish = _cut_generated(new[row].tolist(), stops, self.pad_token_id)
                 lp = logps[row, : len(toks)].tolist() if logps is not None else None
                 completions.append(Completion(toks, lp, finish))
             results.append(GenerationOutput(i, list(requests[i].prompt_token_ids), completions))
@@ -132,7 +136,7 @@ class HFGenerateEngine(RolloutEngine):
         params.update(dict(self.model.named_buffers()))
         loaded = 0
         with torch.no_grad():
-            for bucket in iter_buckets(named_tensors, 256 << 20):
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
                 for name, tensor in bucket:
                     if name not in params:
                         raise KeyError(f"update_weights: the model has no parameter {name!r}")
@@ -141,3 +145,21 @@ class HFGenerateEngine(RolloutEngine):
                         target.copy_(tensor.to(target.device, target.dtype))
                     loaded += 1
         return loaded
+
+
+def _cut_generated(toks: list[int], stops: set[int], pad_id: int) -> tuple[list[int], str]:
+    """The sampled part of one ``generate`` row and its finish reason.
+
+    transformers fills a finished row with ``pad_id`` up to the batch's length. Trailing pads are that fill (the
+    first of them is the sampled EOS when the pad id is itself a stop token); a row without fill ran to
+    ``max_new_tokens``. Within the sampled part, the response ends at its first stop token.
+    """
+    k = len(toks)
+    while k > 0 and toks[k - 1] == pad_id:
+        k -= 1
+    if k == len(toks):
+        kept, finish = toks, "length"
+    else:  # stopped early: by a stop token (kept below) or by a stop string (kept as is)
+        kept, finish = toks[: k + 1] if pad_id in stops else toks[:k], "stop"
+    end = next((t + 1 for t, tok in enumerate(kept) if tok in stops), None)
+    return (kept[:end], "stop") if end is not None else (kept, finish)

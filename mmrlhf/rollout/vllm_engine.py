@@ -30,6 +30,14 @@ def _validation_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, VLLMValidationError)
 
 
+def _is_length_error(exc: BaseException) -> bool:
+    """Whether vLLM rejected a request for its length (the only rejection the skip policy covers)."""
+    if getattr(exc, "parameter", None) in ("input_tokens", "prompt_tokens"):
+        return True
+    text = str(exc).lower()
+    return "context length" in text or "max_model_len" in text or "maximum model length" in text
+
+
 class VLLMEngine(RolloutEngine):
     """Generation with an in-process ``vllm.LLM``; weight updates streamed in size-bounded buckets.
 
@@ -39,7 +47,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len: context length (prompt + response).
         prompt_too_long: ``"skip"`` (counted in the result) or ``"error"``.
         weight_sync_bucket_mb: bound on one weight-update bucket.
-        limit_mm_per_prompt: most images / videos one prompt may carry.
+        limit_mm_per_prompt: most images / videos one prompt may carry (None: vLLM's default).
         Other arguments go to :func:`mmrlhf.rollout.vllm_setup.make_llm` (GPU-only ones are dropped on CPU).
     """
 
@@ -58,6 +66,7 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
         enable_sleep: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         super().__init__(max_model_len, prompt_too_long)
         import_vllm()
@@ -72,7 +81,8 @@ class VLLMEngine(RolloutEngine):
         self._asleep = False
         self.llm = make_llm(
             model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            limit_mm_per_prompt=limit_mm_per_prompt or {"image": 4, "video": 1},
+            limit_mm_per_prompt=limit_mm_per_prompt,
+            trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_sleep_mode=self.supports_sleep,
         )
@@ -126,8 +136,10 @@ class VLLMEngine(RolloutEngine):
         try:
             raw = self.llm.generate(inputs, params, use_tqdm=False)
         except _validation_errors() as exc:
-            # vLLM validates the whole batch up front; one bad prompt (e.g. longer than the context once vLLM
-            # tokenised it) must not lose the others: retry one by one and skip or raise per the policy.
+            if not _is_length_error(exc):
+                raise  # not a too-long prompt: a real error, never turned into a skip
+            # vLLM validates the whole batch up front; one prompt longer than the context (as vLLM tokenised it)
+            # must not lose the others: retry one by one and skip or raise per the policy.
             if len(keep) == 1:
                 if self.prompt_too_long == "error":
                     raise PromptTooLongError(f"request {keep[0]}: {exc}") from exc

@@ -58,6 +58,7 @@ def make_llm(
     gpu_memory_utilization: float = 0.5,
     enforce_eager: bool = True,
     enable_sleep_mode: bool = False,
+    trust_remote_code: bool = False,
 ) -> Any:
     """An in-process ``vllm.LLM`` for ``model_path``.
 
@@ -71,10 +72,12 @@ def make_llm(
         max_model_len=max_model_len,
         seed=seed,
         enforce_eager=enforce_eager if cuda_available() else True,
+        trust_remote_code=trust_remote_code,
     )
     if limit_mm_per_prompt:
         kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
-    if _engine_arg_exists(vllm, "mm_device_do_normalize") and not processors_normalise_alike(model_path):
+    if _engine_arg_exists(vllm, "mm_device_do_normalize") and not processors_normalise_alike(
+            model_path, trust_remote_code=trust_remote_code):
         # vLLM normalises pixels on the device for some families with ONE mean/std; when the checkpoint's image
         # and video processors differ, videos come out wrong (measured: video log-probs off by up to 0.07).
         logger.warning("%s: image and video processors normalise differently; normalising on the host "
@@ -95,11 +98,11 @@ def _engine_arg_exists(vllm: Any, name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(vllm.EngineArgs)}
 
 
-def processors_normalise_alike(model_path: str) -> bool:
+def processors_normalise_alike(model_path: str, *, trust_remote_code: bool = False) -> bool:
     """Whether the checkpoint's image and video processors use the same mean / std (True if either is absent)."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(str(model_path))
+    processor = AutoProcessor.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
     image, video = getattr(processor, "image_processor", None), getattr(processor, "video_processor", None)
     if image is None or video is None:
         return True

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers import AutoProcessor
@@ -137,7 +135,6 @@ def test_engine_prompt_mismatch_is_an_error_naming_the_sample(parts):
         maker.make_experience_list(["Describe it.", "What color is the square?"])
     with pytest.raises(TypeError, match="unknown generation argument"):
         _maker(parts, RecordingReward()).make_experience_list(["hi"], temprature=0.5)
-    assert dataclasses.is_dataclass(maker.settings)
 
 
 def test_left_truncated_prompt_reaches_the_engine_as_processed(parts):
@@ -171,7 +168,7 @@ def test_reward_normalisation_whitening_and_state(parts):
     info = exps[0].info["batch"]
     assert {"reward_running_mean", "advantage_mean", "advantage_std"} <= set(info)
     state = maker.state_dict()
-    assert set(state) == {"kl_controller", "reward_norm"}
+    assert set(state) == {"calls", "kl_controller", "reward_norm"}
     fresh = _maker(parts, RecordingReward(), reward_normalization=True)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -194,3 +191,39 @@ def test_engine_matches_actor_before_and_after_a_weight_sync(parts):
     engine.update_weights(actor.model.state_dict().items())
     assert gap() < DEFAULT_TOLERANCE
     engine.update_weights(ActorVL.from_pretrained(path, dtype=torch.float32).model.state_dict().items())  # restore
+
+
+def test_calls_draw_fresh_samples_and_resume_reproduces_them(parts):
+    """Each call samples a fresh stream (seed advances per call); restoring state_dict replays a call exactly."""
+    prompts = ["Describe the picture in one sentence.", "Name a colour."]
+    maker = _maker(parts, RecordingReward())
+    ids = lambda exps: [e.sequences[i][e.attention_mask[i].bool()].tolist()  # noqa: E731
+                        for e in exps for i in range(e.sequences.shape[0])]
+    state = maker.state_dict()
+    first = ids(maker.make_experience_list(prompts))
+    second = ids(maker.make_experience_list(prompts))
+    assert first != second
+    maker.load_state_dict(state)
+    assert ids(maker.make_experience_list(prompts)) == first
+
+
+def test_scoring_follows_the_call_temperature(parts):
+    """Old log-probs are taken at the temperature the call sampled with; the engine comparison, which needs
+    raw log-probs, is reported only at temperature 1."""
+    maker = _maker(parts, RecordingReward())
+    hot = maker.make_experience_list(["Name a colour."], temperature=1.0)
+    cool = maker.make_experience_list(["Name a colour."], temperature=0.5, seed=0)
+    assert "engine_logprob_diff/max" in hot[0].info["batch"]
+    assert "engine_logprob_diff/max" not in cool[0].info["batch"]
+    e = cool[0]
+    rescored = maker.actor(_rebuild(maker, e), temperature=0.5).log_probs
+    assert torch.allclose(rescored[e.action_mask], e.action_log_probs[e.action_mask], atol=1e-5)
+
+
+def _rebuild(maker, e):
+    from mmrlhf.experience.types import SamplesVL
+
+    return SamplesVL(sequences=e.sequences, attention_mask=e.attention_mask, action_mask=e.action_mask,
+                     num_actions=e.action_mask.shape[1], packed_seq_lens=None,
+                     response_length=e.info["response_length"], total_length=e.info["total_length"],
+                     mm_token_type_ids=e.mm_token_type_ids, image_num=e.image_num, video_num=e.video_num)

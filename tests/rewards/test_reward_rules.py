@@ -100,3 +100,22 @@ def test_math_accuracy_equivalent_forms_and_no_reference():
 def test_math_accuracy_ignores_a_correct_answer_that_only_the_prompt_contains():
     prompt = r"Hint: the answer is \boxed{12}."
     assert call("math_accuracy", ["I do not know"], ["12"], prompts=[prompt]) == [0.0]
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("The answer is a cat", None),  # article, not option A
+        ("the answer is a bit tricky, but it is C", "C"),
+        ("the answer is A or B", None),  # a hedge picks no single option
+        ("Answer: (B)", "B"),
+        ("I think the answer is D. It could not be A.", "D"),  # the clause after the keyword decides
+        ("The option is I", None),  # not one of the letters
+    ],
+)
+def test_extract_choice_rejects_false_positives(response, expected):
+    from mmrlhf.rewards.rules import extract_choice, multiple_choice
+
+    assert extract_choice(response) == expected
+    if expected is None:
+        assert multiple_choice([response], ["q"], ["mcq"], ["A"]) == [0.0]

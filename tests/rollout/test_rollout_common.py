@@ -84,3 +84,32 @@ def test_hf_engine_update_weights_copies_and_rejects_unknown_names(hf_setup):
         assert torch.equal(p, sd[name]), name
     with pytest.raises(KeyError, match="no parameter 'nope'"):
         engine.update_weights(iter([("nope", torch.zeros(1))]))
+
+
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ([5, 6, 2, 0, 0], ([5, 6, 2], "stop")),  # EOS (2) then fill (pad 0)
+        ([5, 6, 7, 0, 0], ([5, 6, 7], "stop")),  # stop string: no stop token, fill after it
+        ([5, 6, 7, 8, 9], ([5, 6, 7, 8, 9], "length")),  # ran to max_new_tokens
+        ([5, 0, 7, 8, 9], ([5, 0, 7, 8, 9], "length")),  # a sampled pad in the middle is a real token
+    ],
+)
+def test_generate_rows_are_cut_at_their_real_end(row, expected):
+    from mmrlhf.rollout.hf_engine import _cut_generated
+
+    assert _cut_generated(row, {2}, pad_id=0) == expected
+    if row[-1] == 0:  # pad is itself a stop token (real Qwen models): the first fill token is the sampled EOS
+        assert _cut_generated([5, 6, 0, 0], {2, 0}, pad_id=0) == ([5, 6, 0], "stop")
+
+
+def test_hf_generate_leaves_the_global_rng_alone(hf_setup):
+    engine, _, processor = hf_setup
+    from mmrlhf.rollout.types import GenerationRequest
+
+    req = [GenerationRequest("red", prompt_token_ids=processor.tokenizer("red")["input_ids"])]
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    engine.generate(req, SamplingSettings(max_new_tokens=3, seed=7))
+    assert torch.equal(torch.rand(3), expected)
