@@ -34,6 +34,7 @@ from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.rewards.types import RewardBatch
+from mmrlhf.rollout.base import stop_token_ids
 from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ class FastExperienceMaker(ExperienceMaker):
         self._calls = 0  # make_experience_list calls so far (per-call sampling seeds)
         self.adapter = actor.adapter
         self.pad_id = tokenizer.pad_token_id
-        self.eos_ids = stop_token_ids(actor.model, tokenizer, sampling.stop_token_ids)
+        self.eos_ids = stop_token_ids(actor.model, tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
+                                      sampling.stop_token_ids)
 
     # ---- state a trainer checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -377,16 +379,6 @@ def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pa
         seq[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         mask[i, : len(row)] = 1
     return seq, mask
-
-
-def stop_token_ids(model: Any, tokenizer: Any, extra: Sequence[int] = ()) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS, the generation config's EOS ids (real Qwen models list
-    two) and any configured stop ids. The engines stop on the same set."""
-    ids = {tokenizer.convert_tokens_to_ids(tokenizer.eos_token), *extra}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
-    return sorted(int(i) for i in ids)
 
 
 def _cat_padded(tensors: list[torch.Tensor | None], width: int) -> torch.Tensor | None:

@@ -87,3 +87,13 @@ def iter_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[lis
         size += nbytes
     if bucket:
         yield bucket
+
+
+def stop_token_ids(model: object, eos_token_id: int, extra: Iterable[int] = ()) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS, the model's generation-config EOS ids (real Qwen models
+    list two) and any configured stop ids. Engines and sample builders use the same set."""
+    ids = {int(eos_token_id), *map(int, extra)}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(map(int, gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    return sorted(ids)

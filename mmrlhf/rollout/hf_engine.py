@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mmrlhf.models.adapters import FamilyAdapter
-from mmrlhf.rollout.base import NamedTensors, RolloutEngine, iter_buckets
+from mmrlhf.rollout.base import NamedTensors, RolloutEngine, iter_buckets, stop_token_ids
 from mmrlhf.rollout.types import Completion, GenerationOutput, GenerationRequest, GenerationResult, SamplingSettings
 
 
@@ -37,9 +37,7 @@ class HFGenerateEngine(RolloutEngine):
         self.adapter = adapter
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        extra = [] if gen_eos is None else list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos]
-        self.stop_ids = sorted({int(eos_token_id), *map(int, extra)})  # tokenizer EOS + generation-config EOS
+        self.stop_ids = stop_token_ids(model, eos_token_id)
         self.batch_size = batch_size
         self.bucket_bytes = int(weight_sync_bucket_mb) << 20
 
