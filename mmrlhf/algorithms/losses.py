@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from mmrlhf.algorithms.checks import check_params
+from mmrlhf.algorithms.kl import LOG_RATIO_CLAMP
 from mmrlhf.algorithms.masked import agg_loss, as_bool_mask, masked_fill_zero, masked_mean
 from mmrlhf.registry import Registry
 
-LOG_RATIO_CLAMP = 20.0
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 

@@ -13,6 +13,7 @@ import torch
 
 from mmrlhf.algorithms.kl import kl_controller
 from mmrlhf.config.schema import MMRLHFConfig
+from mmrlhf.devices import resolve_device
 from mmrlhf.experience.settings import experience_settings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +48,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     if not model_cfg.pretrain:
         raise ValueError("model.pretrain is empty: set it to a model directory")
     dtype = _DTYPES[model_cfg.dtype]
-    target = torch.device(device) if device is not None else _auto_device(config.trainer.device)
+    target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
     load = dict(dtype=dtype, attn_implementation=model_cfg.attn_implementation,
                 trust_remote_code=model_cfg.trust_remote_code)
     adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
@@ -71,11 +72,3 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                                 sampling_settings(config.rollout), initial_model=reference, critic=critic,
                                 kl_controller=controller)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
-
-
-def _auto_device(name: str) -> torch.device:
-    if name != "auto":
-        return torch.device(name)
-    if torch.accelerator.is_available():
-        return torch.accelerator.current_accelerator()
-    return torch.device("cpu")

@@ -19,22 +19,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mmrlhf.devices import resolve_device
 from mmrlhf.registry import Registry
 from mmrlhf.rewards.types import RewardBatch, RewardError, RewardInputError, SourceScores
 
 REWARD_MODELS: Registry[Callable[..., nn.Module]] = Registry("reward model kind")
 """Builders ``fn(path, dtype, **options) -> nn.Module`` by kind name; ``module:factory`` specs resolve too."""
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> the accelerator torch reports as available (whatever its type), else CPU; others as given."""
-    if name != "auto":
-        return torch.device(name)
-    if torch.accelerator.is_available():
-        accelerator = torch.accelerator.current_accelerator()
-        if accelerator is not None:
-            return accelerator
-    return torch.device("cpu")
 
 
 def collate_vision(vision: list[dict[str, torch.Tensor]], where: list[str]) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from mmrlhf.rewards import RewardBatch, RewardComputationEngine, RewardError, RewardInputError
-from mmrlhf.rewards.local_model import LocalRewardModel, collate_vision, resolve_device
+from mmrlhf.devices import resolve_device
+from mmrlhf.rewards.local_model import LocalRewardModel, collate_vision
 
 IMAGE_TOKEN = 9
 
