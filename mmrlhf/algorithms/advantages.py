@@ -220,7 +220,8 @@ def cpgd(
 
     ``weight="std"``: ``(R_i - mean_g) / (pop_std_g + eps)`` -- like GRPO but with the population (biased) std,
     as CPGD's reference code uses. ``weight="clip_filter"``: ``(R_i - mean_g) * min(N / N_valid, max_weight)``,
-    ``N`` the batch size and ``N_valid`` the samples in groups with non-zero variance: instead of re-sampling
+    ``N`` the samples with a response token (samples masked out by the reward engine have none and are not
+    counted) and ``N_valid`` the samples in groups with non-zero variance: instead of re-sampling
     (DAPO's filter), the informative groups are up-weighted so the batch keeps its effective step size; the cap
     bounds the up-weighting when almost every group is degenerate. CPGD's stability comes from its loss (clipped
     log-ratio plus a policy-drift KL, see ``losses.cpgd``), not from this estimator.
@@ -231,8 +232,9 @@ def cpgd(
         return _group_normalised(token_rewards, mask, group_ids, "cpgd", eps=eps, norm_by_std=True, unbiased=False)
     rewards = sequence_rewards(token_rewards, mask)  # [B]
     st = group_stats(rewards, _need(group_ids, "group_ids", "cpgd"))
-    n_valid = int((~st.constant).sum())
-    scale = min(rewards.numel() / n_valid, max_weight) if n_valid else 0.0
+    present = as_bool_mask(mask).any(-1)  # [B] rows with a response token (masked-out samples have none)
+    n_valid = int((~st.constant & present).sum())
+    scale = min(int(present.sum()) / n_valid, max_weight) if n_valid else 0.0
     centred = (rewards.to(torch.float64) - st.mean) * scale
     centred = torch.where(st.constant, torch.zeros_like(centred), centred)
     adv = _broadcast(centred, mask, token_rewards.dtype)

@@ -58,10 +58,12 @@ def kl_loss(
     estimator: str = "k3",
     agg: str = "token-mean",
     norm_len: int | None = None,
+    denominator: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """KL as a loss term (to be multiplied by its coefficient by the caller), aggregated like the policy loss."""
+    """KL as a loss term (to be multiplied by its coefficient by the caller), aggregated like the policy loss
+    (``denominator``: see ``masked.agg_loss``, for gradient accumulation)."""
     kl = approx_kl(logprobs, ref_logprobs, mask, estimator)  # [B, A]
-    loss = agg_loss(kl, mask, agg, norm_len=norm_len)
+    loss = agg_loss(kl, mask, agg, norm_len=norm_len, denominator=denominator)
     return loss, {"kl_loss": loss.detach()}
 
 
@@ -78,16 +80,19 @@ def kl_penalized_rewards(
 
     ``k1`` is the usual choice here: summed over a response it is the sample's log-likelihood ratio, an unbiased
     estimate of the sequence KL that a per-token reward can carry. Metrics: ``kl`` (mean per-token estimate),
-    ``kl_seq`` (mean per-response sum, what the adaptive controller tracks) and ``kl_coef``.
+    ``kl_seq`` (mean per-response sum over responses with at least one token, what the adaptive controller tracks)
+    and ``kl_coef``.
     """
     with torch.no_grad():
         m = as_bool_mask(mask)
         kl = approx_kl(logprobs, ref_logprobs, m, estimator)  # [B, A]
         out = masked_fill_zero(token_rewards - coef * kl, m)
         seq_kl = kl.sum(-1)  # [B]
+        # Rows without a response token (samples the reward engine masked out) carry no KL: they must not pull the
+        # mean, and with it the adaptive controller, towards 0.
         metrics = {
             "kl": masked_mean(kl, m),
-            "kl_seq": seq_kl.mean() if seq_kl.numel() else seq_kl.sum(),
+            "kl_seq": masked_mean(seq_kl, m.any(-1)),
             "kl_coef": torch.tensor(float(coef), device=kl.device),
         }
     return out, metrics

@@ -46,6 +46,8 @@ def policy_loss(
     norm_len: int | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_weights: Tensor | None = None,
+    agg_denominator: float | Tensor | None = None,
     **params,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss (to minimise) and metrics, from the loss registered as ``name`` (or ``module:fn``).
@@ -55,6 +57,11 @@ def policy_loss(
     ``entropy_coef > 0`` subtracts ``entropy_coef * agg(entropy)`` (an exploration bonus). ``norm_len`` is the
     constant of ``seq-mean-token-sum-norm``. Pass a high-entropy mask (``entropy.high_entropy_mask``) as ``mask``
     to train on forking tokens only.
+
+    ``token_weights`` ``[B, A]`` (no gradient) multiply the per-token loss before aggregation: the importance
+    weights of rollout correction (``rollout_correction.rollout_correction``). ``agg_denominator`` replaces the
+    aggregation's own count (tokens for ``token-mean``, non-empty sequences otherwise) so that gradient
+    accumulation over micro-batches gives exactly the loss of the whole mini-batch (see ``masked.agg_loss``).
     """
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape) or logprobs.dim() != 2:
         raise ValueError(
@@ -71,14 +78,18 @@ def policy_loss(
     old_logprobs = masked_fill_zero(old_logprobs.detach(), m)
     advantages = masked_fill_zero(advantages.detach(), m)
     per_token, metrics = fn(logprobs, old_logprobs, advantages, m, clip_low=clip_low, clip_high=clip_high, **params)
-    loss = agg_loss(per_token, m, agg, norm_len=norm_len)
+    if token_weights is not None:
+        if token_weights.shape != per_token.shape:
+            raise ValueError(f"token_weights must be [B, A] like the loss; got {tuple(token_weights.shape)}")
+        per_token = per_token * masked_fill_zero(token_weights.detach().to(per_token.dtype), m)
+    loss = agg_loss(per_token, m, agg, norm_len=norm_len, denominator=agg_denominator)
     out = {"pg_loss": loss.detach()}
     with torch.no_grad():
         log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         out["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, m)
         out["ratio_mean"] = masked_mean(log_ratio.exp(), m)
     if entropy is not None:
-        ent = agg_loss(masked_fill_zero(entropy, m), m, agg, norm_len=norm_len)
+        ent = agg_loss(masked_fill_zero(entropy, m), m, agg, norm_len=norm_len, denominator=agg_denominator)
         out["entropy"] = ent.detach()
         if entropy_coef:
             loss = loss - entropy_coef * ent

@@ -74,7 +74,8 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     return masked_fill_zero(out, m)
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", *, norm_len: int | None = None) -> Tensor:
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", *, norm_len: int | None = None,
+             denominator: float | Tensor | None = None) -> Tensor:
     """Reduce a per-token loss ``[B, A]`` to a scalar.
 
     - ``token-mean``: sum over all response tokens / number of response tokens. Every token weighs the same, so
@@ -88,22 +89,40 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", *, norm_l
 
     Sequences with no response token are left out of the sequence means (they carry no loss and must not dilute
     the others); with no response token at all the loss is 0 (still attached to the graph).
+
+    ``denominator``: divide by this instead of the batch's own count (response tokens for ``token-mean``,
+    sequences with a response token otherwise). Gradient accumulation passes the count of the whole mini-batch, so
+    the micro-batch losses sum to exactly the mini-batch's loss; see :func:`agg_count`.
     """
     m = as_bool_mask(mask)
-    if mode == "token-mean":
-        return masked_mean(loss_mat, m)
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGG_MODES)}")
+    if denominator is not None:
+        denom = torch.as_tensor(denominator, dtype=loss_mat.dtype, device=loss_mat.device).clamp(min=1)
+        if mode == "token-mean":
+            return masked_sum(loss_mat, m) / denom
+        return _per_sequence(loss_mat, m, mode, norm_len).sum() / denom
+    if mode == "token-mean":
+        return masked_mean(loss_mat, m)
+    nonempty = m.sum(-1) > 0  # [B]
+    return masked_mean(_per_sequence(loss_mat, m, mode, norm_len), nonempty)
+
+
+def agg_count(mask: Tensor, mode: str = "token-mean") -> Tensor:
+    """What :func:`agg_loss` divides by for ``mask``: response tokens (``token-mean``) or sequences with at least
+    one response token (the sequence modes). Summed over micro-batches it is the mini-batch's ``denominator``."""
+    m = as_bool_mask(mask)
+    return m.sum() if mode == "token-mean" else (m.sum(-1) > 0).sum()
+
+
+def _per_sequence(loss_mat: Tensor, m: Tensor, mode: str, norm_len: int | None) -> Tensor:
+    """[B] per-sequence loss of a sequence mode (0 for sequences without response tokens)."""
     seq_sum = masked_sum(loss_mat, m, dim=-1)  # [B]
-    seq_len = m.sum(-1)  # [B]
     if mode == "seq-mean-token-mean":
-        per_seq = seq_sum / seq_len.clamp(min=1).to(loss_mat.dtype)
-    elif mode == "seq-mean-token-sum":
-        per_seq = seq_sum
-    else:
-        denom = max(loss_mat.shape[-1], 1) if norm_len is None else norm_len
-        if denom <= 0:
-            raise ValueError(f"norm_len must be positive, got {denom}")
-        per_seq = seq_sum / denom
-    nonempty = seq_len > 0  # [B]
-    return masked_mean(per_seq, nonempty)
+        return seq_sum / m.sum(-1).clamp(min=1).to(loss_mat.dtype)
+    if mode == "seq-mean-token-sum":
+        return seq_sum
+    denom = max(loss_mat.shape[-1], 1) if norm_len is None else norm_len
+    if denom <= 0:
+        raise ValueError(f"norm_len must be positive, got {denom}")
+    return seq_sum / denom

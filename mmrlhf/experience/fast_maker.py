@@ -1,5 +1,10 @@
-"""``FastExperienceMaker``: prompts -> generation -> samples -> log-probs / values -> rewards -> shaping -> KL ->
-advantages -> ``ExperienceVL`` list. One short method per phase; the math lives in ``mmrlhf.algorithms``.
+"""``FastExperienceMaker``: prompts -> generation -> rewards (:meth:`generate_rollout`) -> forwards -> shaping ->
+KL -> advantages (:meth:`experiences_from`) -> ``ExperienceVL`` list. One short method per phase; the math lives in
+``mmrlhf.algorithms``.
+
+Two stages, because dynamic sampling (DAPO) keeps or drops whole groups by their rewards: the trainer may call
+:meth:`generate_rollout` several times, keep the informative groups (``ScoredRollout.select`` / ``concat``) and
+run the expensive forwards only on those. :meth:`make_experience_list` is both stages in one call.
 
 Grouping: the data processor repeats each prompt n times (samples ``k*n .. k*n+n-1`` share prompt ``k``); the
 engine is asked once per unique prompt with ``n`` completions, so vision inputs are encoded once per prompt.
@@ -13,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -29,7 +33,8 @@ from mmrlhf.algorithms.shaping import (
     whiten_advantages,
 )
 from mmrlhf.experience.base import ExperienceMaker
-from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples
+from mmrlhf.experience.rollout import Rollout, ScoredRollout
+from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
@@ -42,29 +47,6 @@ logger = logging.getLogger(__name__)
 
 class PromptMismatchError(ValueError):
     """The engine tokenised a prompt differently from the data processor (the forward would not match it)."""
-
-
-@dataclass
-class Rollout:
-    """Per-sample results of generation, in sample order (only samples whose prompt was generated)."""
-
-    sample_index: list[int]  # index into the processor's batch
-    group: list[int]  # prompt index within this call (samples of one prompt share it)
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    engine_logprobs: list[list[float] | None]
-    finished: list[bool]  # the engine's word: stopped by EOS / a stop string (False: cut by max_new_tokens)
-    vision: list[dict[str, torch.Tensor]]
-    prompts: list[str]
-    labels: list[Any]
-    references: list[Any]
-    images: list[list[Any]]
-
-    def __len__(self) -> int:
-        return len(self.sample_index)
-
-    def select(self, rows: range) -> "Rollout":
-        return Rollout(*[getattr(self, f.name)[rows.start : rows.stop] for f in dataclasses.fields(self)])
 
 
 class FastExperienceMaker(ExperienceMaker):
@@ -97,7 +79,7 @@ class FastExperienceMaker(ExperienceMaker):
         self.sampling = dataclasses.replace(sampling, n=settings.n_samples_per_prompt)
         self.kl_controller = kl_controller
         self.reward_norm = RunningRewardNorm() if settings.reward_normalization else None
-        self._calls = 0  # make_experience_list calls so far (per-call sampling seeds)
+        self._calls = 0  # generation calls so far (per-call sampling seeds)
         self.adapter = actor.adapter
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = stop_token_ids(actor.model, tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
@@ -105,7 +87,7 @@ class FastExperienceMaker(ExperienceMaker):
 
     # ---- state a trainer checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Running statistics that must survive a resume (KL coefficient, reward normalisation)."""
+        """Running statistics that must survive a resume (call count, KL coefficient, reward normalisation)."""
         state: dict[str, Any] = {"calls": self._calls}
         if self.kl_controller is not None:
             state["kl_controller"] = self.kl_controller.state_dict()
@@ -128,98 +110,173 @@ class FastExperienceMaker(ExperienceMaker):
 
     def make_experience_list(self, prompts: Sequence[Any], images: Sequence[Any] | None = None,
                              videos: Sequence[Any] | None = None, references: Sequence[Any] | None = None,
-                             labels: Sequence[Any] | None = None, **generate_kwargs: Any) -> list[ExperienceVL]:
+                             labels: Sequence[Any] | None = None, *, record_ids: Sequence[Any] | None = None,
+                             **generate_kwargs: Any) -> list[ExperienceVL]:
         """Prompts (text or chat messages; ``<image>`` placeholders) with per-prompt images / videos / references /
-        labels -> micro-batches of experience. ``generate_kwargs`` override sampling fields for this call
-        (e.g. ``temperature``, ``max_new_tokens``); ``micro_batch_size`` overrides the forward batch size."""
+        labels -> micro-batches of experience. ``record_ids`` (one per prompt) name the records in errors.
+        ``generate_kwargs`` override sampling fields for this call (e.g. ``temperature``, ``max_new_tokens``);
+        ``micro_batch_size`` overrides the forward batch size."""
+        micro = generate_kwargs.pop("micro_batch_size", None)
+        rollout = self.generate_rollout(prompts, images, videos, references, labels, record_ids=record_ids,
+                                        **generate_kwargs)
+        return self.experiences_from(rollout, micro_batch_size=micro)
+
+    def generate_rollout(self, prompts: Sequence[Any], images: Sequence[Any] | None = None,
+                         videos: Sequence[Any] | None = None, references: Sequence[Any] | None = None,
+                         labels: Sequence[Any] | None = None, *, record_ids: Sequence[Any] | None = None,
+                         n: int | None = None, **generate_kwargs: Any) -> ScoredRollout:
+        """Stage 1: process the prompts, generate ``n`` (default: the settings' group size) responses each, score
+        them with the reward engine. No model forward runs here."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
-        micro = int(generate_kwargs.pop("micro_batch_size", self.settings.micro_batch_size))
-        sampling = self._sampling_for_call(generate_kwargs)  # the ONE source of temperature / length this call
+        n = self.settings.n_samples_per_prompt if n is None else int(n)
+        sampling = self._sampling_for_call(generate_kwargs, n)  # the ONE source of temperature / length this call
         self._calls += 1
         with timer("prepare"):
             batch = self.data_processor.process_multimodal_batch(
-                list(prompts), images, references, n_samples_per_prompt=self.settings.n_samples_per_prompt,
-                all_videos=videos, all_labels=labels)
+                list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
+                **({"record_ids": list(record_ids)} if record_ids is not None else {}))
         with timer("generate"):
-            result = self.engine.generate(self._requests(batch), sampling)
-        rollout = self._collect(batch, result)
-        if not len(rollout):
+            result = self.engine.generate(self._requests(batch, n), sampling)
+        rows = self._collect(batch, result, n)
+        if not len(rows):
             raise RuntimeError(f"no prompt of the batch could be generated: {result.skipped}")
-        with timer("build"):
-            built = [self._build(rollout.select(range(s, min(s + micro, len(rollout)))))
-                     for s in range(0, len(rollout), micro)]
-        scored = self._score(built, timer, _scoring_temperature(sampling))
         with timer("reward"):
-            rewards = self._rewards(rollout, built)
-        with timer("advantages"):
-            shaped = self._shape_and_advantages(rollout, built, scored, rewards, sampling)
-        info = self._batch_info(batch, result, rollout, built, scored, rewards, shaped, sampling)
-        info.update(timer.as_info(time.perf_counter() - t_start))
-        info["throughput/gen_tokens_per_s"] = result.num_tokens / max(timer.seconds["generate"], 1e-9)
-        return self._assemble(built, scored, shaped, info)
+            rewards = self._rewards(rows)
+        metrics = self._rollout_metrics(batch, result, rows, timer)
+        metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
+        return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
 
-    # ---- phases ------------------------------------------------------------------------------------------------
-    def _sampling_for_call(self, overrides: dict[str, Any]) -> SamplingSettings:
+    def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None) -> list[ExperienceVL]:
+        """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch, shape the
+        rewards and compute KL and advantages over the whole rollout."""
+        t_start = time.perf_counter()
+        timer = PhaseTimer()
+        micro = int(micro_batch_size or self.settings.micro_batch_size)
+        rows, sampling = rollout.rows, rollout.sampling
+        with timer("build"):
+            built = [self._build(rows.select(range(s, min(s + micro, len(rows))))) for s in range(0, len(rows), micro)]
+        scored = self._score(built, timer, _scoring_temperature(sampling))
+        with timer("advantages"):
+            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling)
+        info = dict(rollout.metrics)
+        info.update(self._experience_metrics(rows, scored, shaped))
+        seconds = dict(rollout.seconds)
+        for phase, sec in timer.with_other(time.perf_counter() - t_start).items():
+            seconds[phase] = seconds.get(phase, 0.0) + sec
+        info.update({f"time/{k}": v for k, v in seconds.items()})
+        info["time/total"] = sum(seconds.values())
+        return self._assemble(rows, built, scored, shaped, rollout, info)
+
+    # ---- stage 1 -----------------------------------------------------------------------------------------------
+    def _sampling_for_call(self, overrides: dict[str, Any], n: int) -> SamplingSettings:
         names = {f.name for f in dataclasses.fields(SamplingSettings)} - {"n"}
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise TypeError(f"unknown generation argument(s) {unknown}; valid: {sorted(names)}")
-        call = dataclasses.replace(self.sampling, **overrides)
+        call = dataclasses.replace(self.sampling, n=n, **overrides)
         if "seed" not in overrides and call.seed is not None:
-            # A fresh stream per call (request i of call c: seed + c * stride + i), reproducible across a resume
-            # through state_dict(); without it every step would replay the same random numbers.
+            # A fresh stream per call (see SamplingSettings.seed for the per-request / per-sample scheme),
+            # reproducible across a resume through state_dict(); without it every step would replay the same noise.
             call = dataclasses.replace(call, seed=call.seed + self._calls * _SEED_STRIDE)
         return call
 
-    def _requests(self, batch: Any) -> list[GenerationRequest]:
+    def _requests(self, batch: Any, n: int) -> list[GenerationRequest]:
         """One request per unique prompt (its first sample), with both the text and the processor's ids."""
-        n = self.settings.n_samples_per_prompt
         reqs = []
+        record_ids = getattr(batch, "all_record_ids", None)
         for k in range(0, len(batch), n):
             videos = batch.all_videos[k]
-            reqs.append(GenerationRequest(
+            request = GenerationRequest(
                 prompt=batch.all_prompts[k], prompt_token_ids=batch.all_prompt_token_ids[k],
                 images=list(batch.all_images[k]), videos=[v.as_thwc().numpy() for v in videos],
                 video_fps=[v.fps for v in videos], vision_inputs=batch.all_vision_inputs[k],
                 mm_token_type_ids=batch.all_mm_token_type_ids[k],
-            ))
+            )
+            if record_ids is not None and record_ids[k] is not None and hasattr(request, "request_id"):
+                request.request_id = str(record_ids[k])
+            reqs.append(request)
         return reqs
 
-    def _collect(self, batch: Any, result: GenerationResult) -> Rollout:
-        """Flatten the engine's outputs into per-sample rows; check the engine saw the processor's prompt ids."""
-        n = self.settings.n_samples_per_prompt
+    def _collect(self, batch: Any, result: GenerationResult, n: int) -> Rollout:
+        """Flatten the engine's outputs into per-sample rows (responses cut after their first stop token); check
+        the engine saw the processor's prompt ids."""
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
+        record_ids = getattr(batch, "all_record_ids", None) or [None] * len(batch)
         for out in result.outputs:
             first = out.request_index * n
             expected = batch.all_prompt_token_ids[first]
             if self.settings.check_prompt_ids and list(out.prompt_token_ids) != list(expected):
                 pos = next((i for i, (a, b) in enumerate(zip(out.prompt_token_ids, expected)) if a != b),
                            min(len(expected), len(out.prompt_token_ids)))
+                rid = record_ids[first]
                 raise PromptMismatchError(
-                    f"sample {first} (prompt {batch.all_prompt_indices[first]}): the engine's prompt ids differ "
+                    f"sample {first} (prompt {batch.all_prompt_indices[first]}"
+                    f"{'' if rid is None else f', record {rid!r}'}): the engine's prompt ids differ "
                     f"from the data processor's at position {pos} ({len(out.prompt_token_ids)} vs {len(expected)} "
                     "tokens): chat template, tokenizer or vision expansion disagree")
+            prompt_text = self.tokenizer.decode(self.adapter.collapse_vision_pads(expected))
             for j, completion in enumerate(out.completions):
                 k = first + j
+                response, _ = cut_at_stop(completion.token_ids, self.eos_ids)
+                logprobs = None if completion.logprobs is None else list(completion.logprobs[: len(response)])
                 cols["sample_index"].append(k)
                 cols["group"].append(out.request_index)
                 cols["prompt_ids"].append(list(expected))
-                cols["response_ids"].append(list(completion.token_ids))
-                cols["engine_logprobs"].append(completion.logprobs)
+                cols["response_ids"].append(response)
+                cols["engine_logprobs"].append(logprobs)
                 cols["finished"].append(not completion.truncated)
                 cols["vision"].append(batch.all_vision_inputs[k])
-                cols["prompts"].append(batch.all_prompts[k])
+                cols["prompts"].append(prompt_text)
                 cols["labels"].append(batch.all_labels[k])
                 cols["references"].append(batch.all_references[k])
                 cols["images"].append(list(batch.all_images[k]))
+                cols["record_ids"].append(record_ids[k])
         return Rollout(**cols)
 
+    def _rewards(self, rows: Rollout) -> Any:
+        """Score the whole rollout at once (per-source filtering, concurrency and metrics see every sample).
+
+        What a reward source sees (one definition for every kind, docs/rewards.md): the RESPONSE as decoded text
+        (rules, remote servers) or as ids through its stop token (local models), and the prompt the POLICY saw:
+        the processor's ids after any truncation (local models), or the text decoded from those same ids, with
+        each run of vision pad tokens shown as one pad (rules, remote servers), plus the sample's images."""
+        responses = self.tokenizer.batch_decode(rows.response_ids, skip_special_tokens=True)
+        sequences, attention_mask = _right_padded(rows.prompt_ids, rows.response_ids, self.pad_id)
+        batch = RewardBatch(
+            responses=responses, prompts=list(rows.prompts),
+            labels=[DEFAULT_LABEL if label is None else str(label) for label in rows.labels],
+            references=list(rows.references), sequences=sequences, attention_mask=attention_mask,
+            vision=list(rows.vision), images=list(rows.images), index=list(rows.sample_index),
+        )
+        return self.reward_engine.compute(batch)
+
+    def _rollout_metrics(self, batch: Any, result: GenerationResult, rows: Rollout,
+                         timer: PhaseTimer) -> dict[str, float]:
+        lengths = torch.tensor([len(r) for r in rows.response_ids], dtype=torch.float32)  # [N]
+        truncated = torch.tensor([not f for f in rows.finished], dtype=torch.float32)  # [N]
+        return {
+            "prompts": float(len(result.outputs)),
+            "samples": float(len(rows)),
+            "skipped_prompts": float(len(result.skipped) + len(batch.skipped)),
+            "truncated_prompts": float(batch.truncated),
+            "generated_tokens": float(result.num_tokens),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+            "truncation_rate": float(truncated.mean()),
+            "throughput/gen_tokens_per_s": result.num_tokens / max(timer.seconds["generate"], 1e-9),
+        }
+
+    # ---- stage 2 -----------------------------------------------------------------------------------------------
     def _build(self, rows: Rollout) -> BuiltSamples:
         build = build_packed_samples if self.settings.packing else build_padded_samples
-        built = build(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
-                      adapter=self.adapter, vision=rows.vision, prompts=rows.prompts,
-                      labels=rows.labels, references=rows.references, raw_images=rows.images)
+        try:
+            built = build(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
+                          adapter=self.adapter, vision=rows.vision, prompts=rows.prompts,
+                          labels=rows.labels, references=rows.references, raw_images=rows.images)
+        except ValueError as exc:
+            raise ValueError(f"building samples {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: {exc}") from exc
         # Truncation is the engine's call: a response ended by a stop STRING has no stop token yet is complete.
         return built._replace(truncated=torch.tensor([not f for f in rows.finished], dtype=torch.bool))
 
@@ -246,21 +303,6 @@ class FastExperienceMaker(ExperienceMaker):
                     row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
             scored.append(row)
         return scored
-
-    def _rewards(self, rows: Rollout, built: list[BuiltSamples]) -> Any:
-        """Score the whole rollout at once (per-source filtering, concurrency and metrics see every sample):
-        decoded RESPONSE text for rules, prompt+response ids and per-sample vision for local models."""
-        lengths = torch.cat([b.samples.response_length for b in built]).tolist()
-        responses_ids = [r[: int(n)] for r, n in zip(rows.response_ids, lengths)]
-        responses = self.tokenizer.batch_decode(responses_ids, skip_special_tokens=True)
-        sequences, attention_mask = _right_padded(rows.prompt_ids, responses_ids, self.pad_id)
-        batch = RewardBatch(
-            responses=responses, prompts=list(rows.prompts),
-            labels=[DEFAULT_LABEL if label is None else str(label) for label in rows.labels],
-            references=list(rows.references), sequences=sequences, attention_mask=attention_mask,
-            vision=list(rows.vision), images=list(rows.images), index=list(rows.sample_index),
-        )
-        return self.reward_engine.compute(batch)
 
     def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling) -> dict[str, Any]:
         """Whole-rollout shaping, KL and advantages; returns [N, A_max] tensors and metrics."""
@@ -295,7 +337,7 @@ class FastExperienceMaker(ExperienceMaker):
             token_rewards, m = kl_penalized_rewards(token_rewards, cat("log_probs"), cat("ref_log_probs"), mask,
                                                     self.kl_controller.value, estimator=s.kl_estimator)
             metrics.update({k: float(v) for k, v in m.items()})
-            self.kl_controller.update(metrics.get("kl_seq", 0.0), len(rollout))
+            self.kl_controller.update(metrics.get("kl_seq", 0.0), int(valid.sum()))
         values = cat("values") if self.critic is not None else None
         adv, ret = compute_advantages(s.advantage_estimator, token_rewards, mask, values=values, group_ids=groups,
                                       **dict(s.advantage_params))
@@ -305,38 +347,27 @@ class FastExperienceMaker(ExperienceMaker):
         adv, m = clip_advantages(adv, mask, s.advantage_clip)
         metrics.update({k: float(v) for k, v in m.items()})
         return {"advantages": adv, "returns": ret, "mask": mask, "kl": kl, "seq_reward": seq_reward,
-                "valid": valid, "metrics": metrics}
+                "valid": valid, "groups": groups, "metrics": metrics}
 
-    def _batch_info(self, batch, result, rollout, built, scored, rewards, shaped, sampling) -> dict[str, float]:
-        lengths = torch.cat([b.samples.response_length for b in built]).float()
-        truncated = torch.cat([b.truncated for b in built]).float()
+    def _experience_metrics(self, rows: Rollout, scored, shaped) -> dict[str, float]:
+        valid = shaped["valid"]
         info: dict[str, float] = {
-            "prompts": float(len(result.outputs)),
-            "samples": float(len(rollout)),
-            "skipped_prompts": float(len(result.skipped) + len(batch.skipped)),
-            "truncated_prompts": float(batch.truncated),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "truncation_rate": float(truncated.mean()),
             # "reward/mean" and the per-source keys come from the reward engine (raw scores); this is after shaping
-            "reward/shaped_mean": (float(shaped["seq_reward"][shaped["valid"]].mean())
-                                   if shaped["valid"].any() else 0.0),
-            "reward/valid_frac": float(shaped["valid"].float().mean()),
+            "reward/shaped_mean": float(shaped["seq_reward"][valid].mean()) if valid.any() else 0.0,
+            "reward/valid_frac": float(valid.float().mean()),
         }
         if shaped["kl"] is not None:
             m = shaped["mask"]
             info["kl/mean"] = float(shaped["kl"][m].mean()) if m.any() else 0.0
-        if _scoring_temperature(sampling) == 1.0:
-            # Engines report raw (temperature-1) log-probs; the comparison is only meaningful at temperature 1.
-            info.update(_engine_mismatch(rollout, scored))
-        for k, v in rewards.metrics.items():
-            info[k if k.startswith("reward/") else f"reward/{k}"] = float(v)
+        # Engines report log-probs of the distribution they sampled from (after temperature), so the comparison
+        # with the actor's log-probs at the sampling temperature holds at every temperature.
+        info.update(_engine_mismatch(rows, scored))
         info.update(shaped["metrics"])
         return info
 
-    def _assemble(self, built, scored, shaped, info) -> list[ExperienceVL]:
+    def _assemble(self, rows: Rollout, built, scored, shaped, rollout: ScoredRollout, info) -> list[ExperienceVL]:
         experiences, start = [], 0
+        sources = rollout.rewards.sources
         for b, row in zip(built, scored):
             n, a = row["action_mask"].shape
             sl = slice(start, start + n)
@@ -346,10 +377,13 @@ class FastExperienceMaker(ExperienceMaker):
                 sequences=smp.sequences, action_log_probs=row["log_probs"], base_action_log_probs=row["ref_log_probs"],
                 values=row["values"], returns=shaped["returns"][sl, :a], advantages=shaped["advantages"][sl, :a],
                 attention_mask=smp.attention_mask, action_mask=mask,
-                info={"reward": shaped["seq_reward"][sl], "valid": shaped["valid"][sl],
+                info={"reward": shaped["seq_reward"][sl], "raw_reward": rollout.rewards.rewards[sl].float(),
+                      "valid": shaped["valid"][sl], "group": torch.tensor(rows.group[sl], dtype=torch.long),
                       "response_length": smp.response_length, "total_length": smp.total_length,
-                      "truncated": b.truncated, "batch": info},
+                      "truncated": b.truncated, "reward_sources": {k: v[sl] for k, v in sources.items()},
+                      "batch": info},
                 kl=None if shaped["kl"] is None else shaped["kl"][sl, :a], action_entropy=row["entropy"],
+                rollout_log_probs=_engine_logprob_tensor(rows.engine_logprobs[sl], row["action_mask"]),
                 packed_seq_lens=smp.packed_seq_lens, num_actions=smp.num_actions,
                 pixel_values=smp.pixel_values, image_grid_thws=smp.image_grid_thws,
                 pixel_values_videos=smp.pixel_values_videos, video_grid_thws=smp.video_grid_thws,
@@ -386,6 +420,18 @@ def _cat_padded(tensors: list[torch.Tensor | None], width: int) -> torch.Tensor 
     if any(t is None for t in tensors):
         return None
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors], dim=0)
+
+
+def _engine_logprob_tensor(engine_logprobs: list[list[float] | None], action_mask: torch.Tensor
+                           ) -> torch.Tensor | None:
+    """[b, A] float32 engine log-probs of the sampled tokens (0 off the mask), or None if any sample lacks them."""
+    if any(lp is None for lp in engine_logprobs):
+        return None
+    out = torch.zeros(action_mask.shape, dtype=torch.float32)  # [b, A]
+    for i, lp in enumerate(engine_logprobs):
+        n = int(action_mask[i].sum())
+        out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
+    return out
 
 
 def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:

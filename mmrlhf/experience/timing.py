@@ -21,9 +21,6 @@ class PhaseTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
-    def as_info(self, total: float) -> dict[str, float]:
-        """``time/<phase>`` seconds plus ``time/other`` (total minus the named phases) and ``time/total``."""
-        info = {f"time/{k}": v for k, v in self.seconds.items()}
-        info["time/other"] = max(total - sum(self.seconds.values()), 0.0)
-        info["time/total"] = total
-        return info
+    def with_other(self, total: float) -> dict[str, float]:
+        """Seconds per phase plus ``other``: what ``total`` spent outside the named phases."""
+        return {**self.seconds, "other": max(total - sum(self.seconds.values()), 0.0)}

@@ -180,6 +180,8 @@ class Experience(_TensorContainer):
     info: dict[str, Any] = field(default_factory=dict)  # per-sample [B] tensors and scalars for logging
     kl: torch.Tensor | None = None  # [B, A] per-token KL(actor || reference) estimate
     action_entropy: torch.Tensor | None = None  # [B, A] per-token policy entropy (high-entropy filtering)
+    rollout_log_probs: torch.Tensor | None = None  # [B, A] the engine's log-probs of the sampled tokens, on the
+    #   distribution it sampled from (rollout correction); None when the engine reported none
     packed_seq_lens: torch.Tensor | None = None  # [B] for the packed layout
     num_actions: int | torch.Tensor | None = None  # A | [B] packed
 

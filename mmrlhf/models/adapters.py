@@ -66,6 +66,10 @@ class FamilyAdapter:
         image / video. Sending ids instead of text lets the engine see exactly the processor's (possibly
         left-truncated) prompt. None where the family's expansion is not a plain run of pads (the caller then
         sends the prompt text)."""
+        return self.collapse_vision_pads(ids)
+
+    def collapse_vision_pads(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with every run of image / video pad tokens reduced to one pad (the chat template's form)."""
         pads = (self.image_token_id, self.video_token_id)
         out: list[int] = []
         for tok in ids:

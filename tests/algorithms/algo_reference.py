@@ -168,8 +168,9 @@ def ref_cpgd_clip_filter(r, m, gids, max_weight=3.0):
     seq = ref_seq_rewards(r, m)
     valid = [members for members in ref_groups(gids).values()
              if len(members) > 1 and len({seq[i] for i in members}) > 1]
-    n_valid = sum(len(g) for g in valid)
-    scale = min(len(seq) / n_valid, max_weight) if n_valid else 0.0
+    n_valid = sum(1 for g in valid for i in g if any(mask_rows(m)[i]))
+    present = sum(1 for row in mask_rows(m) if any(row))  # samples with a response token (masked-out ones have none)
+    scale = min(present / n_valid, max_weight) if n_valid else 0.0
     adv = [0.0] * len(seq)
     for members in valid:
         mu = sum(seq[i] for i in members) / len(members)

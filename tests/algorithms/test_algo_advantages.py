@@ -247,3 +247,17 @@ def test_degenerate_shapes(b, a):
         for agg in AGG_MODES:
             loss, _ = policy_loss(name, r, r, r, m, agg=agg)
             assert loss.item() == 0.0
+
+
+def test_cpgd_clip_filter_ignores_masked_out_samples():
+    """Samples the reward engine masked out (empty mask, a group of their own) do not count in CPGD's N: adding
+    them must not inflate the up-weighting of the informative groups."""
+    r = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]])  # [B, A]; one group of 2 + one of 2
+    m = torch.tensor([[True, False], [True, False], [True, False], [True, False]])
+    g = torch.tensor([0, 0, 1, 1])
+    base, _ = compute_advantages("cpgd", r, m, group_ids=g, weight="clip_filter")
+    masked_r = torch.cat([r, torch.zeros(2, 2)])
+    masked_m = torch.cat([m, torch.zeros(2, 2, dtype=torch.bool)])
+    with_masked, _ = compute_advantages("cpgd", masked_r, masked_m, group_ids=torch.tensor([0, 0, 1, 1, 7, 8]),
+                                        weight="clip_filter")
+    torch.testing.assert_close(with_masked[:4], base)  # before the fix the scale grew from 4/2 to 6/2

@@ -92,9 +92,20 @@ def test_kl_penalized_rewards():
         for t in range(lp.shape[1]):
             expected = float(rewards[i, t]) - 0.05 * (float(lp[i, t]) - float(ref[i, t])) if mask[i, t] else 0.0
             assert math.isclose(float(out[i, t]), expected, rel_tol=1e-9, abs_tol=1e-12)
-    seq = [sum(float(lp[i, t] - ref[i, t]) for t in range(lp.shape[1]) if mask[i, t]) for i in range(lp.shape[0])]
+    seq = [sum(float(lp[i, t] - ref[i, t]) for t in range(lp.shape[1]) if mask[i, t])
+           for i in range(lp.shape[0]) if mask[i].any()]
     assert math.isclose(float(metrics["kl_seq"]), sum(seq) / len(seq), rel_tol=1e-9, abs_tol=1e-12)
     assert not out.requires_grad
+
+
+def test_kl_statistics_ignore_masked_out_samples():
+    """A sample the reward engine masked out (empty mask) must not pull kl_seq (the adaptive controller's input)
+    towards 0."""
+    lp = torch.tensor([[0.0, 0.0], [5.0, 5.0]], dtype=torch.float64)
+    ref = torch.tensor([[-1.0, -1.0], [0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [False, False]])
+    _, metrics = kl_penalized_rewards(torch.zeros_like(lp), lp, ref, mask, 0.1, estimator="k1")
+    assert float(metrics["kl_seq"]) == 2.0  # the valid sample alone; averaging in the masked row gave 1.0
 
 
 def _ref_adaptive(init, target, horizon, kls, n):

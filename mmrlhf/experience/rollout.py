@@ -1,0 +1,138 @@
+"""What one generation round produced, per sample, before any model scored it: :class:`Rollout` (ids, vision,
+text, the engine's log-probs) and :class:`ScoredRollout` (the same plus rewards).
+
+Why a stage of its own: dynamic sampling (DAPO) decides which groups to keep from their REWARDS alone, so the
+expensive forwards (actor, reference, critic) should only run on the groups that survive, possibly gathered over
+several rounds. ``ScoredRollout.select`` keeps rows, ``ScoredRollout.concat`` joins rounds (group ids stay unique),
+and the experience maker turns the result into :class:`~mmrlhf.experience.types.ExperienceVL` micro-batches.
+Plain data, no engine or model references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from mmrlhf.rewards.types import RewardResult
+from mmrlhf.rollout.types import SamplingSettings
+
+
+@dataclass
+class Rollout:
+    """Per-sample results of generation, in sample order (only samples whose prompt was generated)."""
+
+    sample_index: list[int]  # index into the processor's batch of this round
+    group: list[int]  # prompt (group) id: samples of one prompt share it; unique across concatenated rounds
+    prompt_ids: list[list[int]]  # the processor's (possibly truncated) prompt ids
+    response_ids: list[list[int]]
+    engine_logprobs: list[list[float] | None]  # per response token: the engine's log-prob (sampling distribution)
+    finished: list[bool]  # the engine's word: stopped by EOS / a stop string (False: cut by max_new_tokens)
+    vision: list[dict[str, torch.Tensor]]
+    prompts: list[str]  # the prompt text the policy saw (decoded from prompt_ids: truncation included)
+    labels: list[Any]
+    references: list[Any]
+    images: list[list[Any]]
+    record_ids: list[Any]  # the caller's record id of each sample (None where none was given)
+
+    def __len__(self) -> int:
+        return len(self.sample_index)
+
+    def select(self, rows: Sequence[int] | range) -> "Rollout":
+        rows = list(rows)
+        return Rollout(*[[getattr(self, f.name)[r] for r in rows] for f in dataclasses.fields(self)])
+
+    def describe(self, i: int) -> str:
+        """``"sample 5 (record 'abc-7')"``: how errors name row ``i``."""
+        rid = self.record_ids[i]
+        return f"sample {self.sample_index[i]}" + (f" (record {rid!r})" if rid is not None else "")
+
+
+@dataclass
+class ScoredRollout:
+    """A :class:`Rollout` with its rewards ``[N]`` and what generating it cost and reported."""
+
+    rows: Rollout
+    rewards: RewardResult
+    sampling: SamplingSettings  # the call's sampling settings (the one source of temperature / max length)
+    metrics: dict[str, float] = field(default_factory=dict)  # generation + reward metrics of what was SAMPLED
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (prepare, generate, reward)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def group_ids(self) -> torch.Tensor:
+        return torch.tensor(self.rows.group, dtype=torch.long)  # [N]
+
+    def select(self, rows: Sequence[int]) -> "ScoredRollout":
+        """The rows ``rows`` (in that order); metrics still describe everything that was sampled."""
+        rows = list(rows)
+        pick = torch.as_tensor(rows, dtype=torch.long)
+        r = self.rewards
+        rewards = RewardResult(
+            rewards=r.rewards[pick], valid=r.valid[pick], sources={k: v[pick] for k, v in r.sources.items()},
+            parts={k: v[pick] for k, v in r.parts.items()}, metrics=dict(r.metrics))
+        return ScoredRollout(self.rows.select(rows), rewards, self.sampling, dict(self.metrics), dict(self.seconds))
+
+    @staticmethod
+    def concat(parts: Sequence["ScoredRollout"]) -> "ScoredRollout":
+        """Rounds joined in order; group ids of later rounds are shifted so no two rounds share one. Metrics:
+        counts and seconds add up, other values are averaged weighted by each round's sampled count
+        (``samples``)."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        if len(parts) == 1:
+            return parts[0]
+        if any(p.sampling != parts[0].sampling for p in parts):
+            raise ValueError("rounds sampled with different settings cannot be trained on together")
+        cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
+        offset = 0
+        for p in parts:
+            for f in dataclasses.fields(Rollout):
+                values = getattr(p.rows, f.name)
+                cols[f.name].extend([g + offset for g in values] if f.name == "group" else values)
+            offset = max(cols["group"], default=-1) + 1
+        rewards = RewardResult(
+            rewards=torch.cat([p.rewards.rewards for p in parts]), valid=torch.cat([p.rewards.valid for p in parts]),
+            sources=_cat_columns([p.rewards.sources for p in parts], [len(p) for p in parts]),
+            parts=_cat_columns([p.rewards.parts for p in parts], [len(p) for p in parts]),
+            metrics=merge_round_metrics([p.rewards.metrics for p in parts], [p.metrics.get("samples", len(p))
+                                                                             for p in parts]),
+        )
+        seconds: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.seconds.items():
+                seconds[k] = seconds.get(k, 0.0) + v
+        metrics = merge_round_metrics([p.metrics for p in parts], [p.metrics.get("samples", len(p)) for p in parts])
+        return ScoredRollout(Rollout(**cols), rewards, parts[0].sampling, metrics, seconds)
+
+
+# Metrics that are counts (they add up over rounds); everything else is a mean or a rate.
+_COUNT_SUFFIXES = ("/count", "/failures", "/not_applicable", "reward/masked", "reward/failed_samples",
+                   "reward/no_applicable_source", "prompts", "samples", "skipped_prompts", "truncated_prompts",
+                   "generated_tokens")
+
+
+def merge_round_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[float]) -> dict[str, float]:
+    """Metrics of several sampling rounds as one: counts summed, other values averaged with ``weights``
+    (each over the rounds that report it)."""
+    out: dict[str, float] = {}
+    keys = sorted({k for m in metrics for k in m})
+    for key in keys:
+        present = [(m[key], w) for m, w in zip(metrics, weights) if key in m]
+        if key.endswith(_COUNT_SUFFIXES) or key.startswith("time/"):
+            out[key] = float(sum(v for v, _ in present))
+        else:
+            total = sum(w for _, w in present)
+            out[key] = float(sum(v * w for v, w in present) / total) if total else float(present[0][0])
+    return out
+
+
+def _cat_columns(columns: list[dict[str, torch.Tensor]], sizes: list[int]) -> dict[str, torch.Tensor]:
+    """[N_r] named columns of several rounds -> [sum N_r]; a column a round lacks is NaN there."""
+    names = sorted({k for c in columns for k in c})
+    return {name: torch.cat([c.get(name, torch.full((n,), float("nan"))) for c, n in zip(columns, sizes)])
+            for name in names}
