@@ -1,0 +1,265 @@
+"""What a person looks at to judge an RL run: a PNG of the training curves and an HTML page of one step's rollouts.
+
+Why both: the curves say *that* something changed (reward flat, KL climbing, responses growing, entropy
+collapsing, fewer and fewer GRPO groups with any reward variance, the early warning of a collapse); the rollout
+page says *why*, by showing what the policy actually wrote for which image and how each answer was scored.
+
+The HTML page is one self-contained file (images embedded as base64 PNG data URIs, inline CSS, no JavaScript, no
+external resource) so it can be copied off a cluster, attached to an issue or opened offline. All text is escaped:
+model output is untrusted and a response containing ``<script>`` must show as text. Both writers go through a
+temp file and ``os.replace`` so a viewer polling the file never sees half of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from PIL import Image
+
+from mmrlhf.trainer.tracking import atomic_write
+
+# (panel title, keys plotted in it, y-axis label); the reward panel overlays the eval reward when it is logged.
+CURVE_PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("reward", ("reward/mean", "eval/reward/mean"), "mean reward"),
+    ("KL to reference", ("kl/mean",), "KL"),
+    ("response length", ("response_length/mean",), "tokens"),
+    ("policy entropy", ("policy/entropy",), "nats / token"),
+    ("groups with reward variance", ("groups/with_variance_frac",), "share of groups"),
+)
+# Metrics shown first in the HTML header (any others given follow in name order).
+KEY_METRICS = ("reward/mean", "eval/reward/mean", "kl/mean", "response_length/mean", "policy/entropy",
+               "groups/with_variance_frac")
+
+
+def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float], int, bool]:
+    """``(steps, values, non_finite_count, present)`` of ``key``, sorted by step; None / NaN / inf are counted,
+    not plotted (``None`` is how ``metrics.jsonl`` stores a non-finite value)."""
+    points: list[tuple[int, float]] = []
+    bad, present = 0, False
+    for i, row in enumerate(history):
+        if key not in row:
+            continue
+        present = True
+        value = row[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"history row {i}: {key!r} must be a number or None, got {value!r}")
+        if "step" not in row:
+            raise KeyError(f"history row {i} has {key!r} but no 'step'")
+        if value is None or not math.isfinite(float(value)):
+            bad += 1
+        else:
+            points.append((int(row["step"]), float(value)))
+    points.sort(key=lambda p: p[0])
+    return [p[0] for p in points], [p[1] for p in points], bad, present
+
+
+def plot_curves(history: Sequence[Mapping[str, Any]], out_png: str | Path, *, title: str = "") -> Path:
+    """Write a PNG with one panel per entry of :data:`CURVE_PANELS` against the step; returns its path.
+
+    A panel whose keys were never logged says "not logged"; non-finite values are skipped and counted in the
+    panel. Drawn with matplotlib's Agg canvas (no pyplot, no GUI, safe in a worker thread or on a headless node).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 8.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 3).ravel()
+    for ax, (panel, keys, ylabel) in zip(axes, CURVE_PANELS):
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        notes, drawn = [], False
+        for key in keys:
+            steps, values, bad, present = _series(history, key)
+            if not present:
+                continue
+            if steps:
+                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+                drawn = True
+            if bad:
+                notes.append(f"{key}: {bad} non-finite value(s) skipped")
+        if panel == "groups with reward variance":
+            ax.set_ylim(-0.05, 1.05)
+        if drawn:
+            ax.legend(loc="best", fontsize=8)
+            ax.grid(alpha=0.3)
+        else:
+            logged = any(_series(history, k)[3] for k in keys)
+            ax.text(0.5, 0.5, f"{keys[0]}\n" + ("no finite values" if logged else "not logged"),
+                    ha="center", va="center", transform=ax.transAxes, color="0.4")
+        if notes:
+            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, color="#b03a2e", va="bottom")
+    axes[-1].set_axis_off()
+    if title:
+        fig.suptitle(title)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return atomic_write(out_png, buf.getvalue())
+
+
+@dataclass
+class ReportSample:
+    """One rollout sample as shown in the report."""
+
+    prompt: str
+    response: str
+    reward: float | None
+    advantage: float | None
+    images: list = field(default_factory=list)
+    """PIL images of the prompt (may be empty)."""
+    parts: dict[str, float | None] = field(default_factory=dict)
+    """Named reward parts (``None``: the part did not apply to this sample)."""
+    label: str | None = None
+    reference: str | None = None
+    group: int | None = None
+    """Group id (the samples of one prompt, for GRPO); ``None`` samples are shown last, ungrouped."""
+    valid: bool = True
+    """False for samples masked out of the loss (e.g. a reward failure); they are marked as such."""
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:16px;background:#f6f6f4;color:#222}
+h1{font-size:20px;margin:0 0 6px} h2{font-size:16px;margin:0 0 8px}
+table.m{border-collapse:collapse;font-size:13px;margin:6px 0 12px} table.m td{padding:2px 10px 2px 0}
+.group{background:#fff;border:1px solid #ccc;border-radius:6px;padding:10px;margin:0 0 16px}
+.group.flat{border-color:#b9770e} .warn{color:#9a5b00;font-weight:600}
+.ctx{display:flex;gap:12px;align-items:flex-start;margin:0 0 8px}
+.imgs img{max-width:384px;max-height:384px;border:1px solid #999;margin:0 6px 6px 0;vertical-align:top}
+.samples{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:8px}
+.sample{border:1px solid #ddd;border-radius:4px;padding:6px;background:#fcfcfc}
+.sample.masked{background:repeating-linear-gradient(45deg,#f1f1f1,#f1f1f1 8px,#e4e4e4 8px,#e4e4e4 16px);
+ border:2px dashed #7b241c;color:#555}
+.badge{display:inline-block;background:#7b241c;color:#fff;font-size:11px;font-weight:700;padding:1px 6px;
+ border-radius:3px;margin-right:6px}
+pre{white-space:pre-wrap;word-break:break-word;margin:2px 0 6px;font-size:13px;background:#f0f0ee;padding:4px}
+.k{color:#666;font-size:12px} .pos{color:#1e8449;font-weight:600} .neg{color:#a93226;font-weight:600}
+table.parts{font-size:12px;border-collapse:collapse} table.parts td{padding:0 8px 0 0}
+"""
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    value = float(value)
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _image_uri(image: Any, where: str, max_side: int, cache: dict[int, str]) -> str:
+    """A PIL image as a ``data:image/png;base64`` URI, downscaled to at most ``max_side`` pixels a side."""
+    if id(image) in cache:
+        return cache[id(image)]
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"{where}: images must be PIL images, got {type(image).__name__}")
+    img = image if image.mode in ("RGB", "RGBA", "L", "LA") else image.convert("RGBA" if "A" in image.mode else "RGB")
+    if max(img.size) > max_side:
+        img = img.copy()
+        img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", optimize=True)
+    cache[id(image)] = uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return uri
+
+
+def _reward_html(s: ReportSample) -> str:
+    adv = "" if s.advantage is None else ("pos" if s.advantage > 0 else "neg" if s.advantage < 0 else "")
+    parts = "".join(f"<tr><td>{_e(k)}</td><td>{_e(_fmt(v))}</td></tr>" for k, v in s.parts.items())
+    return (f'<div><span class="k">reward</span> <b>{_e(_fmt(s.reward))}</b> &nbsp; <span class="k">advantage</span> '
+            f'<span class="{adv}">{_e(_fmt(s.advantage))}</span></div>'
+            + (f'<table class="parts">{parts}</table>' if parts else ""))
+
+
+def _context_html(prompt: str | None, uris: list[str] | None, label: str | None, reference: str | None) -> str:
+    """Images, prompt, label and reference (each only when given)."""
+    out = []
+    if uris:
+        out.append('<div class="imgs">' + "".join(
+            f'<img src="{u}" alt="image {j}">' for j, u in enumerate(uris)) + "</div>")
+    text = []
+    if prompt is not None:
+        text.append(f'<div class="k">prompt</div><pre class="prompt">{_e(prompt)}</pre>')
+    if label is not None:
+        text.append(f'<div><span class="k">label</span> {_e(label)}</div>')
+    if reference is not None:
+        text.append(f'<div class="k">reference</div><pre class="reference">{_e(reference)}</pre>')
+    if text:
+        out.append("<div>" + "".join(text) + "</div>")
+    return f'<div class="ctx">{"".join(out)}</div>' if out else ""
+
+
+def write_rollout_report(samples: Sequence[ReportSample], out_html: str | Path, *, step: int, title: str = "",
+                         metrics: Mapping[str, float] | None = None, max_image_side: int = 384) -> Path:
+    """Write one self-contained HTML page of ``samples`` grouped by group id; returns its path.
+
+    Within a group, the prompt, images, label and reference are shown once when every sample shares them (GRPO:
+    n answers to one prompt), else per sample. A group whose rewards are all equal is flagged: it has no reward
+    variance, so GRPO learns nothing from it. ``max_image_side`` bounds the embedded images (pixels a side).
+    """
+    cache: dict[int, str] = {}
+    uris = [[_image_uri(im, f"sample {i} (group {s.group})", max_image_side, cache) for im in s.images]
+            for i, s in enumerate(samples)]
+    groups: dict[int | None, list[int]] = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s.group, []).append(i)
+    order = sorted((g for g in groups if g is not None)) + ([None] if None in groups else [])
+
+    metrics = dict(metrics or {})
+    keys = [k for k in KEY_METRICS if k in metrics] + sorted(k for k in metrics if k not in KEY_METRICS)
+    n_masked = sum(not s.valid for s in samples)
+    head = [f"<h1>{_e(title or 'Rollout report')} &mdash; step {int(step)}</h1>",
+            f'<div class="k">{len(samples)} samples, {len(order)} groups, {n_masked} masked</div>']
+    if keys:
+        head.append('<table class="m">' + "".join(
+            f"<tr><td>{_e(k)}</td><td><b>{_e(_fmt(metrics[k]))}</b></td></tr>" for k in keys) + "</table>")
+
+    body = []
+    for g in order:
+        idx = groups[g]
+        members = [samples[i] for i in idx]
+        shared = {
+            "prompt": len({s.prompt for s in members}) == 1,
+            "images": len({tuple(uris[i]) for i in idx}) == 1,
+            "label": len({s.label for s in members}) == 1,
+            "reference": len({s.reference for s in members}) == 1,
+        }
+        rewards = [s.reward for s in members if s.valid and s.reward is not None and math.isfinite(s.reward)]
+        flat = g is not None and len(rewards) > 1 and max(rewards) == min(rewards)
+        first = members[0]
+        header = f"<h2>{'ungrouped' if g is None else f'group {g}'}</h2>"
+        if rewards:
+            mean = sum(rewards) / len(rewards)
+            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+            header += f'<div class="k">valid rewards: mean {_fmt(mean)}, std {_fmt(std)}, n {len(rewards)}</div>'
+        if flat:
+            header += '<div class="warn">no reward variance in this group (all rewards equal)</div>'
+        header += _context_html(first.prompt if shared["prompt"] else None, uris[idx[0]] if shared["images"] else None,
+                                first.label if shared["label"] else None,
+                                first.reference if shared["reference"] else None)
+        cards = []
+        for i, s in zip(idx, members):
+            marker = '<span class="badge">MASKED</span><span class="k">valid=False: not in the loss</span>' \
+                if not s.valid else ""
+            ctx = _context_html(None if shared["prompt"] else s.prompt, None if shared["images"] else uris[i],
+                                None if shared["label"] else s.label, None if shared["reference"] else s.reference)
+            cards.append(f'<div class="sample{"" if s.valid else " masked"}" id="sample-{i}">'
+                         f'<div class="k">sample {i}</div>{marker}{ctx}'
+                         f'<div class="k">response</div><pre class="response">{_e(s.response)}</pre>'
+                         f"{_reward_html(s)}</div>")
+        body.append(f'<section class="group{" flat" if flat else ""}">{header}'
+                    f'<div class="samples">{"".join(cards)}</div></section>')
+
+    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_e(title or 'Rollout report')} - step {int(step)}</title><style>{_CSS}</style></head>"
+            f"<body>{''.join(head)}{''.join(body)}</body></html>\n")
+    return atomic_write(out_html, page)
