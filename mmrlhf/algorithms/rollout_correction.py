@@ -39,7 +39,8 @@ def importance_ratios(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tens
     if level not in LEVELS:
         raise ValueError(f"unknown rollout-correction level {level!r}; valid: {', '.join(LEVELS)}")
     m = as_bool_mask(mask)
-    log_ratio = masked_fill_zero(old_logprobs.float() - rollout_logprobs.float(), m)  # [B, A]
+    dtype = torch.promote_types(old_logprobs.dtype, torch.float32)  # float32 (float64 inputs stay float64)
+    log_ratio = masked_fill_zero(old_logprobs.to(dtype) - rollout_logprobs.to(dtype), m)  # [B, A]
     if level == "token":
         per = log_ratio
     else:
@@ -106,5 +107,5 @@ def _ratio_metrics(ratio: Tensor, old: Tensor, rollout: Tensor, m: Tensor) -> di
         "rollout_is/ratio_min": values.min(),
         "rollout_is/ratio_mean": values.mean(),
         "rollout_is/ratio_max": values.max(),
-        "rollout_is/abs_log_ratio_mean": masked_mean((old.float() - rollout.float()).abs(), m),
+        "rollout_is/abs_log_ratio_mean": masked_mean((old - rollout).abs().to(ratio.dtype), m),
     }

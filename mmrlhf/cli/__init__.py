@@ -11,6 +11,7 @@ from typing import Sequence
 # Subcommand modules, in the order ``--help`` lists them. Add a line to add a command.
 COMMANDS = [
     "mmrlhf.cli.config_cmd",
+    "mmrlhf.cli.train",
     "mmrlhf.cli.smoke",
     "mmrlhf.cli.serve_reward",
 ]

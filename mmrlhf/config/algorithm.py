@@ -10,10 +10,9 @@ from mmrlhf.config.base import Section
 
 
 class AlgorithmConfig(Section):
-    """Advantages, KL, shaping and losses. The experience maker reads the estimator, KL-in-reward, shaping,
-    whitening and entropy keys; the policy-loss, value-loss, KL-loss-estimator and dynamic-sampling round keys are
-    read by the trainer (roadmap item 1, not landed yet): until then they are validated and documented only, and
-    ``dynamic_sampling: true`` is refused."""
+    """Advantages, KL, shaping and losses. The experience maker reads the estimator, KL-in-reward, shaping and
+    whitening keys; the trainer reads the policy-loss, value-loss, KL-loss, entropy, rollout-correction and
+    dynamic-sampling keys."""
 
     advantage_estimator: str = "grpo"
     """Registered advantage estimator name, or ``package.module:function``."""
@@ -59,11 +58,26 @@ class AlgorithmConfig(Section):
     """Clip advantages to ``[-advantage_clip, advantage_clip]``; None disables it."""
 
     dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop zero-variance groups and sample more until the batch is full."""
+    """DAPO dynamic sampling: drop groups whose rewards do not vary (no GRPO signal) and sample more prompts until
+    ``trainer.rollout_batch_size`` informative groups are gathered (only those are scored and trained on)."""
     dynamic_sampling_max_extra_rounds: int = Field(default=3, ge=0)
     """Extra sampling rounds allowed per step before training on a partially filled batch."""
     dynamic_sampling_tol: float = Field(default=0.0, ge=0.0)
     """A group is kept when its reward spread (max - min) exceeds this."""
+
+    rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
+    """Importance-sampling correction between the engine's sampling distribution and the trainer's old policy:
+    ``tis`` weights each token (or response) by ``min(pi_old / pi_engine, cap)``, ``mis`` drops those whose ratio
+    leaves ``[rollout_correction_lower, cap]``; ``auto`` picks ``tis`` when the engine and the trainer compute in
+    different precisions (``rollout.dtype`` vs ``model.dtype``, e.g. a bf16 engine and an fp32 trainer) and
+    ``none`` when they match (the ratios are then 1 up to rounding and correcting only adds noise)."""
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = "token"
+    """Ratio per token, per response (product of token ratios) or per response as the geometric mean of its token
+    ratios (length-normalised)."""
+    rollout_correction_cap: float = Field(default=2.0, gt=0.0)
+    """Upper bound of the importance ratio (TIS truncation / MIS rejection threshold)."""
+    rollout_correction_lower: float = Field(default=0.0, ge=0.0)
+    """MIS: ratios below this are rejected too (0 keeps every low ratio)."""
 
     policy_loss: str = "ppo"
     """Registered policy loss name (``ppo``, ``gspo``, ``cispo``, ``cpgd``), or ``package.module:function``."""
@@ -82,7 +96,7 @@ class AlgorithmConfig(Section):
     loss_agg_norm_len: int | None = Field(default=None, ge=1)
     """Constant divisor of ``seq-mean-token-sum-norm``; None uses the padded length of each batch."""
     entropy_coef: float = Field(default=0.0, ge=0.0)
-    """Entropy bonus coefficient; 0 disables it."""
+    """Entropy bonus coefficient (adds ``-coef * entropy`` to the policy loss); 0 disables it."""
     high_entropy_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Train only on this fraction of response tokens with the highest entropy (0.2 in arXiv 2506.01939); 1 = all."""
     value_clip: float | None = Field(default=0.2, gt=0.0)
@@ -94,4 +108,7 @@ class AlgorithmConfig(Section):
     def _check_adaptive(self) -> "AlgorithmConfig":
         if self.kl_controller == "adaptive" and self.kl_reward_coef == 0.0:
             raise ValueError("kl_controller 'adaptive' needs kl_reward_coef > 0 (a zero coefficient never moves)")
+        if self.rollout_correction_lower >= self.rollout_correction_cap:
+            raise ValueError(f"rollout_correction_lower ({self.rollout_correction_lower}) must be below "
+                             f"rollout_correction_cap ({self.rollout_correction_cap})")
         return self

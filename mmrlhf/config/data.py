@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -14,6 +14,19 @@ class DataConfig(Section):
     """Prompt dataset paths (JSONL, Parquet, or a ``datasets.save_to_disk`` folder)."""
     prompt_max_len: int = Field(default=1024, ge=1)
     """Maximum prompt length in tokens (vision tokens included)."""
+    generator: Optional[str] = None
+    """Prompts made on the fly instead of (or, for evaluation, besides) files: ``package.module:function`` or
+    ``path/to/file.py:function`` with ``fn(index, *, split, **generator_options) -> row`` (a dict shaped like a
+    JSONL row; images may be PIL images). Row ``index`` of a split must depend on nothing else (resume and
+    evaluation rely on it). Training reads split ``train``, evaluation split ``eval``."""
+    generator_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for ``generator`` (e.g. the task variant)."""
+    shuffle: bool = True
+    """Visit file prompts in a new seeded order every epoch (``trainer.seed``); generated prompts keep index order."""
+    eval_data: list[str] = Field(default_factory=list)
+    """Held-out prompt files for ``trainer.eval_steps``; empty: the ``eval`` split of ``generator`` when set."""
+    eval_size: int = Field(default=64, ge=1)
+    """Evaluation prompts used (the first ones of ``eval_data`` / the ``eval`` split)."""
 
     # ---- columns ----------------------------------------------------------------------------------------------
     prompt_key: str = "prompt"

@@ -22,3 +22,6 @@ class ModelConfig(Section):
     """Allow model repositories to run their own Python code (off: only transformers' built-in families)."""
     reference: str = ""
     """Path of the reference (initial) policy; empty means the same weights as ``pretrain``."""
+    critic: str = ""
+    """Path of the model whose decoder initialises the PPO critic (a zero-initialised value head is added); empty
+    means ``pretrain``. Only read when the advantage estimator needs values (``gae``)."""

@@ -1,47 +1,103 @@
-"""``trainer``: optimisation and bookkeeping of the training loop."""
+"""``trainer``: optimisation and bookkeeping of the training loop (``mmrlhf train``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mmrlhf.config.base import Section
 
 
 class TrainerConfig(Section):
-    """Read by the trainer (roadmap item 1; not landed yet): until it lands these keys are validated, shown by
-    ``config show`` and documented, but no command consumes them."""
+    """Read by ``mmrlhf train`` (``mmrlhf.trainer``). A rollout step generates ``rollout_batch_size`` prompts x
+    ``rollout.n_samples_per_prompt`` samples, then makes ``ppo_epochs x samples / train_batch_size`` optimiser
+    steps on them."""
 
+    # ---- optimisation ----------------------------------------------------------------------------------------
     lr: float = Field(default=1e-6, gt=0.0)
-    """Actor learning rate."""
+    """Actor learning rate (AdamW)."""
     lr_scheduler: Literal["constant", "cosine", "linear"] = "constant"
-    """Learning-rate schedule after warmup."""
+    """Learning-rate schedule after warm-up (cosine / linear decay to ``min_lr_ratio * lr`` at the last step)."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Linear warmup steps."""
+    """Linear warm-up, in OPTIMISER steps."""
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Final learning rate of the cosine / linear schedules, as a fraction of ``lr``."""
     weight_decay: float = Field(default=0.0, ge=0.0)
-    """AdamW weight decay."""
+    """AdamW weight decay (not applied to 1-D parameters: norms and biases)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(default=1e-8, gt=0.0)
+    """AdamW epsilon."""
     max_grad_norm: float = Field(default=1.0, gt=0.0)
-    """Gradient clipping norm."""
+    """Gradient clipping norm (per optimiser step)."""
+    critic_lr: float = Field(default=1e-5, gt=0.0)
+    """Critic learning rate (PPO with ``algorithm.advantage_estimator: gae``)."""
+    freeze_vision_tower: bool = True
+    """Keep the vision tower's weights fixed (its merger excluded: see ``freeze_merger``)."""
+    freeze_merger: bool = False
+    """Also keep the vision merger (the projection of vision features into the language model) fixed."""
+    max_consecutive_nonfinite: int = Field(default=5, ge=1)
+    """A non-finite loss or gradient skips that optimiser step (logged, counted); this many in a row stop the run."""
+
+    # ---- batch sizes -----------------------------------------------------------------------------------------
     rollout_batch_size: int = Field(default=32, ge=1)
-    """Prompts per rollout step."""
+    """Prompts per rollout step (each sampled ``rollout.n_samples_per_prompt`` times)."""
     train_batch_size: int = Field(default=128, ge=1)
-    """Samples per optimiser step."""
+    """Samples per optimiser step (a mini-batch)."""
     micro_train_batch_size: int = Field(default=4, ge=1)
-    """Samples per forward/backward pass (gradient accumulation fills ``train_batch_size``)."""
+    """Samples per forward/backward pass (gradient accumulation fills ``train_batch_size`` exactly)."""
     ppo_epochs: int = Field(default=1, ge=1)
-    """Passes over each batch of experience."""
+    """Passes over each rollout's samples (reshuffled into new mini-batches each pass)."""
     max_steps: int = Field(default=1000, ge=1)
     """Rollout steps to run."""
     packing_samples: bool = False
-    """Pack sequences without padding (works with images and video)."""
+    """Pack sequences without padding in the forwards (works with images and video)."""
+
+    # ---- run ---------------------------------------------------------------------------------------------------
     seed: int = 42
-    """Global seed (torch, numpy, python, data order)."""
-    output_dir: str = "outputs/run"
-    """Where logs and checkpoints go."""
-    save_steps: int = Field(default=100, ge=1)
-    """Checkpoint every this many steps."""
-    log_steps: int = Field(default=1, ge=1)
-    """Log metrics every this many steps."""
+    """Global seed (torch, numpy, python, data order, mini-batch shuffling)."""
     device: str = "auto"
     """Training device: ``auto`` picks CUDA when available, else CPU; or an explicit torch device string."""
+    output_dir: str = "outputs/run"
+    """Where metrics, reports and checkpoints go."""
+    overwrite_output_dir: bool = False
+    """Start afresh in an ``output_dir`` that already holds a run (its metrics are replaced); without it such a
+    folder is refused unless ``--resume`` is given."""
+
+    # ---- checkpoints, logs, evaluation, reports ----------------------------------------------------------------
+    save_steps: int = Field(default=100, ge=1)
+    """Checkpoint every this many steps (and at the end, and on Ctrl-C)."""
+    keep_last: Optional[int] = Field(default=3, ge=1)
+    """Checkpoints kept on disk (oldest removed first); None keeps all."""
+    log_steps: int = Field(default=1, ge=1)
+    """Write metrics (JSONL, TensorBoard, W&B) every this many steps; the progress bar shows every step."""
+    tensorboard: bool = True
+    """Write TensorBoard scalars under ``output_dir/tensorboard``."""
+    wandb_project: Optional[str] = None
+    """Log to this Weights & Biases project too (needs ``pip install wandb``); None disables W&B."""
+    wandb_entity: Optional[str] = None
+    """W&B entity (team or user); None uses the default."""
+    wandb_run_name: Optional[str] = None
+    """W&B run name; None lets W&B choose."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """W&B mode (``offline`` writes locally for a later ``wandb sync``)."""
+    eval_steps: int = Field(default=0, ge=0)
+    """Evaluate on held-out prompts every this many steps (and at the end); 0 disables evaluation."""
+    eval_greedy: bool = True
+    """Evaluate with greedy decoding (one response per prompt); False samples at the rollout temperature."""
+    eval_samples_per_prompt: int = Field(default=1, ge=1)
+    """Responses per evaluation prompt when ``eval_greedy`` is False."""
+    report_steps: int = Field(default=50, ge=0)
+    """Write the curves PNG and the HTML rollout report every this many steps (and at the end); 0: at the end only."""
+    report_groups: int = Field(default=8, ge=1)
+    """Prompt groups shown in the HTML rollout report."""
+    progress_bar: bool = True
+    """Show a progress bar with reward, KL, length, groups with reward variance and step time."""
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> "TrainerConfig":
+        if self.micro_train_batch_size > self.train_batch_size:
+            raise ValueError(f"micro_train_batch_size ({self.micro_train_batch_size}) must not exceed "
+                             f"train_batch_size ({self.train_batch_size})")
+        return self

@@ -32,9 +32,14 @@ class ExperienceStack:
     processor: Any
 
 
-def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None
-                           ) -> ExperienceStack:
-    """Build actor, reference (if KL is used), engine, data processor, reward engine and the maker."""
+def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None,
+                           policy_path: str | None = None, before_engine: Any = None) -> ExperienceStack:
+    """Build actor, reference (if KL is used), engine, data processor, reward engine and the maker.
+
+    ``policy_path``: where the actor and the engine load the policy from (default ``model.pretrain``; a resumed run
+    passes its checkpoint's model folder), while the reference stays the initial policy. ``before_engine(actor)``
+    runs before the engine is built (the trainer freezes parameters there, so a transformers engine sharing the
+    actor sees the final module)."""
     from transformers import AutoProcessor
 
     from mmrlhf.data.processor import MultimodalDataProcessor
@@ -51,8 +56,11 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
     load = dict(dtype=dtype, attn_implementation=model_cfg.attn_implementation,
                 trust_remote_code=model_cfg.trust_remote_code)
+    policy_path = policy_path or model_cfg.pretrain
     adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
-    actor = ActorVL.from_pretrained(model_cfg.pretrain, adapter=adapter, **load).to(target)
+    actor = ActorVL.from_pretrained(policy_path, adapter=adapter, **load).to(target)
+    if before_engine is not None:
+        before_engine(actor)
     settings = experience_settings(config.algorithm, config.rollout, config.trainer)
     reference = None
     if settings.need_reference:
@@ -61,7 +69,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         reference.requires_grad_(False)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
-    engine = build_engine(config.rollout, model_cfg.pretrain, dtype=model_cfg.dtype, family=model_cfg.family,
+    engine = build_engine(config.rollout, policy_path, dtype=model_cfg.dtype, family=model_cfg.family,
                           hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code)
     data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)
     rewards = RewardComputationEngine.from_config(config.reward)

@@ -124,9 +124,11 @@ class FastExperienceMaker(ExperienceMaker):
     def generate_rollout(self, prompts: Sequence[Any], images: Sequence[Any] | None = None,
                          videos: Sequence[Any] | None = None, references: Sequence[Any] | None = None,
                          labels: Sequence[Any] | None = None, *, record_ids: Sequence[Any] | None = None,
-                         n: int | None = None, **generate_kwargs: Any) -> ScoredRollout:
+                         base_dirs: Sequence[str | None] | None = None, n: int | None = None,
+                         **generate_kwargs: Any) -> ScoredRollout:
         """Stage 1: process the prompts, generate ``n`` (default: the settings' group size) responses each, score
-        them with the reward engine. No model forward runs here."""
+        them with the reward engine. No model forward runs here. ``record_ids`` (one per prompt) name the records
+        in errors and travel with the samples; ``base_dirs`` resolve relative image / video paths per prompt."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         n = self.settings.n_samples_per_prompt if n is None else int(n)
@@ -135,10 +137,12 @@ class FastExperienceMaker(ExperienceMaker):
         with timer("prepare"):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
-                **({"record_ids": list(record_ids)} if record_ids is not None else {}))
+                all_ids=record_ids, base_dirs=base_dirs)
+        sample_ids = ([None] * len(batch) if record_ids is None
+                      else [record_ids[i] for i in batch.all_prompt_indices])  # per sample
         with timer("generate"):
-            result = self.engine.generate(self._requests(batch, n), sampling)
-        rows = self._collect(batch, result, n)
+            result = self.engine.generate(self._requests(batch, n, sample_ids), sampling)
+        rows = self._collect(batch, result, n, sample_ids)
         if not len(rows):
             raise RuntimeError(f"no prompt of the batch could be generated: {result.skipped}")
         with timer("reward"):
@@ -181,10 +185,9 @@ class FastExperienceMaker(ExperienceMaker):
             call = dataclasses.replace(call, seed=call.seed + self._calls * _SEED_STRIDE)
         return call
 
-    def _requests(self, batch: Any, n: int) -> list[GenerationRequest]:
+    def _requests(self, batch: Any, n: int, sample_ids: list[Any]) -> list[GenerationRequest]:
         """One request per unique prompt (its first sample), with both the text and the processor's ids."""
         reqs = []
-        record_ids = getattr(batch, "all_record_ids", None)
         for k in range(0, len(batch), n):
             videos = batch.all_videos[k]
             request = GenerationRequest(
@@ -193,16 +196,15 @@ class FastExperienceMaker(ExperienceMaker):
                 video_fps=[v.fps for v in videos], vision_inputs=batch.all_vision_inputs[k],
                 mm_token_type_ids=batch.all_mm_token_type_ids[k],
             )
-            if record_ids is not None and record_ids[k] is not None and hasattr(request, "request_id"):
-                request.request_id = str(record_ids[k])
+            if sample_ids[k] is not None and hasattr(request, "request_id"):
+                request.request_id = str(sample_ids[k])
             reqs.append(request)
         return reqs
 
-    def _collect(self, batch: Any, result: GenerationResult, n: int) -> Rollout:
+    def _collect(self, batch: Any, result: GenerationResult, n: int, record_ids: list[Any]) -> Rollout:
         """Flatten the engine's outputs into per-sample rows (responses cut after their first stop token); check
         the engine saw the processor's prompt ids."""
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
-        record_ids = getattr(batch, "all_record_ids", None) or [None] * len(batch)
         for out in result.outputs:
             first = out.request_index * n
             expected = batch.all_prompt_token_ids[first]

@@ -41,10 +41,6 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> Experienc
     elif name == "cpgd":
         params.update(weight=algorithm.cpgd_weight, eps=algorithm.advantage_eps)
     params.update(algorithm.advantage_params)
-    if algorithm.dynamic_sampling:
-        raise ValueError(
-            "algorithm.dynamic_sampling is applied by the trainer's step loop (filter_groups + fill_batch around "
-            "the experience maker), which has not landed yet; set algorithm.dynamic_sampling=false for now")
     kl_in_reward = algorithm.kl_reward_coef > 0
     return ExperienceSettings(
         n_samples_per_prompt=rollout.n_samples_per_prompt,
@@ -55,7 +51,9 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> Experienc
         kl_estimator=algorithm.kl_estimator,
         kl_in_reward=kl_in_reward,
         need_reference=kl_in_reward or algorithm.kl_loss_coef > 0,
-        compute_entropy=algorithm.high_entropy_top_p < 1.0 or algorithm.entropy_coef > 0,
+        # Entropy of the old policy: high-entropy token selection needs it, and the trainer logs it (the earliest
+        # sign of an entropy collapse); one extra reduction per scored token.
+        compute_entropy=True,
         overlong_buffer_len=algorithm.overlong_buffer_len,
         overlong_penalty_factor=algorithm.overlong_penalty_factor,
         reward_normalization=algorithm.reward_normalization,

@@ -138,6 +138,28 @@ class FamilyAdapter:
         )
         return position_ids  # [3, B, S]
 
+    # ---- trainable parts ----------------------------------------------------------------------------------
+    # Attribute of the base model holding the vision tower, and the tower's attributes that project vision
+    # features into the language model (trained by default even when the tower is frozen).
+    vision_attr: ClassVar[str] = "visual"
+    merger_attrs: ClassVar[tuple[str, ...]] = ("merger",)
+
+    def vision_parts(self, model: Any) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+        """(the vision tower, its merger modules) of a ``...ForConditionalGeneration`` model or its base model.
+        The mergers are submodules of the tower: freezing "the tower but not the merger" means the tower's other
+        parameters."""
+        base = model if hasattr(model, self.vision_attr) else model.base_model
+        tower = getattr(base, self.vision_attr, None)
+        if tower is None:
+            raise ValueError(f"{type(model).__name__} has no vision tower at .{self.vision_attr} ({self.family})")
+        mergers = []
+        for attr in self.merger_attrs:
+            part = getattr(tower, attr, None)
+            if part is None:
+                raise ValueError(f"{self.family} vision tower has no .{attr}")
+            mergers.append(part)
+        return tower, mergers
+
     def processor_video_kwargs(self, videos: Sequence[Any], fps: float) -> dict[str, Any]:
         """Extra keyword arguments for the HF processor call that carries ``videos`` (already-sampled frames)."""
         if not videos or not self.processor_needs_video_metadata:
@@ -175,6 +197,7 @@ class Qwen3VLAdapter(FamilyAdapter):
     model_types = ("qwen3_vl",)
     vllm_video_needs_metadata = True
     processor_needs_video_metadata = True
+    merger_attrs = ("merger", "deepstack_merger_list")  # deepstack features enter the decoder through their own
 
     def engine_prompt_ids(self, ids: Sequence[int]) -> list[int] | None:
         # Video expansion interleaves frame-timestamp text with the pads: not a plain run to collapse.

@@ -310,3 +310,11 @@ def _write_generation_config(out: Path, tokenizer) -> None:
     gen = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
            "pad_token_id": ids["pad_token_id"], "do_sample": True}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+if __name__ == "__main__":  # `python -m mmrlhf.testing.tiny_models [family] [size] [seed]` prints a model dir
+    import sys
+
+    args = sys.argv[1:]
+    print(tiny_model_dir(args[0] if args else "qwen2_vl", args[1] if len(args) > 1 else "tiny",
+                         int(args[2]) if len(args) > 2 else 0))

@@ -1,0 +1,107 @@
+"""Re-batching experience for training: split ``ExperienceVL`` micro-batches into per-sample items and collate any
+selection of items into a :class:`TrainBatch`.
+
+Why: the experience maker scores in micro-batches sized for no-grad forwards, while the update wants mini-batches
+of ``train_batch_size`` samples in micro-batches of ``micro_train_batch_size``, shuffled anew every PPO epoch.
+Items carry their prompt and response ids, their own vision tensors and their per-token tensors without padding;
+collation lays them out again with the same builders the maker uses (padded or packed), so a training forward sees
+exactly the sequences, M-RoPE positions and vision inputs the experience was scored on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
+from mmrlhf.experience.types import ExperienceVL, SamplesVL
+
+# Per-token [B, A] fields of an Experience that training reads (None-valued ones are skipped).
+TOKEN_FIELDS = ("action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",
+                "action_entropy", "rollout_log_probs")
+# Per-sample [B] tensors of Experience.info that travel with an item.
+SAMPLE_INFO = ("reward", "raw_reward", "valid", "group", "response_length", "total_length", "truncated")
+
+
+@dataclass
+class TrainItem:
+    """One sample of an experience, unpadded."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    vision: dict[str, torch.Tensor]  # its pixel values and grids (processor keys)
+    vision_extra: dict[str, torch.Tensor]  # per-video extras of its videos (e.g. second_per_grid_ts [videos])
+    token: dict[str, torch.Tensor]  # per-token [A_i] tensors; "loss_mask" [A_i] bool (the experience's action_mask)
+    info: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample 0-d tensors (reward, valid, group, ...)
+
+
+@dataclass
+class TrainBatch:
+    """A collated selection of items: the samples for the forward plus aligned per-token tensors."""
+
+    samples: SamplesVL  # layout for ActorVL / CriticVL (action_mask: every response token)
+    vision_extra: dict[str, torch.Tensor]
+    token: dict[str, torch.Tensor]  # [B, A] each; "loss_mask" [B, A] bool
+    info: dict[str, torch.Tensor]  # [B] each
+
+    @property
+    def size(self) -> int:
+        return self.samples.batch_size
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        self.samples.to_device(device)
+        move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
+        self.vision_extra, self.token, self.info = move(self.vision_extra), move(self.token), move(self.info)
+        return self
+
+
+def split_experience(exp: ExperienceVL) -> list[TrainItem]:
+    """The samples of one experience micro-batch (padded or packed) as unpadded items, in order."""
+    batch = int(exp.info["response_length"].shape[0])
+    resp_len = exp.info["response_length"].tolist()
+    total_len = exp.info["total_length"].tolist()
+    if exp.packed_seq_lens is not None:
+        ends = torch.cumsum(exp.packed_seq_lens, 0).tolist()
+        rows = [exp.sequences[0, e - t: e].tolist() for e, t in zip(ends, total_len)]
+    else:
+        width_a = exp.action_mask.shape[1]
+        p_max = exp.sequences.shape[1] - width_a
+        rows = [exp.sequences[i, p_max - (t - r): p_max + r].tolist() for i, (t, r) in enumerate(zip(total_len,
+                                                                                                          resp_len))]
+    video_num = exp.video_num or [0] * batch
+    v_starts = torch.tensor([0, *video_num]).cumsum(0).tolist()
+    items = []
+    for i, (row, r) in enumerate(zip(rows, resp_len)):
+        token = {name: getattr(exp, name)[i, :r] for name in TOKEN_FIELDS if getattr(exp, name) is not None}
+        token["loss_mask"] = exp.action_mask[i, :r].bool()
+        info = {k: exp.info[k][i] for k in SAMPLE_INFO if k in exp.info}
+        extra = {k: v[v_starts[i]: v_starts[i + 1]] for k, v in (exp.vision_extra or {}).items()}
+        items.append(TrainItem(prompt_ids=row[: len(row) - r], response_ids=row[len(row) - r:],
+                               vision=exp.vision_inputs(i), vision_extra=extra, token=token, info=info))
+    return items
+
+
+def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: Any) -> TrainBatch:
+    """Lay ``items`` out as one batch (padded: left-padded prompts, right-padded responses; packed: [1, T])."""
+    if not items:
+        raise ValueError("collate needs at least one item")
+    build = build_packed_samples if packed else build_padded_samples
+    built = build([it.prompt_ids for it in items], [it.response_ids for it in items], pad_id=pad_id, eos_id=(),
+                  adapter=adapter, vision=[it.vision for it in items])
+    a_max = max(len(it.response_ids) for it in items)
+    token: dict[str, torch.Tensor] = {}
+    for name in items[0].token:
+        if any(name not in it.token for it in items):
+            raise ValueError(f"per-token field {name!r} is present in some items only")
+        token[name] = torch.stack([_pad(it.token[name], a_max) for it in items])  # [B, A]
+    extra_keys = sorted({k for it in items for k in it.vision_extra})
+    vision_extra = {k: torch.cat([it.vision_extra[k] for it in items if k in it.vision_extra]) for k in extra_keys}
+    info = {k: torch.stack([it.info[k] for it in items]) for k in items[0].info if all(k in it.info for it in items)}
+    return TrainBatch(built.samples, vision_extra, token, info)
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[A_i] -> [width], zero / False padded on the right."""
+    return torch.nn.functional.pad(x, (0, width - x.shape[0])) if x.shape[0] < width else x

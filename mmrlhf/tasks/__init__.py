@@ -1,0 +1,1 @@
+"""Small synthetic visual tasks, generated on the fly, for demos, tests and benchmarks (see ``shapes``)."""

@@ -1,0 +1,183 @@
+"""Config tree -> a ready :class:`~mmrlhf.trainer.loop.Trainer` (the only place below the CLI that reads the
+``trainer`` section; everything it builds receives plain values)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmrlhf.config.schema import MMRLHFConfig
+from mmrlhf.trainer.checkpoint import CheckpointManager
+from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
+from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
+from mmrlhf.trainer.minibatch import GuardedStepper
+from mmrlhf.trainer.optim import build_optimizer, build_scheduler, freeze_vision
+from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings
+from mmrlhf.trainer.reporting import StepReporter
+from mmrlhf.trainer.state import seed_everything
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_rollout_correction(algorithm: Any, engine_dtype: str, train_dtype: str) -> str:
+    """``auto`` -> ``tis`` when the engine and the trainer compute in different precisions, else ``none``."""
+    if algorithm.rollout_correction != "auto":
+        return algorithm.rollout_correction
+    return "tis" if engine_dtype != train_dtype else "none"
+
+
+def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdateSettings:
+    a, t = config.algorithm, config.trainer
+    params = dict(a.policy_loss_params)
+    if a.dual_clip is not None:
+        if a.policy_loss not in ("ppo", "vanilla"):
+            raise ValueError(f"algorithm.dual_clip applies to the 'ppo' loss, not {a.policy_loss!r}")
+        params["dual_clip"] = a.dual_clip
+    return PolicyUpdateSettings(
+        train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size, ppo_epochs=t.ppo_epochs,
+        loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, loss_params=params, agg=a.loss_agg,
+        norm_len=a.loss_agg_norm_len, entropy_coef=a.entropy_coef, kl_loss_coef=a.kl_loss_coef,
+        kl_loss_estimator=a.kl_loss_estimator, high_entropy_top_p=a.high_entropy_top_p, correction=correction,
+        correction_level=a.rollout_correction_level, correction_cap=a.rollout_correction_cap,
+        correction_lower=a.rollout_correction_lower, packing=t.packing_samples)
+
+
+def _engine_dtype(config: MMRLHFConfig) -> str:
+    """The precision the rollout engine computes in (``rollout.dtype`` when the config has it)."""
+    rollout_dtype = getattr(config.rollout, "dtype", None)
+    if rollout_dtype in (None, "auto"):
+        if config.rollout.engine == "transformers":
+            return config.model.dtype  # the engine is the actor itself
+        if rollout_dtype is None:
+            return config.model.dtype
+        from mmrlhf.rollout.builder import resolve_rollout_dtype
+
+        return resolve_rollout_dtype(config.rollout)
+    return rollout_dtype
+
+
+def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run); refuses to mix a fresh run into an old one."""
+    if resume:
+        latest = checkpoints.latest()
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {checkpoints.root} (nothing to resume)")
+        return latest
+    if checkpoints.checkpoints() or (out / "metrics.jsonl").exists():
+        if not overwrite:
+            raise FileExistsError(
+                f"{out} already holds a run (metrics or checkpoints): continue it with --resume, start over with "
+                "trainer.overwrite_output_dir=true, or choose another trainer.output_dir")
+        shutil.rmtree(checkpoints.root, ignore_errors=True)
+    return None
+
+
+def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
+    """Models, engine, maker, updaters, data stream, evaluation, tracker, checkpoints and reports of a run."""
+    from mmrlhf.data.datasets import PromptDataset
+    from mmrlhf.data.stream import GeneratedPrompts, PromptStream
+    from mmrlhf.experience.builder import build_experience_maker
+    from mmrlhf.trainer.evaluation import Evaluator
+    from mmrlhf.trainer.tracking import MetricsTracker, WandbSettings
+
+    t, a, d = config.trainer, config.algorithm, config.data
+    out = Path(t.output_dir)
+    checkpoints = CheckpointManager(out / "checkpoints", t.keep_last)
+    resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
+    seed_everything(t.seed)
+
+    def freeze(actor: Any) -> None:
+        counts = freeze_vision(actor.model, actor.adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
+        logger.info("policy parameters: %d trainable, %d frozen", counts["trainable"], counts["frozen"])
+
+    critic = _build_critic(config) if a.advantage_estimator == "gae" else None
+    stack = build_experience_maker(config, critic=critic, before_engine=freeze,
+                                   policy_path=str(resume_from / "model") if resume_from else None)
+    device = next(stack.actor.parameters()).device
+    samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
+    total_opt_steps = t.max_steps * t.ppo_epochs * math.ceil(samples_per_step / t.train_batch_size)
+
+    def stepper(model: torch.nn.Module, lr: float, name: str) -> GuardedStepper:
+        opt = build_optimizer(model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=t.adam_betas,
+                              eps=t.adam_eps)
+        sched = build_scheduler(opt, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps,
+                                total_steps=total_opt_steps, min_ratio=t.min_lr_ratio)
+        return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
+                              max_consecutive=t.max_consecutive_nonfinite, name=name)
+
+    correction = resolve_rollout_correction(a, _engine_dtype(config), config.model.dtype)
+    logger.info("rollout correction: %s", correction)
+    pad_id = stack.tokenizer.pad_token_id
+    policy = PolicyUpdater(stack.actor, stepper(stack.actor, t.lr, "policy"),
+                           policy_update_settings(config, correction), pad_id=pad_id, device=device)
+    critic_updater = None
+    if critic is not None:
+        critic_updater = CriticUpdater(
+            critic, stepper(critic, t.critic_lr, "critic"),
+            CriticUpdateSettings(train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
+                                 ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
+                                 agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples),
+            pad_id=pad_id, adapter=stack.actor.adapter, device=device)
+
+    if d.prompt_data:
+        source: Any = PromptDataset(d.prompt_data, d)
+    elif d.generator:
+        source = GeneratedPrompts(d.generator, d, split="train", options=d.generator_options)
+    else:
+        raise ValueError("no prompts: set data.prompt_data (files) or data.generator (prompts made on the fly)")
+    evaluator = None
+    if t.eval_steps:
+        if d.eval_data:
+            eval_records = list(PromptDataset(d.eval_data, d))[: d.eval_size]
+        elif d.generator:
+            gen = GeneratedPrompts(d.generator, d, split="eval", options=d.generator_options)
+            eval_records = [gen[i] for i in range(d.eval_size)]
+        else:
+            raise ValueError("trainer.eval_steps > 0 needs held-out prompts: data.eval_data or data.generator")
+        evaluator = Evaluator(stack.maker, eval_records, greedy=t.eval_greedy, n_samples=t.eval_samples_per_prompt,
+                              seed=config.rollout.seed)
+
+    wandb = None
+    if t.wandb_project:
+        wandb = WandbSettings(project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
+                              mode=t.wandb_mode)
+    tracker = MetricsTracker(out, tensorboard=t.tensorboard, wandb=wandb, run_config=config.model_dump(mode="json"),
+                             resume=resume_from is not None, overwrite=t.overwrite_output_dir)
+    parts = TrainerParts(
+        maker=stack.maker, policy=policy, critic=critic_updater, stream=PromptStream(source, seed=t.seed,
+                                                                                     shuffle=d.shuffle),
+        evaluator=evaluator, tracker=tracker, checkpoints=checkpoints,
+        reporter=StepReporter(out, stack.tokenizer, groups=t.report_groups, title=out.name),
+        processor=stack.processor, shuffle=torch.Generator().manual_seed(t.seed))
+    settings = LoopSettings(
+        max_steps=t.max_steps, rollout_batch_size=t.rollout_batch_size, output_dir=str(out), save_steps=t.save_steps,
+        log_steps=t.log_steps, eval_steps=t.eval_steps, report_steps=t.report_steps,
+        dynamic_sampling=a.dynamic_sampling, dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
+        dynamic_sampling_tol=a.dynamic_sampling_tol, progress_bar=t.progress_bar,
+        config=config.model_dump(mode="json"))
+    trainer = Trainer(parts, settings)
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+        logger.info("resumed from %s (step %d)", resume_from, trainer.state.step)
+    return trainer
+
+
+def _build_critic(config: MMRLHFConfig) -> Any:
+    """A CriticVL on the configured device (vision tower frozen like the policy's)."""
+    from mmrlhf.devices import resolve_device
+    from mmrlhf.experience.builder import _DTYPES
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.models.critic import CriticVL
+
+    m, t = config.model, config.trainer
+    adapter = get_adapter(m.pretrain, m.family)
+    body = ActorVL.from_pretrained(m.critic or m.pretrain, adapter=adapter, dtype=_DTYPES[m.dtype],
+                                   attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
+    freeze_vision(body.model, adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
+    return CriticVL(body).to(resolve_device(t.device))

@@ -1,0 +1,127 @@
+"""Atomic checkpoints: ``<root>/step-00000100/`` folders that are either complete or absent.
+
+A save writes everything into a private ``.tmp-...`` folder, syncs it to disk, renames it into place (one atomic
+``rename`` on POSIX) and only then repoints ``<root>/latest`` (a one-line file, itself replaced atomically). A kill
+at any moment therefore leaves the previous checkpoint intact and ``latest`` pointing at it; the orphaned
+temporary folder is removed by the next save. ``keep_last`` prunes the oldest complete checkpoints after a save.
+
+What goes inside is the trainer's business (see ``loop.Trainer.write_checkpoint``): the model in Hugging Face
+format (loadable by transformers and vLLM), optimiser and scheduler state (``torch.save`` of tensors and plain
+values, read back with ``weights_only=True``), RNG states and the trainer state as JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    """Flush every file (and folder entry) under ``path`` to disk before the rename makes it visible."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class CheckpointManager:
+    """Saves, lists, finds and prunes checkpoints under ``root``."""
+
+    def __init__(self, root: str | Path, keep_last: int | None = None) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Run ``write(folder)`` into a fresh temporary folder and publish it as the checkpoint of ``step``."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._remove_orphans()
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (e.g. after an interrupt): replace it
+            stale = self.root / f".old-{final.name}-{os.getpid()}"
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        self._point_latest(final.name)
+        self._prune()
+        return final
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``latest`` names, or (if that file is missing or dangling) the newest complete one."""
+        pointer = self.root / "latest"
+        if pointer.is_file():
+            target = self.root / pointer.read_text().strip()
+            if target.is_dir() and _NAME.match(target.name):
+                return target
+            logger.warning("%s names %r, which is missing; using the newest checkpoint instead", pointer, target.name)
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    @staticmethod
+    def step_of(path: str | Path) -> int:
+        m = _NAME.match(Path(path).name)
+        if m is None:
+            raise ValueError(f"{path} is not a checkpoint folder (step-NNNNNNNN)")
+        return int(m.group(1))
+
+    def _point_latest(self, name: str) -> None:
+        tmp = self.root / f".latest-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / "latest")
+
+    def _prune(self) -> None:
+        if self.keep_last is None:
+            return
+        found = self.checkpoints()
+        latest = self.latest()
+        for old in found[: max(len(found) - self.keep_last, 0)]:
+            if old != latest:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _remove_orphans(self) -> None:
+        """Temporary folders of saves that were killed (any process's: only one run writes a root at a time)."""
+        for p in self.root.iterdir():
+            if p.name.startswith((".tmp-", ".old-", ".latest-")):
+                logger.warning("removing %s, left by an interrupted save", p)
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)

@@ -1,0 +1,45 @@
+"""Periodic evaluation on held-out prompts: generate (greedy by default, one response per prompt), score with the
+same reward engine, report ``eval/*`` metrics. Training state is untouched (no forward of the trainer's models)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from mmrlhf.data.stream import record_columns
+from mmrlhf.data.types import PromptRecord
+
+
+class Evaluator:
+    """Scores the policy served by the maker's engine on ``records``.
+
+    ``greedy``: temperature 0 (the policy's mode); otherwise the rollout temperature with ``n_samples`` responses per
+    prompt and a fixed seed, so evaluations at different steps sample comparably.
+    """
+
+    def __init__(self, maker: Any, records: Sequence[PromptRecord], *, greedy: bool = True, n_samples: int = 1,
+                 seed: int = 0) -> None:
+        if not records:
+            raise ValueError("evaluation needs at least one prompt")
+        self.maker, self.records = maker, list(records)
+        self.greedy, self.n_samples, self.seed = greedy, n_samples, seed
+
+    def run(self) -> dict[str, float]:
+        overrides: dict[str, Any] = {"temperature": 0.0} if self.greedy else {"seed": self.seed}
+        rollout = self.maker.generate_rollout(**record_columns(self.records), n=1 if self.greedy else self.n_samples,
+                                              **overrides)
+        r = rollout.rewards
+        valid = r.valid
+        out = {
+            "eval/reward/mean": float(r.rewards[valid].mean()) if valid.any() else float("nan"),
+            "eval/samples": float(len(rollout)),
+            "eval/valid_frac": float(valid.float().mean()),
+            "eval/response_length/mean": rollout.metrics["response_length/mean"],
+        }
+        labels = rollout.rows.labels
+        for label in sorted({str(x) for x in labels if x is not None}):
+            pick = torch.tensor([str(x) == label for x in labels]) & valid
+            if pick.any():
+                out[f"eval/reward/label/{label}/mean"] = float(r.rewards[pick].mean())
+        return out

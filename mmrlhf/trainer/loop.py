@@ -1,0 +1,312 @@
+"""The training loop, top to bottom: rollout -> experience -> policy update -> critic update -> weight sync ->
+log -> checkpoint -> evaluation -> report. Each phase is a call into a module with one job; the state a resume
+needs is gathered in :meth:`Trainer.write_checkpoint` / :meth:`Trainer.load_checkpoint`.
+
+The trainer never reads the config tree: :mod:`mmrlhf.trainer.builder` turns it into the parts and plain
+settings below.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter_groups
+from mmrlhf.data.stream import PromptStream, record_columns
+from mmrlhf.experience.batching import TrainItem, split_experience
+from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
+from mmrlhf.trainer.checkpoint import CheckpointManager
+from mmrlhf.trainer.policy_update import prepare_policy_targets
+from mmrlhf.trainer.progress import ProgressBar
+from mmrlhf.trainer.reporting import StepReporter
+from mmrlhf.trainer.state import TrainerState, restore_rng, rng_state_json, rng_state_tensors
+from mmrlhf.trainer.weight_sync import sync_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Plain values the loop reads (from ``trainer`` and ``algorithm``)."""
+
+    max_steps: int
+    rollout_batch_size: int
+    output_dir: str
+    save_steps: int = 100
+    log_steps: int = 1
+    eval_steps: int = 0
+    report_steps: int = 50
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_extra_rounds: int = 3
+    dynamic_sampling_tol: float = 0.0
+    progress_bar: bool = True
+    sync_only_trainable: bool = True
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved run config (saved with checkpoints)
+
+
+@dataclass
+class TrainerParts:
+    """Everything the loop drives (built by ``builder.build_trainer``)."""
+
+    maker: Any  # FastExperienceMaker (its actor, engine, reference and critic)
+    policy: Any  # PolicyUpdater
+    critic: Any | None  # CriticUpdater
+    stream: PromptStream
+    evaluator: Any | None  # Evaluator
+    tracker: Any  # MetricsTracker
+    checkpoints: CheckpointManager
+    reporter: StepReporter
+    processor: Any  # saved beside the model in checkpoints (tokenizer, chat template, image processor)
+    shuffle: torch.Generator  # mini-batch order (checkpointed)
+
+
+class Trainer:
+    def __init__(self, parts: TrainerParts, settings: LoopSettings) -> None:
+        self.p, self.s = parts, settings
+        self.state = TrainerState()
+        self.last_metrics: dict[str, float] = {}
+        self.last_rollout: ScoredRollout | None = None
+        self.last_items: list[TrainItem] = []
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Run until ``max_steps``; Ctrl-C finishes the current step, saves a checkpoint and returns."""
+        s, p = self.s, self.p
+        bar = ProgressBar(s.max_steps, initial=self.state.step, enabled=s.progress_bar)
+        interrupted = False
+        with _stop_on_interrupt() as stop, bar:
+            while self.state.step < s.max_steps:
+                t0 = time.perf_counter()
+                metrics = self.train_step()
+                self.state.step += 1
+                metrics["time/step"] = time.perf_counter() - t0
+                step = self.state.step
+                if s.eval_steps and p.evaluator is not None and step % s.eval_steps == 0:
+                    metrics.update(self.evaluate())
+                self.last_metrics = metrics
+                if step % s.log_steps == 0 or step == s.max_steps:
+                    p.tracker.log(step, metrics)
+                bar.update(metrics, self.state.last_eval)
+                if step % s.save_steps == 0:
+                    self.save()
+                if s.report_steps and step % s.report_steps == 0:
+                    self.report()
+                if stop.requested:
+                    interrupted = True
+                    break
+        if interrupted:
+            path = self.save()
+            print(f"\ninterrupted at step {self.state.step}: checkpoint saved to {path}; continue with --resume")
+            return self.last_metrics
+        if p.evaluator is not None and s.eval_steps and self.state.step % s.eval_steps:
+            final = self.evaluate()
+            p.tracker.log(self.state.step, final)
+            self.last_metrics.update(final)
+        if self.state.step % s.save_steps:
+            self.save()
+        self.report()
+        return self.last_metrics
+
+    def train_step(self) -> dict[str, float]:
+        p = self.p
+        seconds: dict[str, float] = {}
+        with _timed(seconds, "rollout"):
+            rollout, metrics = self.collect_rollout()
+        if rollout is None:  # dynamic sampling found no group with reward variance
+            self.state.empty_steps += 1
+            logger.warning("step %d: every sampled group had the same reward for all its samples; no update",
+                           self.state.step + 1)
+            metrics["train/empty_steps"] = float(self.state.empty_steps)
+            return metrics
+        with _timed(seconds, "experience"):
+            experiences = p.maker.experiences_from(rollout)
+            items = [item for exp in experiences for item in split_experience(exp)]
+            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if not k.startswith("reward/")
+                            and k not in metrics})
+            metrics.update(prepare_policy_targets(items, p.policy.s))
+            metrics.update(_entropy_metric(items))
+        temperature = rollout.sampling.temperature if rollout.sampling.temperature > 0 else 1.0
+        with _timed(seconds, "policy_update"):
+            metrics.update(p.policy.update(items, temperature=temperature, generator=p.shuffle))
+        if p.critic is not None:
+            with _timed(seconds, "critic_update"):
+                metrics.update(p.critic.update(items, generator=p.shuffle))
+        with _timed(seconds, "sync"):
+            metrics.update(sync_weights(p.policy.actor.model, p.maker.engine, only_trainable=self.s.sync_only_trainable))
+        self.state.samples_generated += int(metrics.get("samples", len(rollout)))
+        self.state.samples_trained += len(items)
+        metrics["train/samples_trained"] = float(len(items))
+        metrics.update({f"time/{k}": v for k, v in seconds.items()})
+        self.last_rollout, self.last_items = rollout, items
+        return metrics
+
+    # ---- phases ------------------------------------------------------------------------------------------------
+    def collect_rollout(self) -> tuple[ScoredRollout | None, dict[str, float]]:
+        """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with
+        reward variance are kept. Metrics describe everything sampled; the rollout holds what trains."""
+        s, rounds = self.s, []
+
+        def sample_round() -> SampledGroups:
+            rollout = self._sample(s.rollout_batch_size)
+            rounds.append(rollout)
+            return SampledGroups(*_group_rewards(rollout), payload=rollout)
+
+        if not s.dynamic_sampling:
+            rollout = self._sample(s.rollout_batch_size)
+            metrics = dict(rollout.metrics)
+            metrics.update(_variance_metrics([rollout], s.dynamic_sampling_tol))
+            return rollout, metrics
+        fill = fill_batch(sample_round, s.rollout_batch_size, s.dynamic_sampling_max_extra_rounds,
+                          tol=s.dynamic_sampling_tol)
+        metrics = merge_round_metrics([r.metrics for r in rounds], [len(r) for r in rounds])
+        metrics.update(_variance_metrics(rounds, s.dynamic_sampling_tol))
+        metrics.update(fill.metrics())
+        if not fill.parts:
+            return None, metrics
+        kept = ScoredRollout.concat([part.payload.select(part.indices.tolist()) for part in fill.parts])
+        return kept, metrics
+
+    def _sample(self, n_prompts: int) -> ScoredRollout:
+        records = self.p.stream.next_batch(n_prompts)
+        return self.p.maker.generate_rollout(**record_columns(records))
+
+    def evaluate(self) -> dict[str, float]:
+        metrics = self.p.evaluator.run()
+        self.state.last_eval = metrics
+        return metrics
+
+    def report(self) -> None:
+        self.p.reporter.write(self.state.step, self.p.tracker.history(), self.last_rollout, self.last_items,
+                              self.last_metrics)
+
+    # ---- checkpoints -------------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        path = self.p.checkpoints.save(self.state.step, self.write_checkpoint)
+        logger.info("checkpoint saved: %s", path)
+        return path
+
+    def write_checkpoint(self, folder: Path) -> None:
+        """Everything a resume needs: the policy in Hugging Face format (``model/``, loadable by transformers and
+        vLLM), the critic, optimiser and scheduler states, RNG states, data position and running statistics."""
+        p = self.p
+        actor = p.policy.actor.model
+        actor.save_pretrained(folder / "model", safe_serialization=True)
+        p.processor.save_pretrained(folder / "model")
+        optim = {"policy": p.policy.stepper.state_dict()}
+        if p.critic is not None:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in p.critic.critic.state_dict().items()},
+                      str(folder / "critic.safetensors"))
+            optim["critic"] = p.critic.stepper.state_dict()
+        torch.save(optim, folder / "optimizer.pt")
+        torch.save(rng_state_tensors({"shuffle": p.shuffle}), folder / "rng.pt")
+        state = {"trainer": self.state.to_json(), "stream": p.stream.state_dict(), "maker": p.maker.state_dict(),
+                 "rng": rng_state_json(), "config": self.s.config}
+        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
+
+    def load_checkpoint(self, folder: str | Path) -> None:
+        """Restore everything but the policy weights (the builder loads those from ``folder/model``)."""
+        folder, p = Path(folder), self.p
+        state = json.loads((folder / "trainer_state.json").read_text())
+        self.state = TrainerState.from_json(state["trainer"])
+        p.stream.load_state_dict(state["stream"])
+        p.maker.load_state_dict(state["maker"])
+        optim = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+        p.policy.stepper.load_state_dict(optim["policy"])
+        if p.critic is not None:
+            from safetensors.torch import load_file
+
+            p.critic.critic.load_state_dict(load_file(str(folder / "critic.safetensors")))
+            p.critic.stepper.load_state_dict(optim["critic"])
+        rng = torch.load(folder / "rng.pt", weights_only=True)
+        restore_rng(state["rng"], rng, {"shuffle": p.shuffle})
+        p.tracker.truncate_after(self.state.step)
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+def _group_rewards(rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] rewards, [N] group ids) for group filtering; samples the reward engine masked out get a group of their
+    own (a singleton has no spread and is dropped), so a masked 0 never fakes variance in its prompt's group."""
+    r = rollout.rewards
+    groups = rollout.group_ids
+    alone = groups.max() + 1 + torch.arange(len(groups))
+    return r.rewards.float(), torch.where(r.valid, groups, alone)
+
+
+def _variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, float]:
+    """Share of sampled groups whose rewards vary: the early warning of GRPO collapse (no variance, no signal)."""
+    kept = total = 0
+    for rollout in rounds:
+        rewards, groups = _group_rewards(rollout)
+        valid_groups = groups[rollout.rewards.valid]
+        if not valid_groups.numel():
+            continue
+        sel = filter_groups(rewards[rollout.rewards.valid], valid_groups, tol=tol)
+        kept += int(sel.kept_groups.numel())
+        total += sel.num_groups
+    return {"groups/with_variance_frac": kept / total if total else 0.0, "groups/sampled": float(total)}
+
+
+def _entropy_metric(items: Sequence[TrainItem]) -> dict[str, float]:
+    """Mean old-policy entropy over the trained response tokens (``policy/entropy``)."""
+    num = den = 0.0
+    for it in items:
+        ent = it.token.get("action_entropy")
+        if ent is None:
+            return {}
+        mask = it.token["loss_mask"]
+        num += float(ent[mask].sum())
+        den += int(mask.sum())
+    return {"policy/entropy": num / den} if den else {}
+
+
+@contextmanager
+def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class _StopFlag:
+    requested = False
+
+
+@contextmanager
+def _stop_on_interrupt() -> Iterator[_StopFlag]:
+    """The first Ctrl-C asks the loop to stop after the current step (and save); a second one aborts at once."""
+    flag = _StopFlag()
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except ValueError:  # not the main thread: no handler can be installed
+        yield flag
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        if flag.requested:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        flag.requested = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort without saving)",
+              flush=True)
+
+    try:
+        signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+

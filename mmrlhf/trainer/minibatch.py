@@ -1,0 +1,131 @@
+"""The shared skeleton of the policy and the critic update: epochs of shuffled mini-batches, each accumulated over
+micro-batches, then one clipped optimiser step guarded against non-finite losses and gradients.
+
+Why the guard lives here: a single NaN or inf in one micro-batch's loss (an overflow, a corrupt sample) would, once
+stepped, turn every parameter into NaN and silently end the run. The guard skips that optimiser step (gradients
+dropped, a warning logged, counted) and raises :class:`NonFiniteError` after ``max_consecutive`` skips in a row,
+when the run is clearly broken rather than unlucky.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimiser steps in a row had a non-finite loss or gradient: training stops."""
+
+
+def minibatches(n: int, batch_size: int, micro_size: int, epochs: int,
+                generator: torch.Generator | None) -> Iterator[tuple[int, list[list[int]]]]:
+    """``(epoch, micro-batches of one mini-batch)`` over ``n`` items: a fresh permutation per epoch (in order when
+    ``generator`` is None); the last mini-batch of an epoch may be smaller, never empty."""
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=generator).tolist() if generator is not None else list(range(n))
+        for s in range(0, n, batch_size):
+            mini = order[s: s + batch_size]
+            yield epoch, [mini[m: m + micro_size] for m in range(0, len(mini), micro_size)]
+
+
+@dataclass
+class MetricSums:
+    """Weighted sums of scalar metrics over micro-batches (weights: the micro-batch's token or sample count)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, float | torch.Tensor], weight: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v) * weight
+            self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def means(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
+
+
+class GuardedStepper:
+    """Clip, check and step one optimiser; counts skipped steps (``state_dict`` for resume)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, *, max_grad_norm: float,
+                 max_consecutive: int, name: str) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.max_grad_norm, self.max_consecutive, self.name = max_grad_norm, max_consecutive, name
+        self.skipped_total = 0
+        self.skipped_in_a_row = 0
+        self.steps = 0
+
+    def step(self, loss_finite: bool) -> tuple[float, bool]:
+        """(gradient norm before clipping, whether the step was taken). Gradients are zeroed either way."""
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        ok = loss_finite and math.isfinite(grad_norm)
+        if ok:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.steps += 1
+            self.skipped_in_a_row = 0
+        else:
+            self.skipped_total += 1
+            self.skipped_in_a_row += 1
+            logger.warning("%s update skipped: non-finite %s (%d in a row, %d in total)", self.name,
+                           "loss" if not loss_finite else f"gradient norm ({grad_norm})", self.skipped_in_a_row,
+                           self.skipped_total)
+            if self.skipped_in_a_row >= self.max_consecutive:
+                raise NonFiniteError(
+                    f"{self.name}: {self.skipped_in_a_row} optimiser steps in a row had a non-finite loss or gradient;"
+                    " stopping (lower the learning rate, check the rewards and the data; the last checkpoint is "
+                    "intact)")
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, ok
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "skipped_total": self.skipped_total, "skipped_in_a_row": self.skipped_in_a_row, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_total = int(state["skipped_total"])
+        self.skipped_in_a_row = int(state["skipped_in_a_row"])
+        self.steps = int(state["steps"])
+
+
+def run_minibatches(n: int, *, batch_size: int, micro_size: int, epochs: int, generator: torch.Generator | None,
+                    stepper: GuardedStepper, micro_loss: Callable[[list[int], list[int]], tuple[torch.Tensor, dict]],
+                    count: Callable[[list[int]], float]) -> tuple[MetricSums, list[float], int]:
+    """The update loop. ``micro_loss(micro, mini)`` returns the micro-batch's share of its mini-batch loss (already
+    divided by the mini-batch's count) and its metrics; ``count(indices)`` is the aggregation count of items (the
+    metrics' weight). Returns (metric sums, gradient norms of the taken steps, steps skipped)."""
+    sums, norms, skipped = MetricSums(), [], 0
+    for _, micros in minibatches(n, batch_size, micro_size, epochs, generator):
+        mini = [i for m in micros for i in m]
+        finite = True
+        for micro in micros:
+            loss, metrics = micro_loss(micro, mini)
+            if not torch.isfinite(loss.detach()).all():
+                finite = False  # no backward: a NaN would poison every gradient of the mini-batch
+                break
+            loss.backward()
+            sums.add(metrics, count(micro))
+        grad_norm, ok = stepper.step(finite)
+        if ok:
+            norms.append(grad_norm)
+        else:
+            skipped += 1
+    return sums, norms, skipped

@@ -1,0 +1,138 @@
+"""The policy update: the loss named in the config (through ``POLICY_LOSSES``), its aggregation, the KL loss term,
+the entropy bonus, rollout correction and high-entropy token selection, over shuffled mini-batches.
+
+Before the update, :func:`prepare_policy_targets` decides per token, over the WHOLE step (both need batch-wide
+statistics): which tokens the loss sees (the reward engine's mask, minus tokens rollout correction masks, minus
+low-entropy tokens when ``high_entropy_top_p < 1``) and the importance weight of each (rollout correction). The
+update then only reads them.
+
+Gradient accumulation is exact: every micro-batch loss is divided by the mini-batch's aggregation count (tokens
+for ``token-mean``, responses for the sequence modes), so the accumulated gradient equals the gradient of the
+mini-batch's loss however it is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mmrlhf.algorithms.entropy import high_entropy_mask
+from mmrlhf.algorithms.kl import kl_loss
+from mmrlhf.algorithms.losses import policy_loss
+from mmrlhf.algorithms.masked import agg_count
+from mmrlhf.algorithms.rollout_correction import rollout_correction
+from mmrlhf.experience.batching import TrainItem, collate
+from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
+
+
+@dataclass(frozen=True)
+class PolicyUpdateSettings:
+    """Plain values of the ``algorithm`` and ``trainer`` keys the policy update reads."""
+
+    train_batch_size: int = 128
+    micro_batch_size: int = 4
+    ppo_epochs: int = 1
+    loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_params: Mapping[str, Any] = field(default_factory=dict)  # dual_clip and policy_loss_params
+    agg: str = "token-mean"
+    norm_len: int | None = None
+    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0
+    kl_loss_estimator: str = "k3"
+    high_entropy_top_p: float = 1.0
+    correction: str = "none"  # rollout correction: none | tis | mis
+    correction_level: str = "token"
+    correction_cap: float = 2.0
+    correction_lower: float = 0.0
+    packing: bool = False
+    shuffle: bool = True
+
+
+def _stack(items: Sequence[TrainItem], name: str) -> torch.Tensor:
+    """[N, A] right-padded stack of one per-token field over items."""
+    width = max(it.token["loss_mask"].shape[0] for it in items)
+    return torch.stack([torch.nn.functional.pad(it.token[name].float(), (0, width - it.token[name].shape[0]))
+                        for it in items])
+
+
+@torch.no_grad()
+def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings) -> dict[str, float]:
+    """Write each item's ``policy_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response tokens,
+    narrowed by rollout correction and entropy selection) and ``is_weight`` (per token); returns metrics."""
+    if not items:
+        return {}
+    mask = _stack(items, "loss_mask").bool()  # [N, A]
+    metrics: dict[str, float] = {}
+    weights = torch.ones_like(mask, dtype=torch.float32)  # [N, A]
+    if all("rollout_log_probs" in it.token for it in items):
+        weights, mask, m = rollout_correction(
+            _stack(items, "action_log_probs"), _stack(items, "rollout_log_probs"), mask, mode=s.correction,
+            level=s.correction_level, cap=s.correction_cap, lower=s.correction_lower)
+        metrics.update({k: float(v) for k, v in m.items()})
+    elif s.correction != "none":
+        raise ValueError(f"rollout correction {s.correction!r} needs the engine's log-probs, and this rollout has none")
+    if s.high_entropy_top_p < 1.0:
+        if not all("action_entropy" in it.token for it in items):
+            raise ValueError("high_entropy_top_p < 1 needs token entropies in the experience")
+        before = int(mask.sum())
+        mask = high_entropy_mask(_stack(items, "action_entropy"), mask, s.high_entropy_top_p)
+        metrics["policy/high_entropy_kept_frac"] = int(mask.sum()) / max(before, 1)
+    for i, it in enumerate(items):
+        a = it.token["loss_mask"].shape[0]
+        it.token["policy_mask"] = mask[i, :a].clone()
+        it.token["is_weight"] = weights[i, :a].clone()
+    return metrics
+
+
+class PolicyUpdater:
+    """Runs the policy update of one step on an :class:`~mmrlhf.models.actor.ActorVL`."""
+
+    def __init__(self, actor: Any, stepper: GuardedStepper, settings: PolicyUpdateSettings, *, pad_id: int,
+                 device: torch.device) -> None:
+        self.actor, self.stepper, self.s = actor, stepper, settings
+        self.pad_id, self.device = pad_id, device
+
+    def update(self, items: Sequence[TrainItem], *, temperature: float,
+               generator: torch.Generator | None) -> dict[str, float]:
+        s = self.s
+        need_ref = s.kl_loss_coef > 0
+        counts = [float(agg_count(it.token["policy_mask"][None], s.agg)) for it in items]
+        self.actor.train()
+
+        def micro_loss(micro: list[int], mini: list[int]) -> tuple[torch.Tensor, dict]:
+            batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
+                            adapter=self.actor.adapter).to(self.device)
+            denom = sum(counts[i] for i in mini)
+            out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
+                             return_entropy=s.entropy_coef > 0)
+            tok, mask = batch.token, batch.token["policy_mask"]
+            loss, metrics = policy_loss(
+                s.loss, out.log_probs, tok["action_log_probs"], tok["advantages"], mask, clip_low=s.clip_low,
+                clip_high=s.clip_high, agg=s.agg, norm_len=s.norm_len, entropy=out.entropy,
+                entropy_coef=s.entropy_coef, token_weights=tok["is_weight"], agg_denominator=denom,
+                **dict(s.loss_params))
+            if need_ref:
+                kl, m = kl_loss(out.log_probs, tok["base_action_log_probs"], mask, estimator=s.kl_loss_estimator,
+                                agg=s.agg, norm_len=s.norm_len, denominator=denom)
+                loss = loss + s.kl_loss_coef * kl
+                metrics.update(m)
+            # pg_loss / entropy / kl_loss are this micro-batch's share of the mini-batch value: rescale to its mean
+            share = sum(counts[i] for i in micro) / max(denom, 1.0)
+            for key in ("pg_loss", "entropy", "kl_loss"):
+                if key in metrics:
+                    metrics[key] = metrics[key] / max(share, 1e-12)
+            return loss, metrics
+
+        sums, norms, skipped = run_minibatches(
+            len(items), batch_size=s.train_batch_size, micro_size=s.micro_batch_size, epochs=s.ppo_epochs,
+            generator=generator if s.shuffle else None, stepper=self.stepper, micro_loss=micro_loss,
+            count=lambda idx: sum(counts[i] for i in idx))
+        out = sums.means("policy/")
+        out.update({"policy/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+                    "policy/optimizer_steps": float(len(norms)), "policy/skipped_steps": float(skipped),
+                    "policy/skipped_steps_total": float(self.stepper.skipped_total), "policy/lr": self.stepper.lr})
+        return out

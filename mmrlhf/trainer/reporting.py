@@ -1,0 +1,67 @@
+"""Turning the trainer's last step into the curves PNG and the HTML rollout report (``report.py`` draws them).
+
+Files: ``output_dir/curves.png`` and ``output_dir/report.html`` (the latest), plus ``output_dir/reports/
+step-00000100.html`` per report step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from mmrlhf.experience.batching import TrainItem
+from mmrlhf.experience.rollout import ScoredRollout
+from mmrlhf.trainer.report import ReportSample, plot_curves, write_rollout_report
+
+
+class StepReporter:
+    def __init__(self, output_dir: str | Path, tokenizer: Any, *, groups: int = 8, title: str = "") -> None:
+        self.out = Path(output_dir)
+        self.tokenizer, self.groups, self.title = tokenizer, groups, title
+
+    @property
+    def curves_path(self) -> Path:
+        return self.out / "curves.png"
+
+    @property
+    def report_path(self) -> Path:
+        return self.out / "report.html"
+
+    def write(self, step: int, history: Sequence[Mapping[str, Any]], rollout: ScoredRollout | None,
+              items: Sequence[TrainItem], metrics: Mapping[str, float]) -> None:
+        plot_curves(history, self.curves_path, title=self.title)
+        if rollout is None:
+            return
+        samples = self.samples(rollout, items)
+        (self.out / "reports").mkdir(parents=True, exist_ok=True)
+        per_step = self.out / "reports" / f"step-{step:08d}.html"
+        write_rollout_report(samples, per_step, step=step, title=self.title, metrics=metrics)
+        write_rollout_report(samples, self.report_path, step=step, title=self.title, metrics=metrics)
+
+    def samples(self, rollout: ScoredRollout, items: Sequence[TrainItem]) -> list[ReportSample]:
+        """The first ``groups`` groups of the rollout (items are in rollout order: one per sample)."""
+        rows, r = rollout.rows, rollout.rewards
+        keep_groups = list(dict.fromkeys(rows.group))[: self.groups]
+        chosen = set(keep_groups)
+        texts = self.tokenizer.batch_decode(rows.response_ids, skip_special_tokens=True)
+        out = []
+        for i in range(len(rows)):
+            if rows.group[i] not in chosen:
+                continue
+            adv = None
+            if i < len(items):
+                mask = items[i].token["loss_mask"]
+                adv = float(items[i].token["advantages"][mask].mean()) if mask.any() else None
+            parts = {name: _value(col[i]) for name, col in {**r.sources, **r.parts}.items()}
+            out.append(ReportSample(
+                prompt=rows.prompts[i], response=texts[i], reward=float(r.rewards[i]), advantage=adv,
+                images=list(rows.images[i]), parts=parts, label=None if rows.labels[i] is None else str(rows.labels[i]),
+                reference=None if rows.references[i] is None else str(rows.references[i]), group=rows.group[i],
+                valid=bool(r.valid[i])))
+        return out
+
+
+def _value(x: torch.Tensor) -> float | None:
+    v = float(x)
+    return None if v != v else v  # NaN: the source / part did not apply
