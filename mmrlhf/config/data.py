@@ -69,13 +69,23 @@ class DataConfig(Section):
     """Lower bound on a video frame's pixels after resizing (None: leave it to the model's processor)."""
     video_max_pixels: Optional[int] = Field(default=None, gt=0)
     """Upper bound on a video frame's pixels after resizing (None: leave it to the model's processor)."""
+    video_max_tokens: Optional[int] = Field(default=512, ge=1)
+    """Total-pixel budget of ONE video, in vision tokens: its frames are shrunk (aspect kept) so that all of them
+    together cost at most this many tokens, as qwen-vl-utils' ``total_pixels`` does (the pixel budget is this times
+    ``(patch_size x spatial_merge_size)^2``, from the model's config). The default leaves half of the default
+    ``prompt_max_len`` for text; raise both together. A per-item ``total_pixels`` (pixels) or ``max_tokens``
+    overrides it. A frame keeps at least ``video_min_pixels`` (default: 4 tokens' worth), so a video with very many
+    frames can exceed the budget: lower ``video_max_frames`` then. None: no budget (only per-frame bounds)."""
 
     # ---- guard rails ------------------------------------------------------------------------------------------
     on_bad_input: Literal["error", "skip"] = "error"
     """Missing / corrupt / oversized / empty vision input or a malformed record: raise naming it, or skip it
     (counted and logged)."""
     prompt_overflow: Literal["truncate_left", "skip", "error"] = "truncate_left"
-    """A prompt over ``prompt_max_len``: drop its oldest text tokens (never vision tokens), skip it, or raise."""
+    """A prompt over ``prompt_max_len``: drop its oldest USER text tokens, skip it, or raise. ``truncate_left`` never
+    cuts the system turn (it carries the task's instructions), vision blocks, special tokens or role headers; a
+    prompt that cannot fit without them is refused (``prompt_too_long``, per ``on_bad_input``). The prompt text
+    handed to engines is rebuilt from the truncated ids."""
 
     @model_validator(mode="after")
     def _check_bounds(self) -> "DataConfig":

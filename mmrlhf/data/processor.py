@@ -10,7 +10,9 @@ What it does, and why each step is shaped the way it is:
 3. Every prompt's vision tensors are cut out of the batch tensors by grid products (segment sums, one split),
    and its pad-token counts are checked against ``tokens_per_grid`` from the family adapter: a mismatch is an
    error naming the prompt now, instead of "image features and image tokens do not match" deep in a forward.
-4. Over-long prompts lose their oldest TEXT tokens (vision blocks are never cut), or are skipped, or raise.
+4. Over-long prompts lose their oldest USER text tokens (vision blocks, chat structure and the system turn are never
+   cut), or are skipped, or raise. A truncated prompt's text is rebuilt from its ids and checked to re-tokenise to
+   exactly them, because engines that take text (vLLM for Qwen3-VL videos) re-run the processor on it.
 5. Prompts are expanded ``n_samples_per_prompt`` times by reference: the n samples share one set of tensors.
 
 All of it is linear in the number of prompts, items and tokens (no list membership tests, no ``sum(lists, [])``).
@@ -28,9 +30,15 @@ import torch
 from mmrlhf.data.errors import DataError, SkipLog
 from mmrlhf.data.prompts import PromptRenderer
 from mmrlhf.data.records import as_image_list, as_video_list, check_slots, items_from_parts
-from mmrlhf.data.truncation import structure_mask, truncate_text_left
+from mmrlhf.data.truncation import collapse_vision_blocks, structure_mask, truncate_text_left
 from mmrlhf.data.types import IMAGE_KEYS, VIDEO_KEYS, LoadedVideo, MultimodalBatch, PromptRecord, VisionInputs
 from mmrlhf.data.vision import VisionLoader, VisionSettings
+
+# Turns that left truncation keeps whole (by the role written in the turn header): the task's instructions.
+_KEPT_ROLES = frozenset({"system"})
+# Extra text tokens left truncation may drop so that the rebuilt text re-tokenises to the kept ids (a cut inside a
+# multi-byte character, or text that merges with the header, round-trips only from the next boundary on).
+_MAX_EXTRA_DROPS = 8
 
 
 @dataclass
@@ -95,6 +103,15 @@ class MultimodalDataProcessor:
             self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.get_added_vocab()
             if t.startswith("<|") and t.endswith("|>"))
         self._is_newline = functools.lru_cache(maxsize=None)(lambda t: "\n" in self.tokenizer.decode([t]))
+        self._pad_ids = frozenset((adapter.image_token_id, adapter.video_token_id))
+        # Videos reach the processor already sized under data.video_max_tokens (the loader applies the budget, so
+        # that vLLM, given the same frames, sees the same sizes). Video processors that leave their own total-pixel
+        # cap unset warn on every run and then run uncapped: say "uncapped" explicitly, which is what they (and
+        # vLLM's copy of them) do anyway. A processor configured either way is left alone.
+        video_processor = getattr(processor, "video_processor", None)
+        self._video_call_kwargs: dict[str, Any] = {}
+        if video_processor is not None and getattr(video_processor, "cap_pixels_per_frame", False) is None:
+            self._video_call_kwargs["cap_pixels_per_frame"] = False
 
     @classmethod
     def from_config(cls, processor: Any, adapter: Any, data_config: Any, **kwargs: Any) -> "MultimodalDataProcessor":
@@ -107,7 +124,7 @@ class MultimodalDataProcessor:
         return self.process_multimodal_batch(
             [r.prompt for r in records], [r.images for r in records], [r.reference for r in records],
             n_samples_per_prompt=n_samples_per_prompt, all_videos=[r.videos for r in records],
-            all_labels=[r.label for r in records], all_ids=[r.record_id for r in records],
+            all_labels=[r.label for r in records], record_ids=[r.record_id for r in records],
             all_indices=[r.index for r in records], base_dirs=[r.base_dir for r in records])
 
     def process_multimodal_batch(
@@ -123,16 +140,22 @@ class MultimodalDataProcessor:
         all_ids: Optional[Sequence[Any]] = None,
         all_indices: Optional[Sequence[int]] = None,
         base_dirs: Optional[Sequence[Optional[str]]] = None,
+        record_ids: Optional[Sequence[Any]] = None,
     ) -> MultimodalBatch:
         """Process a batch of prompts; per prompt, images / videos are None, one item, or a list of items.
 
-        ``images_num`` / ``videos_num`` (optional) are checked against the items given. ``all_ids`` / ``all_indices``
-        only name records in messages (defaults: none / position in the batch). Returns one entry per sample:
+        ``images_num`` / ``videos_num`` (optional) are checked against the items given. ``record_ids`` (one per
+        prompt, e.g. ``PromptRecord.record_id``; ``all_ids`` is its older name) and ``all_indices`` (e.g.
+        ``PromptRecord.index``) name the records in every error and skip (defaults: no id / the position in this
+        batch); the ids come back per sample as ``MultimodalBatch.all_record_ids``. Returns one entry per sample:
         kept prompts in input order, each repeated ``n_samples_per_prompt`` times.
         """
         n = int(n_samples_per_prompt)
         if n < 1:
             raise ValueError(f"n_samples_per_prompt must be >= 1, got {n_samples_per_prompt}")
+        if record_ids is not None and all_ids is not None:
+            raise ValueError("give record_ids or all_ids (its older name), not both")
+        all_ids = record_ids if record_ids is not None else all_ids
         size = len(all_prompts)
         columns = {"all_images": all_images, "all_references": all_references, "images_num": images_num,
                    "all_videos": all_videos, "videos_num": videos_num, "all_labels": all_labels, "all_ids": all_ids,
@@ -265,6 +288,7 @@ class MultimodalDataProcessor:
             kwargs["do_sample_frames"] = False
             kwargs["video_metadata"] = [VideoMetadata(total_num_frames=len(v.frames), fps=v.fps,
                                                       frames_indices=list(range(len(v.frames)))) for v in videos]
+            kwargs.update(self._video_call_kwargs)
         return kwargs
 
     def _unpack(self, prompts: list[_Prompt], out: Any) -> None:
@@ -340,15 +364,39 @@ class MultimodalDataProcessor:
             return "skipped"
         protected = structure_mask(p.ids, special_ids=self._special_ids, is_newline=self._is_newline,
                                    vision_start=self.adapter.vision_start_token_id,
-                                   vision_end=self.adapter.vision_end_token_id)
-        fitted = truncate_text_left(p.ids, p.mm_types, self.prompt_max_len, self._vision_ids, protected)
-        if fitted is None:
-            n_kept = sum(t in self._vision_ids or k for t, k in zip(p.ids, protected))
-            raise DataError(f"prompt has {len(p.ids)} tokens, {n_kept} of them vision or chat-structure tokens; it "
-                            f"cannot fit prompt_max_len={self.prompt_max_len} without cutting a vision block",
-                            reason="prompt_too_long", **where)
-        p.ids, p.mm_types = fitted
-        return "truncated"
+                                   vision_end=self.adapter.vision_end_token_id,
+                                   role_of=self._role_of, keep_roles=_KEPT_ROLES)
+        for extra in range(_MAX_EXTRA_DROPS + 1):
+            fitted = truncate_text_left(p.ids, p.mm_types, self.prompt_max_len - extra, self._vision_ids, protected)
+            if fitted is None and extra == 0:
+                n_kept = sum(t in self._vision_ids or k for t, k in zip(p.ids, protected))
+                raise DataError(f"prompt has {len(p.ids)} tokens, {n_kept} of them vision, chat-structure or "
+                                f"system-turn tokens; it cannot fit prompt_max_len={self.prompt_max_len} without "
+                                "cutting a vision block or the system turn", reason="prompt_too_long", **where)
+            if fitted is None:
+                break
+            text = self._text_of(fitted[0])
+            if text is not None:
+                p.ids, p.mm_types = fitted
+                p.text = text
+                return "truncated"
+        raise DataError("after left truncation the prompt's text does not re-tokenise to its kept ids (engines "
+                        "that take text, such as vLLM for Qwen3-VL videos, would see another prompt); shorten its "
+                        "text or raise prompt_max_len", reason="truncation_mismatch", **where)
+
+    def _role_of(self, header: list[int]) -> str:
+        return self.tokenizer.decode(header).strip()
+
+    def _text_of(self, ids: list[int]) -> Optional[str]:
+        """The prompt text whose processing gives exactly ``ids`` (vision blocks written unexpanded), or None.
+
+        Decode, then check: the plain tokenisation of the text must equal ``ids`` with each vision block collapsed
+        (the processor's expansion of the same items then restores the blocks token for token)."""
+        collapsed = collapse_vision_blocks(ids, vision_start=self.adapter.vision_start_token_id,
+                                           vision_end=self.adapter.vision_end_token_id, pad_ids=self._pad_ids)
+        text = self.tokenizer.decode(collapsed, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        again = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if _as_list(again) == collapsed else None
 
     # ---- stage 4: expand x n, in order -----------------------------------------------------------------------
     @staticmethod
@@ -373,6 +421,7 @@ class MultimodalDataProcessor:
             all_references=rep([p.reference for p in kept]),
             all_labels=rep([p.label for p in kept]),
             all_prompt_indices=rep([p.index for p in kept]),
+            all_record_ids=rep([p.record_id for p in kept]),
             skipped=list(skipped),
             truncated=truncated,
         )

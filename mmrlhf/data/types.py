@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from mmrlhf.data.errors import Skipped
+from mmrlhf.data.errors import Skipped, describe_record
 
 # A prompt: plain text (with ``<image>`` / ``<video>`` placeholders) or chat messages
 # (``[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}]``).
@@ -65,7 +65,9 @@ class MultimodalBatch:
     n_samples_per_prompt: int
     all_prompt_token_ids: list[list[int]]  # per sample: prompt ids [len_i] (after truncation)
     all_mm_token_type_ids: list[list[int]]  # per sample: [len_i]; 0 text, 1 image pad, 2 video pad
-    all_prompts: list[str]  # per sample: prompt text after the chat template (before any truncation: ids rule)
+    # per sample: prompt text after the chat template; for a truncated prompt, rebuilt from the kept ids (vision
+    # blocks unexpanded), so that the processor on this text and the sample's items gives exactly its prompt ids
+    all_prompts: list[str]
     all_images: list[list]  # per sample: loaded PIL images (vLLM ``multi_modal_data["image"]``)
     all_videos: list[list[LoadedVideo]]  # per sample: loaded videos
     all_images_num: list[int]  # per sample: number of images
@@ -76,6 +78,12 @@ class MultimodalBatch:
     all_prompt_indices: list[int]  # per sample: index of its prompt in the input batch
     skipped: list[Skipped] = field(default_factory=list)  # input prompts dropped in skip mode, with reasons
     truncated: int = 0  # prompts whose text was shortened to fit ``prompt_max_len``
+    all_record_ids: list[Any] = field(default_factory=list)  # per sample: its record's id (None where not given)
+
+    def describe_sample(self, k: int) -> str:
+        """``record 12 (id='q7'), sample 5``: how messages about sample ``k`` name it (engines, experience maker)."""
+        record_id = self.all_record_ids[k] if k < len(self.all_record_ids) else None
+        return f"{describe_record(self.all_prompt_indices[k], record_id)}, sample {k}"
 
     def __len__(self) -> int:
         return len(self.all_prompt_token_ids)

@@ -3,7 +3,8 @@
 Why our own loader rather than ``qwen_vl_utils.fetch_image`` / ``fetch_video`` end to end: those silently fall back
 to another video reader on a decode error, assume a merge size of 2, fetch URLs from the network and give errors
 that name neither the record nor the file. We keep their *semantics* (``smart_resize`` from qwen-vl-utils for the
-pixel bounds, fps / nframes / min / max frame sampling as in ``smart_nframes``) and add what a training run needs:
+pixel bounds, fps / nframes / min / max frame sampling as in ``smart_nframes``, a total-pixel budget per video as in
+``fetch_video``) and add what a training run needs:
 a pixel limit checked from the header before decoding (decompression bombs), zero-frame videos rejected, and
 every failure raised as a :class:`DataError` naming the file, for the caller to name the record and apply the
 error / skip policy. The resize factor (patch size x spatial merge size) and the temporal factor come from the
@@ -23,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 from PIL import Image
-from qwen_vl_utils.vision_process import MAX_RATIO, smart_resize
+from qwen_vl_utils.vision_process import IMAGE_MIN_TOKEN_NUM, MAX_RATIO, smart_resize
 
 from mmrlhf.data.errors import DataError
 from mmrlhf.data.types import LoadedVideo
@@ -44,12 +45,14 @@ class VisionSettings:
     video_max_frames: int = 64
     video_min_pixels: Optional[int] = None
     video_max_pixels: Optional[int] = None
+    video_max_tokens: Optional[int] = 512  # total budget of one video, in vision tokens (None: no budget)
+    video_total_pixels: Optional[int] = None  # the same budget in pixels (a per-item override; wins when set)
 
     @classmethod
     def from_config(cls, data_cfg: Any, adapter: Any) -> "VisionSettings":
         """Build from a :class:`~mmrlhf.config.data.DataConfig` and a model-family adapter."""
         names = ("image_min_pixels", "image_max_pixels", "image_pixel_limit", "video_fps", "video_nframes",
-                 "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
+                 "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels", "video_max_tokens")
         return cls(resize_factor=adapter.patch_size * adapter.spatial_merge_size,
                    temporal_factor=adapter.temporal_patch_size,
                    **{n: getattr(data_cfg, n) for n in names})
@@ -141,14 +144,17 @@ class VisionLoader:
     # ---- videos ---------------------------------------------------------------------------------------------
     def load_video(self, item: Any, base_dir: Optional[str] = None) -> LoadedVideo:
         """``item``: a video file path, a list of frame images (any image form), or ``{"video": <either>, "fps":
-        .., "nframes": .., "min_frames": .., "max_frames": .., "min_pixels": .., "max_pixels": ..}``."""
+        .., "nframes": .., "min_frames": .., "max_frames": .., "min_pixels": .., "max_pixels": .., "total_pixels": ..,
+        "max_tokens": ..}``. A frame list is taken as sampled at ``fps``."""
         s = self.settings
         if isinstance(item, dict) and "video" in item:
             s = replace(s, video_fps=item.get("fps", s.video_fps), video_nframes=item.get("nframes", s.video_nframes),
                         video_min_frames=item.get("min_frames", s.video_min_frames),
                         video_max_frames=item.get("max_frames", s.video_max_frames),
                         video_min_pixels=item.get("min_pixels", s.video_min_pixels),
-                        video_max_pixels=item.get("max_pixels", s.video_max_pixels))
+                        video_max_pixels=item.get("max_pixels", s.video_max_pixels),
+                        video_max_tokens=item.get("max_tokens", s.video_max_tokens),
+                        video_total_pixels=item.get("total_pixels", s.video_total_pixels))
             item = item["video"]
         if isinstance(item, (list, tuple)):
             frames, fps, indices, name = self._frames_from_images(item, base_dir, s)
@@ -157,7 +163,8 @@ class VisionLoader:
         else:
             raise DataError(f"unsupported video input of type {type(item).__name__}", reason="bad_video", file="<?>")
         frames, indices = _pad_frames(frames, indices, s.temporal_factor)
-        frames = _resize_frames(frames, s.resize_factor, s.video_min_pixels, s.video_max_pixels, name)
+        lo, hi = _frame_pixel_bounds(frames.shape[0], s)
+        frames = _resize_frames(frames, s.resize_factor, lo, hi, name)
         return LoadedVideo(frames=frames, fps=fps, frame_indices=indices, source=name)
 
     def _frames_from_file(self, text: str, base_dir: Optional[str], s: VisionSettings):
@@ -195,7 +202,9 @@ class VisionLoader:
         name = "<frame list>"
         if len(items) == 0:
             raise DataError("video has zero frames", reason="empty_video", file=name)
-        # A frame list is taken whole (its frames are already chosen) unless nframes / max_frames say otherwise.
+        # A frame list is taken whole (its frames are already chosen) unless nframes / max_frames say otherwise;
+        # its frames are taken as sampled at ``video_fps``, so keeping n of them keeps n / len of that rate (the
+        # model's temporal positions and Qwen3-VL's timestamps follow the frames kept).
         if s.video_nframes is not None:
             n = _frame_count(len(items), s.video_fps, s)
         else:
@@ -205,7 +214,7 @@ class VisionLoader:
         size = images[0].size
         arrays = [_as_array(im if im.size == size else im.resize(size)) for im in images]
         frames = torch.stack([torch.from_numpy(a) for a in arrays]).permute(0, 3, 1, 2)
-        return frames.contiguous(), s.video_fps, indices, name
+        return frames.contiguous(), s.video_fps * n / len(items), indices, name
 
 
 def _check_aspect(w: int, h: int, name: str, reason: str) -> None:
@@ -237,6 +246,26 @@ def _frame_count(total: int, src_fps: float, s: VisionSettings) -> int:
     else:
         n = max(s.video_min_frames, math.floor(total / src_fps * s.video_fps))
     return max(1, min(n, s.video_max_frames, total))
+
+
+def _frame_pixel_bounds(n_frames: int, s: VisionSettings) -> tuple[Optional[int], Optional[int]]:
+    """Per-frame (min, max) pixels of a video of ``n_frames`` frames (after temporal padding).
+
+    With a total budget, qwen-vl-utils' rule: every temporal patch (``temporal_factor`` frames, one slice of the
+    vision grid) gets an equal share of the budget, so the video costs at most ``budget / factor^2`` tokens whatever
+    its frame count; the per-frame maximum still applies, and a share below the per-frame minimum is raised to it
+    (the budget then gives way: too many frames for it)."""
+    lo, hi = s.video_min_pixels, s.video_max_pixels
+    budget = s.video_total_pixels
+    if budget is None and s.video_max_tokens is not None:
+        budget = s.video_max_tokens * s.resize_factor**2
+    if budget is None:
+        return lo, hi
+    if lo is None:
+        lo = IMAGE_MIN_TOKEN_NUM * s.resize_factor**2  # what smart_resize assumes when given no minimum
+    share = budget * s.temporal_factor // max(n_frames, 1)
+    hi = share if hi is None else min(hi, share)
+    return lo, max(hi, lo)
 
 
 def _pad_frames(frames: torch.Tensor, indices: list[int], factor: int) -> tuple[torch.Tensor, list[int]]:

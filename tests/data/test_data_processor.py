@@ -111,6 +111,39 @@ def test_records_entry_point_matches_lists(make_processor, mixed):
                                       all_videos=mixed["videos"], all_labels=mixed["labels"])
     assert a.all_prompt_token_ids == b.all_prompt_token_ids
     assert a.all_prompt_indices == [10 + k // 2 for k in range(10)]
+    assert a.all_record_ids == [f"r{k // 2}" for k in range(10)]
+
+
+def test_record_ids_name_every_error_and_skip(make_processor, hf_processor, adapter, media):
+    """Callers with records (the experience maker) pass their ids: every data error and skip names them, and the
+    batch hands them back per sample."""
+    ids = ["q-a", "q-b", "q-c"]
+    cases = [  # (processor fields, prompt 1, image 1, expected message): one per stage that can fail
+        ({}, "<image>b", media["broken_png"], r"record 1 \(id='q-b'\), field 'images'.*unreadable image"),
+        ({"prompt_max_len": 24, "prompt_overflow": "error"}, "word " * 40, None,
+         r"record 1 \(id='q-b'\).*above prompt_max_len=24"),
+        ({"prompt_max_len": 24}, "<image>b", solid_image((224, 224)), r"record 1 \(id='q-b'\).*cannot fit"),
+        ({}, f"b {hf_processor.image_token}", None, r"record 1 \(id='q-b'\).*image pad tokens"),
+        ({}, "<image>b <image>", solid_image(), r"record 1 \(id='q-b'\).*2 image place"),
+    ]
+    for fields, prompt, image, message in cases:
+        with pytest.raises(DataError, match=message):
+            make_processor(**fields).process_multimodal_batch(["a", prompt, "c"], [None, image, None],
+                                                              record_ids=ids)
+    picky = MultimodalDataProcessor(_PickyProcessor(hf_processor, 84), 1024, adapter)
+    with pytest.raises(DataError, match=r"record 1 \(id='q-b'\).*processor failed"):
+        picky.process_multimodal_batch(["a", "<image>b"], [None, solid_image((84, 56))], record_ids=ids[:2])
+
+    proc = make_processor(on_bad_input="skip")
+    out = proc.process_multimodal_batch(["a", "<image>b", "c"], [None, media["broken_png"], None],
+                                        n_samples_per_prompt=2, record_ids=ids)
+    assert out.all_record_ids == ["q-a", "q-a", "q-c", "q-c"]
+    assert [(s.record_id, s.reason) for s in out.skipped] == [("q-b", "corrupt_image")]
+    assert "id='q-b'" in out.skipped[0].message
+    assert out.describe_sample(3) == "record 2 (id='q-c'), sample 3"
+    assert proc.process_multimodal_batch(["a"], n_samples_per_prompt=2).all_record_ids == [None, None]
+    with pytest.raises(ValueError, match="not both"):
+        proc.process_multimodal_batch(["a"], all_ids=["x"], record_ids=["x"])
 
 
 def test_counts_must_match_items(make_processor):
