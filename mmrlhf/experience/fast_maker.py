@@ -137,12 +137,10 @@ class FastExperienceMaker(ExperienceMaker):
         with timer("prepare"):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
-                all_ids=record_ids, base_dirs=base_dirs)
-        sample_ids = ([None] * len(batch) if record_ids is None
-                      else [record_ids[i] for i in batch.all_prompt_indices])  # per sample
+                record_ids=record_ids, base_dirs=base_dirs)
         with timer("generate"):
-            result = self.engine.generate(self._requests(batch, n, sample_ids), sampling)
-        rows = self._collect(batch, result, n, sample_ids)
+            result = self.engine.generate(self._requests(batch, n), sampling)
+        rows = self._collect(batch, result, n)
         if not len(rows):
             raise RuntimeError(f"no prompt of the batch could be generated: {result.skipped}")
         with timer("reward"):
@@ -185,7 +183,7 @@ class FastExperienceMaker(ExperienceMaker):
             call = dataclasses.replace(call, seed=call.seed + self._calls * _SEED_STRIDE)
         return call
 
-    def _requests(self, batch: Any, n: int, sample_ids: list[Any]) -> list[GenerationRequest]:
+    def _requests(self, batch: Any, n: int) -> list[GenerationRequest]:
         """One request per unique prompt (its first sample), with both the text and the processor's ids."""
         reqs = []
         for k in range(0, len(batch), n):
@@ -196,12 +194,12 @@ class FastExperienceMaker(ExperienceMaker):
                 video_fps=[v.fps for v in videos], vision_inputs=batch.all_vision_inputs[k],
                 mm_token_type_ids=batch.all_mm_token_type_ids[k],
             )
-            if sample_ids[k] is not None and hasattr(request, "request_id"):
-                request.request_id = str(sample_ids[k])
+            if batch.all_record_ids[k] is not None and hasattr(request, "request_id"):
+                request.request_id = str(batch.all_record_ids[k])
             reqs.append(request)
         return reqs
 
-    def _collect(self, batch: Any, result: GenerationResult, n: int, record_ids: list[Any]) -> Rollout:
+    def _collect(self, batch: Any, result: GenerationResult, n: int) -> Rollout:
         """Flatten the engine's outputs into per-sample rows (responses cut after their first stop token); check
         the engine saw the processor's prompt ids."""
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
@@ -211,13 +209,10 @@ class FastExperienceMaker(ExperienceMaker):
             if self.settings.check_prompt_ids and list(out.prompt_token_ids) != list(expected):
                 pos = next((i for i, (a, b) in enumerate(zip(out.prompt_token_ids, expected)) if a != b),
                            min(len(expected), len(out.prompt_token_ids)))
-                rid = record_ids[first]
                 raise PromptMismatchError(
-                    f"sample {first} (prompt {batch.all_prompt_indices[first]}"
-                    f"{'' if rid is None else f', record {rid!r}'}): the engine's prompt ids differ "
+                    f"{batch.describe_sample(first)}: the engine's prompt ids differ "
                     f"from the data processor's at position {pos} ({len(out.prompt_token_ids)} vs {len(expected)} "
                     "tokens): chat template, tokenizer or vision expansion disagree")
-            prompt_text = self.tokenizer.decode(self.adapter.collapse_vision_pads(expected))
             for j, completion in enumerate(out.completions):
                 k = first + j
                 response, _ = cut_at_stop(completion.token_ids, self.eos_ids)
@@ -229,11 +224,11 @@ class FastExperienceMaker(ExperienceMaker):
                 cols["engine_logprobs"].append(logprobs)
                 cols["finished"].append(not completion.truncated)
                 cols["vision"].append(batch.all_vision_inputs[k])
-                cols["prompts"].append(prompt_text)
+                cols["prompts"].append(batch.all_prompts[k])
                 cols["labels"].append(batch.all_labels[k])
                 cols["references"].append(batch.all_references[k])
                 cols["images"].append(list(batch.all_images[k]))
-                cols["record_ids"].append(record_ids[k])
+                cols["record_ids"].append(batch.all_record_ids[k])
         return Rollout(**cols)
 
     def _rewards(self, rows: Rollout) -> Any:
@@ -241,8 +236,8 @@ class FastExperienceMaker(ExperienceMaker):
 
         What a reward source sees (one definition for every kind, docs/rewards.md): the RESPONSE as decoded text
         (rules, remote servers) or as ids through its stop token (local models), and the prompt the POLICY saw:
-        the processor's ids after any truncation (local models), or the text decoded from those same ids, with
-        each run of vision pad tokens shown as one pad (rules, remote servers), plus the sample's images."""
+        the processor's ids after any truncation (local models), or the chat-templated text of those same ids,
+        vision blocks unexpanded (rules, remote servers), plus the sample's images."""
         responses = self.tokenizer.batch_decode(rows.response_ids, skip_special_tokens=True)
         sequences, attention_mask = _right_padded(rows.prompt_ids, rows.response_ids, self.pad_id)
         batch = RewardBatch(

@@ -31,7 +31,7 @@ class Rollout:
     engine_logprobs: list[list[float] | None]  # per response token: the engine's log-prob (sampling distribution)
     finished: list[bool]  # the engine's word: stopped by EOS / a stop string (False: cut by max_new_tokens)
     vision: list[dict[str, torch.Tensor]]
-    prompts: list[str]  # the prompt text the policy saw (decoded from prompt_ids: truncation included)
+    prompts: list[str]  # the chat-templated text of prompt_ids (truncation included): the prompt the policy saw
     labels: list[Any]
     references: list[Any]
     images: list[list[Any]]

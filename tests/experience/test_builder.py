@@ -42,11 +42,3 @@ def test_builder_wires_a_working_maker_from_config():
 def test_builder_errors_name_what_is_missing():
     with pytest.raises(ValueError, match="model.pretrain"):
         build_experience_maker(build_config({}))
-
-
-def test_unwired_knob_is_refused_not_ignored():
-    from mmrlhf.experience.settings import experience_settings
-
-    cfg = build_config({"algorithm": {"dynamic_sampling": True}})
-    with pytest.raises(ValueError, match="dynamic_sampling"):
-        experience_settings(cfg.algorithm, cfg.rollout, cfg.trainer)

@@ -131,8 +131,10 @@ def test_engine_prompt_mismatch_is_an_error_naming_the_sample(parts):
             return result
 
     maker.engine = Shifted()
-    with pytest.raises(PromptMismatchError, match=f"sample {N} \\(prompt 1\\)"):
+    with pytest.raises(PromptMismatchError, match=f"record 1, sample {N}:"):
         maker.make_experience_list(["Describe it.", "What color is the square?"])
+    with pytest.raises(PromptMismatchError, match=f"record 1 \\(id='colour-7'\\), sample {N}:"):
+        maker.make_experience_list(["Describe it.", "What color is the square?"], record_ids=["a-1", "colour-7"])
     with pytest.raises(TypeError, match="unknown generation argument"):
         _maker(parts, RecordingReward()).make_experience_list(["hi"], temprature=0.5)
 
