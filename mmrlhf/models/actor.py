@@ -86,10 +86,10 @@ class ActorVL(nn.Module):
     def hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Final (normed) decoder hidden states [B, S, H] (padded) or [1, T, H] (packed)."""
         if samples.packed:
-            position_ids = packed_position_ids(self.model, self.adapter, samples, vision_extra)  # [4, 1, T]
+            position_ids = packed_position_ids(self.adapter, samples, vision_extra)  # [4, 1, T]
             attention_mask = None  # the block-diagonal causal mask comes from position_ids[0]
         else:
-            position_ids = padded_position_ids(self.model, self.adapter, samples, vision_extra)  # [3, B, S]
+            position_ids = padded_position_ids(self.adapter, samples, vision_extra)  # [3, B, S]
             attention_mask = samples.attention_mask  # [B, S] 0/1
         out = self.model.base_model(
             input_ids=samples.sequences,

@@ -83,14 +83,21 @@ def batch_pieces(bundle: Bundle, seed: int = 0):
 
 @torch.no_grad()
 def reference_log_probs(bundle: Bundle, inputs: dict[str, torch.Tensor], response: list[int]) -> torch.Tensor:
-    """[A] log-probs of ``response`` after one sample's prompt: the HF model's own forward (it computes its own
-    M-RoPE positions from the processor outputs), full float32 logits, no padding, no packing."""
+    """[A] log-probs of ``response`` after one sample's prompt: the HF model's own full-logits forward on one
+    unpadded, unpacked sample, float32. Positions are the adapter's for the sample alone (the installed
+    transformers' own rule places text after a video differently from the engine; that the adapter's rule is the
+    engine's is checked in test_models_engine_parity.py), so this reference checks padding, packing and the
+    response bookkeeping."""
     prompt = inputs["input_ids"]  # [1, P]
     resp = torch.tensor([response], dtype=prompt.dtype)  # [1, A]
     ids = torch.cat([prompt, resp], dim=1)  # [1, P + A]
     extra = {k: v for k, v in inputs.items() if k not in PROMPT_ONLY_KEYS}
     types = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(resp)], dim=1)  # [1, P + A]
+    positions = bundle.adapter.rope_index(
+        ids, types, image_grid_thw=extra.get("image_grid_thw"), video_grid_thw=extra.get("video_grid_thw"),
+        second_per_grid_ts=extra.get("second_per_grid_ts"),
+    )  # [3, 1, P + A]
     logits = bundle.model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
-                          **extra).logits.float()  # [1, P + A, V]
+                          position_ids=positions, **extra).logits.float()  # [1, P + A, V]
     logq = torch.log_softmax(logits[0, prompt.shape[1] - 1 : -1], dim=-1)  # [A, V]
     return logq.gather(-1, resp[0, :, None])[:, 0]  # [A]
