@@ -12,6 +12,15 @@ same row to derive varlen boundaries, not verified here). Vision tensors of all 
 vision tower treats each grid independently.
 
 Both layouts return [B, A] tensors (A = longest response) plus the action mask, so callers are layout-agnostic.
+
+Sharding (FSDP2, ``torch.distributed.fsdp.fully_shard``): the forward calls ``model.base_model`` and reads
+``lm_head.weight`` for the chunked head itself, never through the HF model's or the lm_head's own forward, so their
+parameters must be gathered by the ACTOR's forward. Shard it with :func:`mmrlhf.models.sharding.shard_for_training`:
+``fully_shard`` on every transformer block (the model's ``_no_split_modules``: decoder layers and vision blocks),
+then ``fully_shard(actor)`` as the root, which owns the embeddings, final norm, lm_head and vision merger. Never
+``fully_shard`` the HF model, its lm_head or its embeddings on their own (refused with an error). The same holds for
+:class:`~mmrlhf.models.critic.CriticVL` (root = the critic). ``hidden_states`` of a sharded actor is registered as
+a forward method, so a direct call gathers too.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from mmrlhf.experience.types import SamplesVL, split_vision_inputs
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.logprobs import chunked_log_probs
 from mmrlhf.models.positions import packed_position_ids, padded_position_ids
+from mmrlhf.models.sharding import check_wrapper_layout
 
 
 class ActionLogProbs(NamedTuple):
@@ -85,11 +95,17 @@ class ActorVL(nn.Module):
     # ---- one micro-batch ----------------------------------------------------------------------------------
     def hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Final (normed) decoder hidden states [B, S, H] (padded) or [1, T, H] (packed)."""
+        check_wrapper_layout(self.model)
+        return self._hidden_states(samples, vision_extra)
+
+    def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
+        # forward, already inside the root's hooks, must not run them a second time.
         if samples.packed:
-            position_ids = packed_position_ids(self.model, self.adapter, samples, vision_extra)  # [4, 1, T]
+            position_ids = packed_position_ids(self.adapter, samples, vision_extra)  # [4, 1, T]
             attention_mask = None  # the block-diagonal causal mask comes from position_ids[0]
         else:
-            position_ids = padded_position_ids(self.model, self.adapter, samples, vision_extra)  # [3, B, S]
+            position_ids = padded_position_ids(self.adapter, samples, vision_extra)  # [3, B, S]
             attention_mask = samples.attention_mask  # [B, S] 0/1
         out = self.model.base_model(
             input_ids=samples.sequences,
@@ -105,7 +121,7 @@ class ActorVL(nn.Module):
         return out.last_hidden_state
 
     def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature) -> ActionLogProbs:
-        hidden = self.hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
+        hidden = self._hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
         src, tgt, action_mask = response_index(samples)  # [N], [N], [B, A]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
         lm_head = self.model.get_output_embeddings()
@@ -132,6 +148,7 @@ class ActorVL(nn.Module):
         ``vision_extra``: per-video inputs SamplesVL has no field for (``BuiltSamples.vision_extra``, e.g.
         Qwen2.5-VL's ``second_per_grid_ts``). ``temperature`` divides the logits (match the sampler's).
         """
+        check_wrapper_layout(self.model)
         chunk = chunk_size or self.chunk_size
         batch = samples.batch_size
         if micro_batch_size is None or micro_batch_size >= batch:

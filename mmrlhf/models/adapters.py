@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
+from mmrlhf.models.mrope import VisionUnit, batch_positions
 from mmrlhf.registry import Registry
 
 ADAPTERS: Registry[type["FamilyAdapter"]] = Registry("model family")
@@ -31,6 +32,9 @@ class FamilyAdapter:
     spatial_merge_size: int
     temporal_patch_size: int
     patch_size: int
+    # Temporal positions per second of video (Qwen2.5-VL's ``vision_config.tokens_per_second``); 1 where the config
+    # has none, as the engine assumes.
+    tokens_per_second: float = 1.0
 
     family: ClassVar[str] = "base"
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -48,6 +52,7 @@ class FamilyAdapter:
             spatial_merge_size=int(_get(vision, "spatial_merge_size")),
             temporal_patch_size=int(_get(vision, "temporal_patch_size")),
             patch_size=int(_get(vision, "patch_size")),
+            tokens_per_second=float(_get(vision, "tokens_per_second", default=1.0)),
         )
 
     # ---- vision token bookkeeping -------------------------------------------------------------------------
@@ -84,7 +89,8 @@ class FamilyAdapter:
 
     # ---- video metadata quirks ----------------------------------------------------------------------------
     # Some families need the video's fps and frame indices: vLLM to compute temporal positions (Qwen2.5-VL,
-    # Qwen3-VL), the HF processor to write frame timestamps into the prompt (Qwen3-VL).
+    # Qwen3-VL), the HF processor for Qwen2.5-VL's ``second_per_grid_ts`` (else it assumes its default fps and the
+    # trainer's temporal positions differ from the engine's) and for Qwen3-VL's frame timestamps in the prompt.
     processor_needs_video_metadata: ClassVar[bool] = False
 
     @staticmethod
@@ -104,13 +110,36 @@ class FamilyAdapter:
         meta.update(video_backend="decord", do_sample_frames=False)
         return frames, meta
 
-    # ---- M-RoPE position ids (delegated to the model's own rule) --------------------------------------------
-    # Per-video processor outputs that the family's ``get_rope_index`` reads besides the grids (one value per video).
+    # ---- M-RoPE position ids (the engine's rule, see mmrlhf.models.mrope) ------------------------------------
+    # Per-video processor outputs the family's positions read besides the grids (one value per video).
     rope_video_keys: ClassVar[tuple[str, ...]] = ()
+
+    def rope_units(
+        self,
+        image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None,
+        **rope_extra: torch.Tensor,
+    ) -> tuple[list[VisionUnit], list[VisionUnit]]:
+        """How one sequence's vision items are placed: (image units, video units), in order.
+
+        ``*_grid_thw`` [N, 3] are patch grids; units count merged LLM tokens. An image is one ``1 x h x w`` unit; a
+        video one ``t x h x w`` unit whose temporal index is scaled by ``tokens_per_second`` times its
+        ``second_per_grid_ts`` where the family reads that key (:attr:`rope_video_keys`), else by
+        ``tokens_per_second`` alone (1 unless the config sets it), as the engine does.
+        """
+        m = self.spatial_merge_size
+        images = [VisionUnit(int(t), int(h) // m, int(w) // m) for t, h, w in _grid_rows(image_grid_thw)]
+        grids = _grid_rows(video_grid_thw)
+        seconds = rope_extra.get("second_per_grid_ts") if "second_per_grid_ts" in self.rope_video_keys else None
+        seconds = [1.0] * len(grids) if seconds is None else torch.as_tensor(seconds).reshape(-1).tolist()
+        if len(seconds) != len(grids):
+            raise ValueError(f"second_per_grid_ts has {len(seconds)} values for {len(grids)} videos")
+        videos = [VisionUnit(int(t), int(h) // m, int(w) // m, float(sec) * self.tokens_per_second)
+                  for (t, h, w), sec in zip(grids, seconds)]
+        return images, videos
 
     def rope_index(
         self,
-        model: Any,
         input_ids: torch.Tensor,
         mm_token_type_ids: torch.Tensor,
         image_grid_thw: torch.Tensor | None = None,
@@ -118,25 +147,20 @@ class FamilyAdapter:
         attention_mask: torch.Tensor | None = None,
         **rope_extra: torch.Tensor,
     ) -> torch.Tensor:
-        """3-D (t, h, w) position ids [3, B, S] of ``input_ids`` [B, S], computed by the HF model's ``get_rope_index``.
+        """3-D (t, h, w) position ids [3, B, S] (long, on ``input_ids``' device) of rows ``input_ids`` [B, S].
 
-        Why delegate: each family places vision tokens differently (Qwen2.5-VL scales video time by
-        ``second_per_grid_ts``, Qwen3-VL splits videos into per-frame grids); re-implementing that here would drift
-        from the model. ``model`` is the ``...ForConditionalGeneration`` or its base model; grids are the vision
-        items of the rows in order; ``attention_mask`` [B, S] (0 = padding, positions 0 there) may be None;
-        ``rope_extra`` holds the per-video keys of :attr:`rope_video_keys` (others are ignored).
+        The rule is the rollout engine's (:mod:`mmrlhf.models.mrope`), not the installed transformers' own
+        ``get_rope_index``, which places text after a video differently. ``mm_token_type_ids`` [B, S] (0 text,
+        1 image, 2 video); grids are the vision items of all rows in order; ``attention_mask`` [B, S] (0 = padding,
+        position 0 there) may be None; ``rope_extra`` holds the per-video keys of :attr:`rope_video_keys` (one
+        value per video of all rows; others are ignored).
         """
-        base = model if hasattr(model, "get_rope_index") else model.base_model
+        if mm_token_type_ids.shape != input_ids.shape:
+            raise ValueError(f"mm_token_type_ids {tuple(mm_token_type_ids.shape)} does not match input_ids "
+                             f"{tuple(input_ids.shape)}")
         extra = {k: v for k, v in rope_extra.items() if k in self.rope_video_keys and v is not None}
-        position_ids, _ = base.get_rope_index(
-            input_ids,
-            mm_token_type_ids=mm_token_type_ids,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            attention_mask=attention_mask,
-            **extra,
-        )
-        return position_ids  # [3, B, S]
+        images, videos = self.rope_units(image_grid_thw, video_grid_thw, **extra)
+        return batch_positions(mm_token_type_ids, images, videos, attention_mask).to(input_ids.device)  # [3, B, S]
 
     # ---- trainable parts ----------------------------------------------------------------------------------
     # Attribute of the base model holding the vision tower, and the tower's attributes that project vision
@@ -167,8 +191,14 @@ class FamilyAdapter:
         return {"video_metadata": [self.video_metadata(len(v), fps) for v in videos]}
 
 
-def _get(obj: Any, key: str) -> Any:
+def _grid_rows(grid_thw: torch.Tensor | None) -> list[list[int]]:
+    """[N, 3] grid (or None) -> N (t, h, w) lists."""
+    return [] if grid_thw is None else torch.as_tensor(grid_thw).reshape(-1, 3).tolist()
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
     value = obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+    value = default if value is None else value
     if value is None:
         raise ValueError(f"model config has no {key!r}: not a Qwen-VL style vision-language model?")
     return value
@@ -187,6 +217,7 @@ class Qwen25VLAdapter(FamilyAdapter):
     family = "qwen2_5_vl"
     model_types = ("qwen2_5_vl",)
     vllm_video_needs_metadata = True
+    processor_needs_video_metadata = True  # its second_per_grid_ts comes from the video's fps
     rope_video_keys = ("second_per_grid_ts",)  # seconds per temporal patch: scales video time positions
 
 
@@ -204,6 +235,15 @@ class Qwen3VLAdapter(FamilyAdapter):
         if self.video_token_id in ids:
             return None
         return super().engine_prompt_ids(ids)
+
+    def rope_units(
+        self, image_grid_thw: torch.Tensor | None, video_grid_thw: torch.Tensor | None, **rope_extra: torch.Tensor
+    ) -> tuple[list[VisionUnit], list[VisionUnit]]:
+        """Videos are placed frame by frame (one ``1 x h x w`` unit per temporal patch, no time scaling): the
+        prompt separates frames with timestamp text, which carries the time instead."""
+        images, videos = super().rope_units(image_grid_thw, video_grid_thw)
+        frames = [VisionUnit(1, v.h, v.w) for v in videos for _ in range(v.t)]
+        return images, frames
 
 
 def family_of(config: Any) -> str:

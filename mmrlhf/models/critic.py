@@ -1,5 +1,10 @@
 """``CriticVL``: a Qwen-VL backbone with a scalar value head, scored at the same positions as the actor's
-log-probs (the value of the state that precedes each response token)."""
+log-probs (the value of the state that precedes each response token).
+
+Sharding (FSDP2): as for the actor (see :mod:`mmrlhf.models.sharding`), every transformer block gets its own
+``fully_shard`` and the CRITIC is the root: its forward runs the backbone and the value head, so the parameters
+outside the blocks (embeddings, final norm, value head) are gathered by the critic's own forward pre-hook.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ class CriticVL(nn.Module):
         super().__init__()
         self.body = body
         if value_head is None:
-            hidden = body.model.get_output_embeddings().weight.shape[1]
+            hidden = body.model.config.get_text_config().hidden_size  # not the lm_head (sharded under FSDP)
             value_head = nn.Linear(hidden, 1)
             nn.init.zeros_(value_head.weight)
             nn.init.zeros_(value_head.bias)
@@ -36,7 +41,7 @@ class CriticVL(nn.Module):
         return cls(ActorVL.from_pretrained(path, **model_kwargs))
 
     def forward(self, samples: SamplesVL, *, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        hidden = self.body.hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
+        hidden = self.body.hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]; checks the layout
         src, _, action_mask = response_index(samples)  # [N], [N], [B, A]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H]
         v = self.value_head(h.to(self.value_head.weight.dtype)).squeeze(-1).float()  # [N]

@@ -1,7 +1,8 @@
 """M-RoPE (3-D temporal/height/width) position ids for the padded and the packed layout.
 
-The family-specific rule lives in the HF model and is reached through :meth:`FamilyAdapter.rope_index`; this module
-only decides what each call sees:
+The placement rule is the rollout engine's (:mod:`mmrlhf.models.mrope`, per-family layout in
+:meth:`FamilyAdapter.rope_units`), reached through :meth:`FamilyAdapter.rope_index`, so both layouts score the
+sequence the engine sampled. This module only decides what each call sees:
 
 - padded: one call for the whole batch with the 0/1 attention mask (padding gets position 0 and is never attended);
 - packed: one call per sample on that sample's own tokens and vision items, so its positions restart at 0 exactly
@@ -14,8 +15,6 @@ which ignores left padding.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mmrlhf.experience.types import SamplesVL, split_vision_inputs
@@ -23,11 +22,10 @@ from mmrlhf.models.adapters import FamilyAdapter
 
 
 def padded_position_ids(
-    model: Any, adapter: FamilyAdapter, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None
+    adapter: FamilyAdapter, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
     """[3, B, S] M-RoPE positions of a padded batch (``samples.sequences`` [B, S])."""
     return adapter.rope_index(
-        model,
         samples.sequences,  # [B, S]
         samples.mm_token_type_ids,  # [B, S]
         image_grid_thw=samples.image_grid_thws,  # [total images, 3] in sample order
@@ -48,7 +46,7 @@ def _split_extra(extra: dict[str, torch.Tensor] | None, video_num: list[int]) ->
 
 
 def packed_position_ids(
-    model: Any, adapter: FamilyAdapter, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None
+    adapter: FamilyAdapter, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
     """[4, 1, T] positions of a packed batch: row 0 per-sample text positions, rows 1..3 M-RoPE (t, h, w)."""
     ids = samples.sequences[0]  # [T]
@@ -62,15 +60,17 @@ def packed_position_ids(
     extras = _split_extra(vision_extra, samples.video_num or [0] * batch)
     rows = []
     for i, (sample_ids, sample_types) in enumerate(zip(torch.split(ids, lens), torch.split(types, lens))):
-        mrope = adapter.rope_index(
-            model,
-            sample_ids[None],  # [1, L_i]
-            sample_types[None],  # [1, L_i]
-            image_grid_thw=vision[i].get("image_grid_thw"),
-            video_grid_thw=vision[i].get("video_grid_thw"),
-            attention_mask=None,
-            **extras[i],
-        )  # [3, 1, L_i]
+        try:
+            mrope = adapter.rope_index(
+                sample_ids[None],  # [1, L_i]
+                sample_types[None],  # [1, L_i]
+                image_grid_thw=vision[i].get("image_grid_thw"),
+                video_grid_thw=vision[i].get("video_grid_thw"),
+                attention_mask=None,
+                **extras[i],
+            )  # [3, 1, L_i]
+        except ValueError as exc:
+            raise ValueError(f"packed sample {i}: {exc}") from exc
         text = torch.arange(len(sample_ids), device=ids.device, dtype=mrope.dtype).view(1, 1, -1)  # [1, 1, L_i]
         rows.append(torch.cat([text, mrope], dim=0))  # [4, 1, L_i]
     return torch.cat(rows, dim=2)  # [4, 1, T]

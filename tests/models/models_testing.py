@@ -83,14 +83,61 @@ def batch_pieces(bundle: Bundle, seed: int = 0):
 
 @torch.no_grad()
 def reference_log_probs(bundle: Bundle, inputs: dict[str, torch.Tensor], response: list[int]) -> torch.Tensor:
-    """[A] log-probs of ``response`` after one sample's prompt: the HF model's own forward (it computes its own
-    M-RoPE positions from the processor outputs), full float32 logits, no padding, no packing."""
+    """[A] log-probs of ``response`` after one sample's prompt: the HF model's own full-logits forward on one
+    unpadded, unpacked sample, float32. Positions are the adapter's for the sample alone (the installed
+    transformers' own rule places text after a video differently from the engine; that the adapter's rule is the
+    engine's is checked in test_models_engine_parity.py), so this reference checks padding, packing and the
+    response bookkeeping."""
     prompt = inputs["input_ids"]  # [1, P]
     resp = torch.tensor([response], dtype=prompt.dtype)  # [1, A]
     ids = torch.cat([prompt, resp], dim=1)  # [1, P + A]
     extra = {k: v for k, v in inputs.items() if k not in PROMPT_ONLY_KEYS}
     types = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(resp)], dim=1)  # [1, P + A]
+    positions = bundle.adapter.rope_index(
+        ids, types, image_grid_thw=extra.get("image_grid_thw"), video_grid_thw=extra.get("video_grid_thw"),
+        second_per_grid_ts=extra.get("second_per_grid_ts"),
+    )  # [3, 1, P + A]
     logits = bundle.model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
-                          **extra).logits.float()  # [1, P + A, V]
+                          position_ids=positions, **extra).logits.float()  # [1, P + A, V]
     logq = torch.log_softmax(logits[0, prompt.shape[1] - 1 : -1], dim=-1)  # [A, V]
     return logq.gather(-1, resp[0, :, None])[:, 0]  # [A]
+
+
+def built_batches(bundle: Bundle, seed: int = 0):
+    """{"padded": BuiltSamples, "packed": BuiltSamples} of the mixed test batch (8 samples)."""
+    from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
+
+    prompts, responses, vision, _ = batch_pieces(bundle, seed)
+    kw = dict(pad_id=bundle.processor.tokenizer.pad_token_id, eos_id=bundle.eos_id, adapter=bundle.adapter,
+              vision=vision)
+    return {"padded": build_padded_samples(prompts, responses, **kw),
+            "packed": build_packed_samples(prompts, responses, **kw)}
+
+
+def rank_range(batch: int, rank: int, world: int) -> range:
+    """The contiguous samples rank ``rank`` of ``world`` scores (the batch divides evenly)."""
+    assert batch % world == 0, (batch, world)
+    per = batch // world
+    return range(rank * per, (rank + 1) * per)
+
+
+def sharded_batches(bundle: Bundle, rank: int, world: int) -> dict[str, tuple[Any, Any]]:
+    """layout -> (SamplesVL, vision_extra) of this rank's contiguous share of the test batch."""
+    from mmrlhf.models.actor import select_samples
+
+    out = {}
+    for layout, built in built_batches(bundle).items():
+        rows = rank_range(built.samples.batch_size, rank, world)
+        out[layout] = select_samples(built.samples, built.vision_extra, rows)
+    return out
+
+
+def random_value_head(hidden: int, seed: int = 0) -> torch.nn.Linear:
+    """A value head with small random weights drawn from its own generator (independent of the global RNG), so the
+    critic's gradients reach every parameter and two processes build the same head."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, 1)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.1)
+        head.bias.copy_(torch.randn(head.bias.shape, generator=g) * 0.1)
+    return head

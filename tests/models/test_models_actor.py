@@ -73,7 +73,7 @@ def test_packed_check_detects_cross_sample_attention(scored):
     so test_packed_matches_padded really checks the isolation of packed samples."""
     bundle, actor, padded, packed, inputs, out_pad, _ = scored
     s = packed.samples
-    pos = packed_position_ids(bundle.model, bundle.adapter, s, packed.vision_extra)[1:]  # [3, 1, T] M-RoPE only
+    pos = packed_position_ids(bundle.adapter, s, packed.vision_extra)[1:]  # [3, 1, T] M-RoPE only
     with torch.no_grad():
         hidden = bundle.model.base_model(
             input_ids=s.sequences, position_ids=pos, pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thws,
