@@ -1,5 +1,7 @@
-"""The real vLLM engine (CPU build here) on each tiny family: generation with text, one image, two images and a
-video; sampled-token log-probs agree with a float32 transformers forward; a layout error is caught by the check."""
+"""The real vLLM engine (CPU build here, serving bf16 as on a GPU) on each tiny family (Qwen3-VL with tied
+embeddings): generation with text, one image, two images and a video at temperature 0.7; the log-probs of the
+sampled distribution agree with a float32 transformers forward of the same distribution; a layout error is caught
+by the check."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def test_vllm_matches_transformers_logprobs(family):
-    path = str(tiny_model_dir(family))
-    report = run_engine_check(path, samples_per_prompt=3, max_new_tokens=24, seed=7)
+@pytest.mark.parametrize("family, tied", [("qwen2_vl", False), ("qwen2_5_vl", False), ("qwen3_vl", True)])
+def test_vllm_matches_transformers_logprobs(family, tied):
+    path = str(tiny_model_dir(family, tied=tied))
+    report = run_engine_check(path, samples_per_prompt=3, max_new_tokens=24, seed=7, temperature=0.7,
+                              dtype="bfloat16")
     adapter = get_adapter(path)
     names = [c.name for c in report["cases"]]
     assert names == ["text", "one_image", "two_images", "video"]
@@ -40,7 +43,8 @@ def test_vllm_matches_transformers_logprobs(family):
     case.images = case.images[::-1]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     result = next(c for c in report["cases"] if c.name == "two_images")
-    wrong = hf_response_logprobs(model, AutoProcessor.from_pretrained(path), case, result.response_ids)
+    wrong = hf_response_logprobs(model, AutoProcessor.from_pretrained(path), case, result.response_ids,
+                                 temperature=0.7, forbidden=adapter.vision_special_token_ids())
     worst = max(float((a - b).abs().max()) for a, b in zip(result.engine_logprobs, wrong))
     assert worst > DEFAULT_TOLERANCE and worst > 5 * result.max_abs_diff, (worst, result.max_abs_diff)
     del report
@@ -67,12 +71,14 @@ def test_mismatched_image_video_normalisation_is_handled(tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     assert not processors_normalise_alike(str(path))
     video_only = [c for c in default_cases(AutoProcessor.from_pretrained(path)) if c.name == "video"]
-    handled = run_engine_check(str(path), cases=video_only, samples_per_prompt=3, max_new_tokens=24, seed=1)
+    handled = run_engine_check(str(path), cases=video_only, samples_per_prompt=3, max_new_tokens=24, seed=1,
+                               dtype="bfloat16")
     assert handled["cases"][0].max_abs_diff < DEFAULT_TOLERANCE
     del handled
     gc.collect()
     forced = vllm.LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=2048, seed=0,
-                      limit_mm_per_prompt={"image": 1, "video": 1}, mm_device_do_normalize=True)
+                      limit_mm_per_prompt={"image": 1, "video": 1}, mm_device_do_normalize=True,
+                      logprobs_mode="processed_logprobs")
     control = run_engine_check(str(path), cases=video_only, samples_per_prompt=3, max_new_tokens=24, seed=1,
                                llm=forced)
     assert control["cases"][0].max_abs_diff > DEFAULT_TOLERANCE

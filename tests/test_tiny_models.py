@@ -11,7 +11,13 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmrlhf.models.adapters import get_adapter
 from mmrlhf.testing.engine_check import default_cases, processor_inputs
-from mmrlhf.testing.tiny_models import COLOURS, SPECIAL_TOKENS, build_tiny_model, tiny_model_dir
+from mmrlhf.testing.tiny_models import (
+    COLOURS,
+    RELEASED_GENERATION_DEFAULTS,
+    SPECIAL_TOKENS,
+    build_tiny_model,
+    tiny_model_dir,
+)
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -93,6 +99,31 @@ def test_transformers_generates_with_images_and_video(family):
         new = out[0, inputs["input_ids"].shape[1]:]
         assert 1 <= new.numel() <= 6, case.name
         assert not np.isin(new.numpy(), adapter.vision_special_token_ids()).any(), case.name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tied_variant_shares_the_embedding(family):
+    """As Qwen2-VL-2B / Qwen2.5-VL-3B: the head is the input embedding, so the checkpoint stores no lm_head and
+    named_parameters() does not list it (what weight updates must cope with)."""
+    from safetensors import safe_open
+
+    path = tiny_model_dir(family, tied=True)
+    assert path != tiny_model_dir(family) and path.name.startswith(f"{family}-tiny-seed0-tied-")
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert "lm_head.weight" not in dict(model.named_parameters()) and "lm_head.weight" in model.state_dict()
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if "lm_head" in k]
+    untied = AutoModelForImageTextToText.from_pretrained(tiny_model_dir(family))
+    assert untied.get_output_embeddings().weight is not untied.get_input_embeddings().weight
+
+
+def test_released_generation_config_variant():
+    path = tiny_model_dir("qwen2_vl", released_generation_config=True)
+    gen = AutoModelForImageTextToText.from_pretrained(path).generation_config
+    for key, value in RELEASED_GENERATION_DEFAULTS.items():
+        assert getattr(gen, key) == value, key
+    assert AutoModelForImageTextToText.from_pretrained(tiny_model_dir("qwen2_vl")).generation_config.top_k in (None, 50)
 
 
 def test_small_size_has_tens_of_millions_of_parameters(tmp_path):

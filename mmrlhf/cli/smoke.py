@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="CPU/GPU smoke run: tiny model -> vLLM generation with images and video -> log-prob check",
         description="Builds (or reuses from the cache) a tiny random Qwen-VL model, generates with vLLM for a "
         "text prompt, one image, two images and a video, and compares vLLM's sampled-token log-probs with a "
-        "float32 transformers forward. Exits non-zero if they disagree beyond --tolerance.",
+        "float32 transformers forward of the distribution vLLM sampled from (at the sampling temperature, vision "
+        "special tokens excluded). Exits non-zero if they disagree beyond --tolerance.",
     )
     parser.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "all"],
                         help="tiny model family (default: qwen2_vl; 'all' runs each)")
@@ -25,6 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (default 4)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="response length (default 32)")
     parser.add_argument("--seed", type=int, default=0, help="sampling and model seed")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="engine precision, as rollout.dtype (auto: bfloat16 on CUDA, float32 on the CPU)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature; both sides score the tempered distribution (default 1.0)")
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help=f"max allowed |logprob difference| (default {DEFAULT_TOLERANCE})")
     parser.set_defaults(func=_run)
@@ -42,11 +47,12 @@ def _run(args: argparse.Namespace) -> int:
         model_dir = tiny_model_dir(family, args.size, args.seed)
         build_s = time.perf_counter() - t0
         report = run_engine_check(str(model_dir), samples_per_prompt=args.samples,
-                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                  max_new_tokens=args.max_new_tokens, seed=args.seed, dtype=args.dtype,
+                                  temperature=args.temperature)
         for case in report["cases"]:
             n_tok = sum(len(r) for r in case.response_ids)
             print(f"{family:<12} {case.name:<11} {len(case.response_ids):>7} {n_tok:>6} "
-                  f"{case.max_abs_diff:>9.4f} {case.mean_abs_diff:>9.5f}")
+                  f"{case.max_abs_diff:>9.1e} {case.mean_abs_diff:>9.1e}")
             if case.max_abs_diff > args.tolerance:
                 failures.append(f"{family}/{case.name}: {case.max_abs_diff:.4f} > {args.tolerance}")
         print(f"{family:<12} model {model_dir} (ready in {build_s:.1f} s), engine start "

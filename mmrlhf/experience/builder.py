@@ -69,7 +69,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         reference.requires_grad_(False)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
-    engine = build_engine(config.rollout, policy_path, dtype=model_cfg.dtype, family=model_cfg.family,
+    engine = build_engine(config.rollout, policy_path, family=model_cfg.family,
                           hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code)
     data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)
     rewards = RewardComputationEngine.from_config(config.reward)

@@ -7,6 +7,7 @@ from mmrlhf.rollout.types import (
     GenerationRequest,
     GenerationResult,
     PromptTooLongError,
+    RequestRejectedError,
     SamplingSettings,
 )
 
@@ -16,6 +17,7 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "PromptTooLongError",
+    "RequestRejectedError",
     "RolloutEngine",
     "SamplingSettings",
     "iter_buckets",

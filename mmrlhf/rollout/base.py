@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
-from mmrlhf.rollout.types import GenerationRequest, GenerationResult, PromptTooLongError, SamplingSettings
+from mmrlhf.rollout.types import (
+    GenerationRequest,
+    GenerationResult,
+    PromptTooLongError,
+    SamplingSettings,
+    request_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +58,8 @@ class RolloutEngine(ABC):
     def split_too_long(self, requests: list[GenerationRequest], settings: SamplingSettings) -> dict[int, str]:
         """Indices of prompts that leave no room for ``max(1, min_new_tokens)`` new tokens, with the reason.
 
-        Raises :class:`PromptTooLongError` naming the first such request when the policy is ``error``.
+        Raises :class:`PromptTooLongError` naming the first such request when the policy is ``error``; skip reasons
+        name the request too (its ``request_id`` when given).
         """
         room = max(1, settings.min_new_tokens)
         skipped: dict[int, str] = {}
@@ -61,9 +68,10 @@ class RolloutEngine(ABC):
                 continue
             n = len(req.prompt_token_ids)
             if n + room > self.max_model_len:
-                reason = f"prompt of {n} tokens + {room} new > max_model_len {self.max_model_len}"
+                reason = f"{request_name(requests, i)}: prompt of {n} tokens + {room} new > max_model_len " \
+                         f"{self.max_model_len}"
                 if self.prompt_too_long == "error":
-                    raise PromptTooLongError(f"request {i}: {reason}")
+                    raise PromptTooLongError(reason)
                 skipped[i] = reason
         if skipped:
             logger.warning("skipping %d of %d prompts that do not fit the context (%s)",
@@ -87,6 +95,13 @@ def iter_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[lis
         size += nbytes
     if bucket:
         yield bucket
+
+
+def forbidden_token_ids(adapter: Any, settings: SamplingSettings) -> list[int]:
+    """Every token a response must not contain: the family's vision special tokens (sampling one breaks the next
+    forward) together with the caller's ``forbidden_token_ids``; a caller's list adds to the vision tokens, it
+    never replaces them."""
+    return sorted({*map(int, adapter.vision_special_token_ids()), *map(int, settings.forbidden_token_ids)})
 
 
 def stop_token_ids(model: object, eos_token_id: int, extra: Iterable[int] = ()) -> list[int]:

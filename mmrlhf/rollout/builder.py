@@ -20,9 +20,14 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
     )
 
 
-def build_engine(cfg: RolloutConfig, model_path: str, *, dtype: str = "bfloat16", family: str = "auto",
-                 hf_model: Any = None, tokenizer: Any = None, trust_remote_code: bool = False) -> RolloutEngine:
-    """Build the configured engine. The transformers engine needs the (actor) model and tokenizer."""
+def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", hf_model: Any = None,
+                 tokenizer: Any = None, trust_remote_code: bool = False) -> RolloutEngine:
+    """Build the configured engine. The transformers engine needs the (actor) model and tokenizer.
+
+    The vLLM engine's precision is ``cfg.dtype`` (never the trainer's ``model.dtype``: an fp32 trainer must not
+    make the engine fp32 on a GPU). The transformers engine shares the actor's module and so its dtype; a
+    ``cfg.dtype`` that says otherwise is an error rather than silently ignored.
+    """
     adapter = get_adapter(model_path, family)
     if cfg.engine == "vllm":
         from mmrlhf.rollout.vllm_engine import VLLMEngine
@@ -32,16 +37,21 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, dtype: str = "bfloat16"
         return VLLMEngine(
             model_path, adapter, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
             limit_mm_per_prompt=limits or None, trust_remote_code=trust_remote_code,
-            weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=dtype, seed=cfg.seed,
+            weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=cfg.dtype, seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep,
         )
     if hf_model is None or tokenizer is None:
         raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")
+    model_dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
+    if cfg.dtype not in ("auto", model_dtype):
+        raise ValueError(f"rollout.dtype={cfg.dtype} but rollout.engine=transformers generates with the actor's "
+                         f"own {model_dtype} module: set rollout.dtype to auto (or {model_dtype}), or use vLLM")
     from mmrlhf.rollout.hf_engine import HFGenerateEngine
 
     return HFGenerateEngine(
         hf_model, adapter, eos_token_id=tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
-        pad_token_id=tokenizer.pad_token_id, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
+        pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, max_model_len=cfg.max_model_len,
+        prompt_too_long=cfg.prompt_too_long,
         batch_size=cfg.micro_rollout_batch_size, weight_sync_bucket_mb=cfg.weight_sync_bucket_mb,
     )

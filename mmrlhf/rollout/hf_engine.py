@@ -1,19 +1,33 @@
 """transformers ``generate`` as a rollout engine: the fallback (no vLLM) and what ``NaiveExperienceMaker`` uses.
 
 It shares the policy module with the trainer, so ``update_weights`` only has to copy tensors that differ from the
-module's own (a no-op when the trainer updates the module in place).
+module's own (a no-op when the trainer updates the module in place). Sampling is done by
+:class:`~mmrlhf.rollout.hf_sampling.SettingsSampler`: only what ``SamplingSettings`` says (never the checkpoint's
+generation defaults), one random stream per sample, log-probs of the distribution actually sampled from (the
+same quantity the vLLM engine reports).
 """
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from mmrlhf.models.adapters import FamilyAdapter
-from mmrlhf.rollout.base import NamedTensors, RolloutEngine, iter_buckets, stop_token_ids
-from mmrlhf.rollout.types import Completion, GenerationOutput, GenerationRequest, GenerationResult, SamplingSettings
+from mmrlhf.rollout.base import NamedTensors, RolloutEngine, forbidden_token_ids, iter_buckets, stop_token_ids
+from mmrlhf.rollout.hf_sampling import SettingsSampler
+from mmrlhf.rollout.types import (
+    Completion,
+    GenerationOutput,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSettings,
+    request_name,
+    stream_seed,
+)
 
 
 class HFGenerateEngine(RolloutEngine):
@@ -23,20 +37,22 @@ class HFGenerateEngine(RolloutEngine):
         model: a transformers ``...ForConditionalGeneration`` model (the actor itself, or a copy).
         adapter: family adapter (forbidden vision tokens).
         eos_token_id / pad_token_id: the tokenizer's ids.
+        tokenizer: the model's tokenizer; needed only for stop strings (transformers matches them on text).
         max_model_len: context length used for the too-long check.
         prompt_too_long: ``"skip"`` or ``"error"``.
-        batch_size: prompts per ``generate`` call (bounds memory).
+        batch_size: prompts per ``generate`` call (bounds memory; each prompt runs as ``n`` rows).
         weight_sync_bucket_mb: bound on one weight-update bucket.
     """
 
     def __init__(self, model: Any, adapter: FamilyAdapter, *, eos_token_id: int, pad_token_id: int,
-                 max_model_len: int = 4096, prompt_too_long: str = "skip", batch_size: int = 8,
-                 weight_sync_bucket_mb: int = 256) -> None:
+                 tokenizer: Any = None, max_model_len: int = 4096, prompt_too_long: str = "skip",
+                 batch_size: int = 8, weight_sync_bucket_mb: int = 256) -> None:
         super().__init__(max_model_len, prompt_too_long)
         self.model = model
         self.adapter = adapter
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(model, eos_token_id)
         self.batch_size = batch_size
         self.bucket_bytes = int(weight_sync_bucket_mb) << 20
@@ -49,14 +65,26 @@ class HFGenerateEngine(RolloutEngine):
         t0 = time.perf_counter()
         for i, req in enumerate(requests):
             if req.prompt_token_ids is None:
-                raise ValueError(f"request {i}: the transformers engine needs prompt_token_ids (data processor output)")
+                raise ValueError(f"{request_name(requests, i)}: the transformers engine needs prompt_token_ids "
+                                 "(data processor output)")
+        if settings.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the tokenizer: build HFGenerateEngine(..., tokenizer=...)")
+        self._check_forbidden(settings)
         skipped = self.split_too_long(requests, settings)
         keep = [i for i in range(len(requests)) if i not in skipped]
+        # Unseeded calls still give every sample its own stream, from a fresh base (the torch RNG is not touched).
+        base_seed = settings.seed if settings.seed is not None else secrets.randbits(62)
         outputs = []
         for start in range(0, len(keep), self.batch_size):
             chunk = keep[start : start + self.batch_size]
-            outputs.extend(self._generate_chunk(requests, chunk, settings))
+            outputs.extend(self._generate_chunk(requests, chunk, settings, base_seed))
         return GenerationResult(outputs=outputs, skipped=skipped, seconds=time.perf_counter() - t0)
+
+    def _check_forbidden(self, settings: SamplingSettings) -> None:
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        bad = [t for t in settings.forbidden_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"forbidden_token_ids {bad} are outside the vocabulary (0..{vocab - 1})")
 
     def _batch_inputs(self, reqs: list[GenerationRequest]) -> dict[str, torch.Tensor]:
         """Left-pad the prompts; concatenate vision tensors in prompt order."""
@@ -77,61 +105,63 @@ class HFGenerateEngine(RolloutEngine):
         return {k: v.to(self.device) for k, v in out.items()}
 
     @torch.no_grad()
-    def _generate_chunk(self, requests, chunk: list[int], settings: SamplingSettings) -> list[GenerationOutput]:
-        reqs = [requests[i] for i in chunk]
-        inputs = self._batch_inputs(reqs)
+    def _generate_chunk(self, requests: list[GenerationRequest], chunk: list[int], settings: SamplingSettings,
+                        base_seed: int) -> list[GenerationOutput]:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        n = settings.n
+        # Row j * n + k is sample k of request chunk[j]: the prompt is repeated n times (what transformers'
+        # num_return_sequences does too), so every row can draw from its own stream.
+        rows = [requests[i] for i in chunk for _ in range(n)]
+        inputs = self._batch_inputs(rows)
         width = inputs["input_ids"].shape[1]
-        forbidden = list(settings.forbidden_token_ids) or self.adapter.vision_special_token_ids()
-        greedy = settings.temperature == 0
-        gen_kwargs: dict[str, Any] = dict(
-            max_new_tokens=settings.max_new_tokens, min_new_tokens=settings.min_new_tokens,
-            do_sample=not greedy, num_return_sequences=settings.n,
-            pad_token_id=self.pad_token_id, bad_words_ids=[[t] for t in forbidden],
-            return_dict_in_generate=True, output_logits=settings.logprobs,
+        stops = sorted(set(self.stop_ids) | set(settings.stop_token_ids))
+        sampler = SettingsSampler(
+            settings, forbidden=forbidden_token_ids(self.adapter, settings), stop_ids=stops, prompt_width=width,
+            seeds=[stream_seed(base_seed, i, k, n) for i in chunk for k in range(n)],
         )
-        if not greedy:
-            gen_kwargs.update(temperature=settings.temperature, top_p=settings.top_p,
-                              top_k=settings.top_k if settings.top_k > 0 else None)
-        if settings.stop:
-            gen_kwargs["stop_strings"] = list(settings.stop)
-        gen_kwargs["eos_token_id"] = sorted(set(self.stop_ids) | set(settings.stop_token_ids))
+        config = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens, do_sample=False, num_beams=1, num_return_sequences=1,
+            eos_token_id=stops, pad_token_id=self.pad_token_id, stop_strings=list(settings.stop) or None,
+            repetition_penalty=1.0, return_dict_in_generate=True,
+        )
         was_training = self.model.training
         self.model.eval()
-        # Seeded sampling on a private copy of the RNG state: the trainer's global stream (dropout, shuffling)
-        # is left exactly as it was.
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices):
-                if settings.seed is not None:
-                    torch.manual_seed(settings.seed + chunk[0])
-                out = self.model.generate(**inputs, **gen_kwargs)
+            with _checkpoint_defaults_hidden(self.model):
+                out = self.model.generate(**inputs, generation_config=config,
+                                          logits_processor=LogitsProcessorList([sampler]),
+                                          tokenizer=self.tokenizer if settings.stop else None)
+        except Exception as exc:
+            exc.add_note(f"while generating {', '.join(request_name(requests, i) for i in chunk)}")
+            raise
         finally:
             self.model.train(was_training)
-        new = out.sequences[:, width:]  # [B * n, A]
-        logps = None
-        if settings.logprobs:
-            # Raw logits (before temperature and bans): the policy's own log-probs, as vLLM reports them. One step
-            # at a time, so only a [B * n, V] float32 slice exists at once.
-            logps = torch.stack([
-                torch.log_softmax(step.float(), dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
-                for t, step in enumerate(out.logits)
-            ], dim=1)  # [B * n, A]
-        stops = set(self.stop_ids) | set(settings.stop_token_ids)
+        new = out.sequences[:, width:].cpu()  # [B * n, A]
+        drawn, logps = sampler.stacked(new.shape[1])  # [B * n, A], [B * n, A] | None
         results = []
         for j, i in enumerate(chunk):
             completions = []
-            for k in range(settings.n):
-                row = j * settings.n + k
-                toks, finish = _cut_generated(new[row].tolist(), stops, self.pad_token_id)
+            for k in range(n):
+                row = j * n + k
+                toks, finish = _cut_row(new[row].tolist(), drawn[row].tolist(), set(stops))
+                if finish == "length" and settings.stop and self.tokenizer is not None:
+                    # A stop string completed by the very last allowed token ends the row early too.
+                    text = self.tokenizer.decode(toks)
+                    finish = "stop" if any(s in text for s in settings.stop) else finish
                 lp = logps[row, : len(toks)].tolist() if logps is not None else None
                 completions.append(Completion(toks, lp, finish))
             results.append(GenerationOutput(i, list(requests[i].prompt_token_ids), completions))
         return results
 
     def update_weights(self, named_tensors: NamedTensors) -> int:
-        """Copy tensors into the model (names in the model's own naming); returns the count."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        """Copy tensors into the model (names in the model's own naming); returns the count.
+
+        Tied parameters are reachable under every name (a tied checkpoint's ``lm_head.weight`` is the embedding):
+        a trainer's ``state_dict()`` lists both names and both must be accepted.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
         loaded = 0
         with torch.no_grad():
             for bucket in iter_buckets(named_tensors, self.bucket_bytes):
@@ -145,19 +175,35 @@ class HFGenerateEngine(RolloutEngine):
         return loaded
 
 
-def _cut_generated(toks: list[int], stops: set[int], pad_id: int) -> tuple[list[int], str]:
-    """The sampled part of one ``generate`` row and its finish reason.
+@contextlib.contextmanager
+def _checkpoint_defaults_hidden(model: Any) -> Iterator[None]:
+    """Hide the checkpoint's generation defaults from ``generate`` for the duration of one call.
 
-    transformers fills a finished row with ``pad_id`` up to the batch's length. Trailing pads are that fill (the
-    first of them is the sampled EOS when the pad id is itself a stop token); a row without fill ran to
-    ``max_new_tokens``. Within the sampled part, the response ends at its first stop token.
+    transformers fills every field a given ``GenerationConfig`` leaves unset from ``model.generation_config``
+    (``repetition_penalty``, ``suppress_tokens``, ``sequence_bias``, ...), each of which would add a logits
+    processor the actor never applies. A blank config in its place leaves nothing to merge.
     """
-    k = len(toks)
-    while k > 0 and toks[k - 1] == pad_id:
-        k -= 1
-    if k == len(toks):
-        kept, finish = toks, "length"
-    else:  # stopped early: by a stop token (kept below) or by a stop string (kept as is)
-        kept, finish = toks[: k + 1] if pad_id in stops else toks[:k], "stop"
-    end = next((t + 1 for t, tok in enumerate(kept) if tok in stops), None)
-    return (kept[:end], "stop") if end is not None else (kept, finish)
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
+def _cut_row(generated: list[int], drawn: list[int], stops: set[int]) -> tuple[list[int], str]:
+    """The real part of one ``generate`` row and its finish reason.
+
+    transformers appends the sampler's draw while a row runs and the pad token once it has finished (stop token or
+    stop string), so the row's real tokens are the prefix where appended and drawn tokens agree; within it, the
+    response ends at its first stop token. (A draw after a stop string that happens to be the pad token would be
+    kept: a 1-in-vocabulary chance per stop-string finish.) A row that ran to ``max_new_tokens`` is "length".
+    """
+    k = next((t for t, (a, b) in enumerate(zip(generated, drawn)) if a != b), len(generated))
+    toks = generated[:k]
+    end = next((t + 1 for t, tok in enumerate(toks) if tok in stops), None)
+    if end is not None:
+        return toks[:end], "stop"
+    return toks, "stop" if k < len(generated) else "length"

@@ -15,6 +15,8 @@ class GenerationRequest:
     ``prompt`` is the chat-templated text (vLLM re-tokenises it with the model's own processor); ``prompt_token_ids``
     are the ids the data processor produced (vision pad tokens expanded), used for length checks, for the
     transformers engine, and to verify that the engine saw exactly the prompt the trainer will score.
+    ``request_id`` is the caller's name for the prompt (e.g. the dataset record id): engine errors and skip reasons
+    name it, so a bad record can be found without mapping batch positions back by hand.
     """
 
     prompt: str
@@ -24,15 +26,31 @@ class GenerationRequest:
     video_fps: float | list[float] = 2.0  # one value for all videos, or one per video
     vision_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # processor tensors of this prompt
     mm_token_type_ids: list[int] | None = None  # per prompt token: 0 text, 1 image pad, 2 video pad
-
+    request_id: str | None = None  # the caller's record id, named in errors and skip reasons
 
     def fps_of(self, i: int) -> float:
         return float(self.video_fps[i] if isinstance(self.video_fps, (list, tuple)) else self.video_fps)
 
 
+def request_name(requests: list[GenerationRequest], index: int) -> str:
+    """How errors and skip reasons name a request: its record id when the caller gave one, and its position."""
+    rid = requests[index].request_id
+    return f"record {rid!r} (request {index})" if rid is not None else f"request {index}"
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
-    """Engine-independent sampling parameters (mapped onto vLLM ``SamplingParams`` or HF ``generate``)."""
+    """Engine-independent sampling parameters (mapped onto vLLM ``SamplingParams`` or the transformers engine's
+    own sampler). Both engines sample from exactly this distribution and nothing else: the logits with the
+    forbidden tokens (and, before ``min_new_tokens``, the stop tokens) removed, divided by ``temperature``, cut to
+    ``top_k`` then ``top_p``. A checkpoint's ``generation_config.json`` sampling defaults (repetition penalty,
+    top-k, ...) are never applied.
+
+    ``seed``: sample ``j`` of request ``i`` draws from its own stream, seeded ``seed + i * n + j``, so no two samples
+    of one call share random numbers and a sample does not depend on how the batch was split. A caller making
+    several calls must move ``seed`` by at least ``len(requests) * n`` per call (the experience maker moves it by
+    1,000,003 per call). ``None``: fresh, unreproducible randomness.
+    """
 
     n: int = 1  # completions per request
     temperature: float = 1.0
@@ -42,15 +60,23 @@ class SamplingSettings:
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # request i uses seed + i (reproducible per request, independent of batching)
-    logprobs: bool = True  # return the sampled tokens' log-probs
-    forbidden_token_ids: tuple[int, ...] = ()  # never sampled (vision special tokens)
+    seed: int | None = None  # sample j of request i uses seed + i * n + j (see the class docstring)
+    logprobs: bool = True  # return the sampled tokens' log-probs (of the distribution they were drawn from)
+    forbidden_token_ids: tuple[int, ...] = ()  # never sampled, in addition to the family's vision special tokens
+
+
+def stream_seed(seed: int, request_index: int, sample_index: int, n: int) -> int:
+    """The seed of sample ``sample_index`` of request ``request_index`` (see :class:`SamplingSettings`)."""
+    return seed + request_index * n + sample_index
 
 
 @dataclass
 class Completion:
     token_ids: list[int]
-    logprobs: list[float] | None  # log-prob of each sampled token under the engine's policy
+    # Log-prob of each sampled token under the distribution it was sampled from: the policy's logits with the
+    # forbidden tokens (and stop tokens before min_new_tokens) removed, divided by the temperature, renormalised
+    # over the top-k / top-p set (vLLM's "processed_logprobs"). Greedy decoding: no temperature, no truncation.
+    logprobs: list[float] | None
     finish_reason: str  # "stop" (EOS / stop string) or "length" (hit max_new_tokens)
 
     @property
@@ -78,3 +104,8 @@ class GenerationResult:
 
 class PromptTooLongError(ValueError):
     """A prompt does not fit the engine's context and the policy is ``error``."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine rejected one request for a reason other than its length (e.g. more images than the engine's
+    per-prompt limit); the message names the request."""

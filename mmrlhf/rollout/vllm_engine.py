@@ -7,14 +7,17 @@ import time
 from typing import Any
 
 from mmrlhf.models.adapters import FamilyAdapter
-from mmrlhf.rollout.base import NamedTensors, RolloutEngine, iter_buckets
+from mmrlhf.rollout.base import NamedTensors, RolloutEngine, forbidden_token_ids, iter_buckets
 from mmrlhf.rollout.types import (
     Completion,
     GenerationOutput,
     GenerationRequest,
     GenerationResult,
     PromptTooLongError,
+    RequestRejectedError,
     SamplingSettings,
+    request_name,
+    stream_seed,
 )
 from mmrlhf.rollout.vllm_setup import cuda_available, forbid_tokens_bias, import_vllm, make_llm
 
@@ -38,6 +41,40 @@ def _is_length_error(exc: BaseException) -> bool:
     return "context length" in text or "max_model_len" in text or "maximum model length" in text
 
 
+def _load_bucket(model: Any, bucket: list[tuple[str, Any]]) -> tuple[set[str], dict[str, str]]:
+    """Load one bucket into the engine's model (runs inside vLLM via ``apply_model``).
+
+    Tied weights (a tied checkpoint's ``lm_head.weight`` IS the input embedding in vLLM) are held back: vLLM's
+    loader accepts such an alias only in the same call as its canonical weight, and a size-bounded bucket may
+    separate them. The alias carries nothing new when the canonical weight is loaded in the same update, which
+    the caller checks with the returned ``{alias name: canonical engine name}``. Returns the engine-side names
+    loaded and those held aliases.
+    """
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    ids: dict[int, str] = {}
+    tied: dict[str, str] = {}  # engine name of a parameter -> the engine name it aliases
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = ids.setdefault(id(param), name)
+        if first != name:
+            tied[name] = first
+    load, held = [], {}
+    for name, tensor in bucket:
+        mapped = [n for n, _ in mapper.apply([(name, tensor)])] if mapper is not None else [name]
+        canonical = next((tied[n] for n in mapped if n in tied), None)
+        if canonical is not None:
+            held[name] = canonical
+        else:
+            load.append((name, tensor))
+    return set(model.load_weights(iter(load))) if load else set(), held
+
+
+def _check_reset(name: str, result: Any) -> None:
+    """vLLM's cache resets return None (always done) or a bool (done or not): a False must not pass silently."""
+    if result is False:
+        raise RuntimeError(f"vLLM refused {name}() after a weight update (requests still running?): the engine "
+                           "would keep serving results computed with the old weights")
+
+
 class VLLMEngine(RolloutEngine):
     """Generation with an in-process ``vllm.LLM``; weight updates streamed in size-bounded buckets.
 
@@ -48,6 +85,7 @@ class VLLMEngine(RolloutEngine):
         prompt_too_long: ``"skip"`` (counted in the result) or ``"error"``.
         weight_sync_bucket_mb: bound on one weight-update bucket.
         limit_mm_per_prompt: most images / videos one prompt may carry (None: vLLM's default).
+        dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (:func:`~mmrlhf.rollout.vllm_setup.engine_dtype`).
         Other arguments go to :func:`mmrlhf.rollout.vllm_setup.make_llm` (GPU-only ones are dropped on CPU).
     """
 
@@ -60,7 +98,7 @@ class VLLMEngine(RolloutEngine):
         prompt_too_long: str = "skip",
         weight_sync_bucket_mb: int = 512,
         limit_mm_per_prompt: dict[str, int] | None = None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         seed: int = 0,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
@@ -89,9 +127,11 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------------------------------
     def _sampling_params(self, settings: SamplingSettings, index: int) -> Any:
+        """vLLM parameters of request ``index``. vLLM seeds the j-th of its ``n`` children ``seed + j``
+        (``vllm/v1/engine/parallel_sampling.py``), so the request's own seed is ``seed + index * n``: sample j of
+        request i then draws from ``seed + i * n + j``, one stream per sample (``SamplingSettings.seed``)."""
         from vllm import SamplingParams
 
-        forbidden = list(settings.forbidden_token_ids) or self.adapter.vision_special_token_ids()
         return SamplingParams(
             n=settings.n,
             temperature=settings.temperature,
@@ -101,9 +141,9 @@ class VLLMEngine(RolloutEngine):
             min_tokens=settings.min_new_tokens,
             stop=list(settings.stop) or None,
             stop_token_ids=list(settings.stop_token_ids) or None,
-            seed=None if settings.seed is None else settings.seed + index,
+            seed=None if settings.seed is None else stream_seed(settings.seed, index, 0, settings.n),
             logprobs=0 if settings.logprobs else None,
-            logit_bias=forbid_tokens_bias(forbidden),
+            logit_bias=forbid_tokens_bias(forbidden_token_ids(self.adapter, settings)),
         )
 
     def _vllm_input(self, req: GenerationRequest) -> dict[str, Any]:
@@ -136,20 +176,22 @@ class VLLMEngine(RolloutEngine):
         try:
             raw = self.llm.generate(inputs, params, use_tqdm=False)
         except _validation_errors() as exc:
+            if len(keep) > 1:
+                # vLLM validates the whole batch up front: one bad prompt must neither lose the others nor hide
+                # among them. One by one, a too-long prompt is skipped or raised per the policy and any other
+                # rejection raises naming its request.
+                outs: list[GenerationOutput] = []
+                for i in keep:
+                    outs.extend(self._generate_indices(requests, [i], settings, skipped))
+                return outs
+            name = request_name(requests, keep[0])
             if not _is_length_error(exc):
-                raise  # not a too-long prompt: a real error, never turned into a skip
-            # vLLM validates the whole batch up front; one prompt longer than the context (as vLLM tokenised it)
-            # must not lose the others: retry one by one and skip or raise per the policy.
-            if len(keep) == 1:
-                if self.prompt_too_long == "error":
-                    raise PromptTooLongError(f"request {keep[0]}: {exc}") from exc
-                skipped[keep[0]] = f"rejected by vLLM: {exc}"
-                logger.warning("skipping request %d: %s", keep[0], exc)
-                return []
-            outs: list[GenerationOutput] = []
-            for i in keep:
-                outs.extend(self._generate_indices(requests, [i], settings, skipped))
-            return outs
+                raise RequestRejectedError(f"{name}: {exc}") from exc  # a real error, never turned into a skip
+            if self.prompt_too_long == "error":
+                raise PromptTooLongError(f"{name}: {exc}") from exc
+            skipped[keep[0]] = f"{name}: rejected by vLLM: {exc}"
+            logger.warning("skipping %s: %s", name, exc)
+            return []
         return [self._convert(i, r) for i, r in zip(keep, raw)]
 
     @staticmethod
@@ -166,13 +208,27 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, named_tensors: NamedTensors) -> int:
         """Stream ``(name, tensor)`` pairs (transformers naming) into the live engine, one bucket at a time.
 
-        On the CPU platform the packed GEMM copies are rebuilt afterwards (see ``vllm_cpu_weights``).
+        Refused while the engine sleeps: its weights are offloaded (level 1) or discarded (level 2), and a load
+        into them would be lost or overwritten on wake-up. Tied weights are accepted under either name (see
+        :func:`_load_bucket`). On the CPU platform the packed GEMM copies are rebuilt afterwards (see
+        ``vllm_cpu_weights``); every cache computed with the old weights is dropped. Returns the number of
+        tensors accepted.
         """
-        loaded = 0
+        if self._is_sleeping():
+            raise RuntimeError("update_weights while the vLLM engine sleeps: its weights are offloaded and the "
+                               "update would be lost; call wake_up() first")
+        loaded, engine_names, aliases = 0, set(), {}
         for bucket in iter_buckets(named_tensors, self.bucket_bytes):
             cpu_bucket = [(name, t.detach()) for name, t in bucket]
-            self.llm.apply_model(lambda model, b=cpu_bucket: model.load_weights(iter(b)))
+            names, held = self.llm.apply_model(lambda model, b=cpu_bucket: _load_bucket(model, b))[0]
+            engine_names.update(names)
+            aliases.update(held)
             loaded += len(cpu_bucket)
+        missing = {name: canonical for name, canonical in aliases.items() if canonical not in engine_names}
+        if missing:
+            raise ValueError(
+                "update_weights: the engine ties these weights to another parameter that the update did not "
+                f"carry, so they cannot be loaded: {missing} (send the canonical weight, e.g. the full state_dict)")
         if self._cpu:
             from mmrlhf.rollout.vllm_cpu_weights import repack_after_update
 
@@ -180,18 +236,28 @@ class VLLMEngine(RolloutEngine):
         self._drop_caches()
         return loaded
 
+    def _is_sleeping(self) -> bool:
+        """Our own record, and the engine's where it keeps one (a sleep started outside this class counts)."""
+        if self._asleep:
+            return True
+        probe = getattr(getattr(self.llm, "llm_engine", None), "is_sleeping", None)
+        return bool(probe()) if callable(probe) else False
+
     def _drop_caches(self) -> None:
         """Forget everything computed with the old weights: prefix KV blocks and, above all, the multimodal
         encoder cache (vision embeddings are cached per image hash, so without this a re-used image keeps its
-        old-policy embedding after a sync while text-only prompts look perfectly synced)."""
-        self.llm.reset_prefix_cache()
-        self.llm.reset_mm_cache()
+        old-policy embedding after a sync while text-only prompts look perfectly synced).
+
+        vLLM reports a prefix-cache reset it could not do (blocks still held by running requests) by returning
+        False: that is an error here, since the next rollout would reuse old-policy KV blocks."""
+        _check_reset("reset_prefix_cache", self.llm.reset_prefix_cache())
+        _check_reset("reset_mm_cache", self.llm.reset_mm_cache())
         engine = self.llm.llm_engine
         reset_encoder = getattr(engine, "reset_encoder_cache", None) or getattr(
             getattr(engine, "engine_core", None), "reset_encoder_cache", None)
         if reset_encoder is None:
             raise RuntimeError("this vLLM version exposes no encoder-cache reset; weight sync cannot be trusted")
-        reset_encoder()
+        _check_reset("reset_encoder_cache", reset_encoder())
 
     def sleep(self) -> None:
         if self.supports_sleep and not self._asleep:
@@ -200,7 +266,8 @@ class VLLMEngine(RolloutEngine):
 
     def wake_up(self) -> None:
         if self.supports_sleep and self._asleep:
-            self.llm.wake_up()
+            if self.llm.wake_up() is False:
+                raise RuntimeError("vLLM did not wake up fully (wake_up() returned False)")
             self._asleep = False
 
     def close(self) -> None:

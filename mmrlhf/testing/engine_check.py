@@ -93,8 +93,14 @@ def processor_inputs(processor: Any, adapter: Any, case: CheckCase) -> Any:
     return processor(**kwargs)
 
 
-def hf_response_logprobs(model: Any, processor: Any, case: CheckCase, responses: list[list[int]]) -> list[torch.Tensor]:
-    """Float32 transformers log-probs of each response's tokens given the case's prompt. Returns B tensors [A_i]."""
+def hf_response_logprobs(model: Any, processor: Any, case: CheckCase, responses: list[list[int]], *,
+                         temperature: float = 1.0, forbidden: list[int] | tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Transformers log-probs of each response's tokens given the case's prompt. Returns B tensors [A_i].
+
+    With ``forbidden`` and ``temperature`` this is the distribution the engines sample from (and report): those
+    tokens removed, logits divided by the temperature (no top-k / top-p: callers that check engines use neither).
+    Without them, the plain policy the trainer scores.
+    """
     inputs = processor_inputs(processor, get_adapter(model.config), case)
     prompt_ids = inputs.pop("input_ids")  # [1, P]
     inputs.pop("attention_mask")
@@ -109,9 +115,41 @@ def hf_response_logprobs(model: Any, processor: Any, case: CheckCase, responses:
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits.float()  # [1, P+A, V]
         p = prompt_ids.shape[1]
-        logp = torch.log_softmax(logits[0, p - 1 : -1], dim=-1)  # [A, V]
+        step_logits = logits[0, p - 1 : -1]  # [A, V]
+        if forbidden:
+            step_logits[:, list(forbidden)] = float("-inf")
+        logp = torch.log_softmax(step_logits / temperature, dim=-1)  # [A, V]
         out.append(logp.gather(-1, resp_t[0, :, None])[:, 0])
     return out
+
+
+def actor_response_logprobs(actor: Any, request: Any, responses: list[list[int]], *, temperature: float = 1.0,
+                            stop_ids: list[int] | tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """What the trainer computes: :class:`~mmrlhf.models.actor.ActorVL` log-probs of each response given one
+    :class:`~mmrlhf.rollout.types.GenerationRequest` (its processor ids and vision tensors), in the padded layout
+    the experience maker builds. Returns one tensor [A_i] per response."""
+    from mmrlhf.experience.samples import build_padded_samples
+
+    k = len(responses)
+    built = build_padded_samples([request.prompt_token_ids] * k, responses, pad_id=0, eos_id=list(stop_ids),
+                                 adapter=actor.adapter, vision=[request.vision_inputs] * k)
+    with torch.no_grad():  # CPU tensors: a helper for tests and the smoke check
+        out = actor(built.samples, vision_extra=built.vision_extra, temperature=temperature)
+    return [out.log_probs[i, : int(out.action_mask[i].sum())].float().cpu() for i in range(k)]
+
+
+def restricted_copy(model: Any, token_ids: list[int] | tuple[int, ...]) -> Any:
+    """A copy of a transformers model whose output head can never produce ``token_ids`` (a -inf bias on them):
+    scoring with it gives the log-probs of the distribution the engines sample from, which excludes the forbidden
+    tokens. The original is untouched (its parameter names stay those of the checkpoint)."""
+    import copy
+
+    scorer = copy.deepcopy(model)
+    head = scorer.get_output_embeddings()
+    bias = torch.zeros(head.weight.shape[0], dtype=head.weight.dtype, device=head.weight.device)  # [V]
+    bias[list(token_ids)] = float("-inf")
+    head.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return scorer
 
 
 def run_engine_check(
@@ -121,11 +159,15 @@ def run_engine_check(
     max_new_tokens: int = 16,
     temperature: float = 1.0,
     seed: int = 0,
+    dtype: str = "auto",
     cases: list[CheckCase] | None = None,
     llm: Any = None,
 ) -> dict[str, Any]:
     """Generate with vLLM for every case, compare against transformers. Returns a report dict:
-    ``{"cases": [CaseResult...], "tokens": int, "gen_seconds": float, "engine_seconds": float}``."""
+    ``{"cases": [CaseResult...], "tokens": int, "gen_seconds": float, "engine_seconds": float}``.
+
+    The engine reports the log-probs of the distribution it sampled from (``make_llm``: processed log-probs): the
+    float32 reference is the same distribution, vision special tokens excluded, logits at ``temperature``."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from vllm import SamplingParams
 
@@ -136,7 +178,7 @@ def run_engine_check(
     if llm is None:
         max_images = max(len(c.images) for c in cases)
         max_videos = max(len(c.videos) for c in cases)
-        llm = make_llm(model_dir, max_model_len=2048, seed=seed,
+        llm = make_llm(model_dir, dtype=dtype, max_model_len=2048, seed=seed,
                        limit_mm_per_prompt={"image": max(max_images, 1), "video": max(max_videos, 1)})
     engine_seconds = time.perf_counter() - t0
 
@@ -165,6 +207,8 @@ def run_engine_check(
             torch.tensor([step[tok].logprob for step, tok in zip(o.logprobs, o.token_ids)]) for o in output.outputs
         ]
         tokens += sum(len(r) for r in resp_ids)
-        results.append(CaseResult(case.name, resp_ids, engine_lp, hf_response_logprobs(model, processor, case, resp_ids)))
+        reference = hf_response_logprobs(model, processor, case, resp_ids, temperature=temperature or 1.0,
+                                         forbidden=adapter.vision_special_token_ids())
+        results.append(CaseResult(case.name, resp_ids, engine_lp, reference))
     return {"cases": results, "tokens": tokens, "gen_seconds": gen_seconds, "engine_seconds": engine_seconds,
             "llm": llm}

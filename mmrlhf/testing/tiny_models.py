@@ -3,8 +3,15 @@
 ``tiny_model_dir(family, size, seed)`` returns a saved model directory (config, safetensors weights, tokenizer,
 processor with image + video support, chat template) that loads in transformers and in vLLM, built without any
 network access. Directories are cached under ``$MMRLHF_CACHE_DIR/tiny-models`` (default ``~/.cache/mmrlhf``),
-keyed by family, size, seed and a hash of this file, so the suite builds each model once per machine and a change
-to the factory invalidates old builds.
+keyed by family, size, seed, variant and a hash of this file, so the suite builds each model once per machine and
+a change to the factory invalidates old builds.
+
+Variants (keywords of ``tiny_model_dir`` / ``build_tiny_model``):
+- ``tied=True``: the lm_head shares the input embedding (``tie_word_embeddings``), as Qwen2-VL-2B and
+  Qwen2.5-VL-3B do; the checkpoint then stores no ``lm_head.weight`` and ``named_parameters()`` does not list it;
+- ``released_generation_config=True``: ``generation_config.json`` carries the sampling defaults released
+  Qwen2.5-VL Instruct checkpoints ship (:data:`RELEASED_GENERATION_DEFAULTS`), which a rollout engine must not
+  apply (the trainer never scores them).
 
 Why these settings:
 - text ``head_dim`` is 64: vLLM's CPU attention rejects small head sizes (16 fails, 64 works);
@@ -103,6 +110,11 @@ _DIMS = {
 
 
 
+# Sampling defaults of the kind released Qwen2-VL / Qwen2.5-VL Instruct checkpoints put in generation_config.json
+# (repetition penalty 1.05; top_k 1 makes plain ``model.generate(do_sample=True)`` greedy).
+RELEASED_GENERATION_DEFAULTS = {"repetition_penalty": 1.05, "temperature": 0.1, "top_k": 1, "top_p": 0.001}
+
+
 def _factory_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
@@ -112,20 +124,23 @@ def cache_root() -> Path:
     return Path(base) / "tiny-models"
 
 
-def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0) -> Path:
-    """Path of a built tiny model (built on first use, then reused from the cache).
+def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *, tied: bool = False,
+                   released_generation_config: bool = False) -> Path:
+    """Path of a built tiny model (built on first use, then reused from the cache); variants: module docstring.
 
     Safe under concurrent callers: each builds in a private temporary folder and renames it into place; the loser
     of a race discards its copy.
     """
     _check(family, size)
-    target = cache_root() / f"{family}-{size}-seed{seed}-{_factory_hash()}"
+    variant = ("-tied" if tied else "") + ("-relgen" if released_generation_config else "")
+    target = cache_root() / f"{family}-{size}-seed{seed}{variant}-{_factory_hash()}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_tiny_model(tmp, family=family, size=size, seed=seed)
+        build_tiny_model(tmp, family=family, size=size, seed=seed, tied=tied,
+                         released_generation_config=released_generation_config)
         try:
             tmp.rename(target)
         except OSError:
@@ -144,7 +159,8 @@ def _check(family: str, size: str) -> None:
         raise ValueError(f"unknown tiny-model size {size!r}; valid: {', '.join(SIZES)}")
 
 
-def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *,
+                     tied: bool = False, released_generation_config: bool = False) -> Path:
     """Build a model directory at ``out_dir`` (created if needed). Same arguments -> identical files."""
     import torch
 
@@ -154,7 +170,7 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     dims = _DIMS[size]
     tokenizer = _build_tokenizer(dims.vocab)
     processor = _build_processor(family, tokenizer)
-    config = _build_config(family, dims, tokenizer)
+    config = _build_config(family, dims, tokenizer, tied=tied)
 
     model_cls = _model_class(family)
     # Deterministic init: seed the global generator only for the duration of the build.
@@ -164,10 +180,10 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
-    _write_generation_config(out, tokenizer)
-    (out / "mmrlhf_tiny.json").write_text(
-        json.dumps({"family": family, "size": size, "seed": seed, "factory": _factory_hash()}, indent=2) + "\n"
-    )
+    _write_generation_config(out, tokenizer, RELEASED_GENERATION_DEFAULTS if released_generation_config else {})
+    meta = {"family": family, "size": size, "seed": seed, "tied": tied,
+            "released_generation_config": released_generation_config, "factory": _factory_hash()}
+    (out / "mmrlhf_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
@@ -259,7 +275,7 @@ def _token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def _build_config(family: str, dims: _Dims, tokenizer):
+def _build_config(family: str, dims: _Dims, tokenizer, *, tied: bool = False):
     import transformers
 
     ids = _token_ids(tokenizer)
@@ -279,7 +295,7 @@ def _build_config(family: str, dims: _Dims, tokenizer):
         bos_token_id=ids["bos_token_id"],
         eos_token_id=ids["eos_token_id"],
         pad_token_id=ids["pad_token_id"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     if family == "qwen2_vl":
         vision = dict(depth=dims.vision_depth, embed_dim=dims.vision_dim, hidden_size=dims.hidden,
@@ -301,14 +317,15 @@ def _build_config(family: str, dims: _Dims, tokenizer):
                       deepstack_visual_indexes=[0])
         cfg_cls = transformers.Qwen3VLConfig
     top_ids = {k: v for k, v in ids.items()}
-    config = cfg_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **top_ids)
+    # Set in both places: transformers and vLLM read the tie from different configs.
+    config = cfg_cls(text_config=text, vision_config=vision, tie_word_embeddings=tied, **top_ids)
     return config
 
 
-def _write_generation_config(out: Path, tokenizer) -> None:
+def _write_generation_config(out: Path, tokenizer, sampling_defaults: dict) -> None:
     ids = _token_ids(tokenizer)
     gen = {"bos_token_id": ids["bos_token_id"], "eos_token_id": ids["eos_token_id"],
-           "pad_token_id": ids["pad_token_id"], "do_sample": True}
+           "pad_token_id": ids["pad_token_id"], "do_sample": True, **sampling_defaults}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 

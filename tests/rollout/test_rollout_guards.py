@@ -1,0 +1,118 @@
+"""Guards that need no engine: weight sync into a sleeping vLLM engine, unchecked cache resets (a stub engine
+state, so the GPU-only paths are covered on the CPU), and the rollout dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmrlhf.config.rollout import RolloutConfig
+from mmrlhf.rollout import vllm_setup
+from mmrlhf.rollout.vllm_engine import VLLMEngine
+
+
+class _StubLLM:
+    """What VLLMEngine.update_weights touches on ``vllm.LLM``; records the calls."""
+
+    def __init__(self, *, prefix_reset=True, sleeping=False, wakes=True):
+        self.calls: list[str] = []
+        self.prefix_reset, self.sleeping, self.wakes = prefix_reset, sleeping, wakes
+        self.llm_engine = self  # engine-level methods live on the same stub
+
+    def apply_model(self, fn):
+        self.calls.append("apply_model")
+        return [(set(), {})]  # what _load_bucket returns: names loaded, held aliases
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return self.prefix_reset
+
+    def reset_mm_cache(self):
+        self.calls.append("reset_mm_cache")
+
+    def reset_encoder_cache(self):
+        self.calls.append("reset_encoder_cache")
+
+    def is_sleeping(self):
+        return self.sleeping
+
+    def sleep(self, level=1):
+        self.sleeping = True
+
+    def wake_up(self):
+        self.sleeping = not self.wakes
+        return self.wakes
+
+
+def _engine(llm: _StubLLM, *, asleep=False, supports_sleep=True) -> VLLMEngine:
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: only the state update_weights / sleep read
+    engine.llm, engine._asleep, engine.supports_sleep = llm, asleep, supports_sleep
+    engine._cpu, engine.bucket_bytes = False, 1 << 20
+    return engine
+
+
+WEIGHTS = [("w", torch.zeros(2))]
+
+
+def test_update_weights_is_refused_while_the_engine_sleeps():
+    llm = _StubLLM()
+    engine = _engine(llm)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="sleeps.*wake_up"):
+        engine.update_weights(iter(WEIGHTS))
+    assert llm.calls == []  # nothing was pushed into offloaded weights
+    engine.wake_up()
+    assert engine.update_weights(iter(WEIGHTS)) == 1
+    assert llm.calls == ["apply_model", "reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache"]
+
+
+def test_a_sleep_started_outside_the_engine_counts():
+    with pytest.raises(RuntimeError, match="sleeps"):
+        _engine(_StubLLM(sleeping=True)).update_weights(iter(WEIGHTS))
+
+
+def test_a_refused_cache_reset_is_an_error():
+    with pytest.raises(RuntimeError, match="reset_prefix_cache"):
+        _engine(_StubLLM(prefix_reset=False)).update_weights(iter(WEIGHTS))
+
+
+def test_a_partial_wake_up_is_an_error():
+    engine = _engine(_StubLLM(wakes=False))
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="wake"):
+        engine.wake_up()
+
+
+def test_rollout_dtype(monkeypatch):
+    assert RolloutConfig().dtype == "auto"
+    monkeypatch.setattr(vllm_setup, "cuda_available", lambda: False)
+    assert vllm_setup.engine_dtype("auto") == "float32"  # CPU: fp32 is the fast and exact choice
+    monkeypatch.setattr(vllm_setup, "cuda_available", lambda: True)
+    assert vllm_setup.engine_dtype("auto") == "bfloat16"
+    assert vllm_setup.engine_dtype("float16") == "float16"
+    with pytest.raises(ValueError, match="rollout dtype"):
+        vllm_setup.engine_dtype("fp8")
+
+
+def test_build_engine_takes_the_rollout_dtype_not_the_trainers(monkeypatch, tiny_qwen2_vl):
+    """The vLLM engine gets rollout.dtype (an fp32 trainer must not make it fp32); the transformers engine shares
+    the actor's module, so a different rollout.dtype is an error, not silently ignored."""
+    import mmrlhf.rollout.vllm_engine as vllm_engine
+    from mmrlhf.rollout.builder import build_engine
+
+    seen = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **kw: seen.update(kw) or "engine")
+    assert build_engine(RolloutConfig(dtype="bfloat16"), str(tiny_qwen2_vl)) == "engine"
+    assert seen["dtype"] == "bfloat16"
+    with pytest.raises(TypeError):
+        build_engine(RolloutConfig(), str(tiny_qwen2_vl), dtype="float32")  # the trainer's dtype has no say
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen2_vl, dtype=torch.float32)
+    tok = AutoProcessor.from_pretrained(tiny_qwen2_vl).tokenizer
+    cfg = RolloutConfig(engine="transformers", dtype="bfloat16")
+    with pytest.raises(ValueError, match="rollout.dtype=bfloat16.*float32"):
+        build_engine(cfg, str(tiny_qwen2_vl), hf_model=model, tokenizer=tok)
+    engine = build_engine(RolloutConfig(engine="transformers"), str(tiny_qwen2_vl), hf_model=model, tokenizer=tok)
+    assert engine.tokenizer is tok  # stop strings work through the builder
