@@ -39,7 +39,7 @@ from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.rewards.types import RewardBatch
-from mmrlhf.rollout.base import stop_token_ids
+from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
 from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,11 @@ class FastExperienceMaker(ExperienceMaker):
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = stop_token_ids(actor.model, tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
                                       sampling.stop_token_ids)
+        # The models score the distribution the engine samples from: without the tokens it may never sample.
+        excluded = forbidden_token_ids(self.adapter, self.sampling)
+        for model in (actor, initial_model):
+            if model is not None and hasattr(model, "excluded_token_ids"):
+                model.excluded_token_ids = excluded
 
     # ---- state a trainer checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -188,15 +193,13 @@ class FastExperienceMaker(ExperienceMaker):
         reqs = []
         for k in range(0, len(batch), n):
             videos = batch.all_videos[k]
-            request = GenerationRequest(
+            reqs.append(GenerationRequest(
                 prompt=batch.all_prompts[k], prompt_token_ids=batch.all_prompt_token_ids[k],
                 images=list(batch.all_images[k]), videos=[v.as_thwc().numpy() for v in videos],
                 video_fps=[v.fps for v in videos], vision_inputs=batch.all_vision_inputs[k],
                 mm_token_type_ids=batch.all_mm_token_type_ids[k],
-            )
-            if batch.all_record_ids[k] is not None and hasattr(request, "request_id"):
-                request.request_id = str(batch.all_record_ids[k])
-            reqs.append(request)
+                request_id=None if batch.all_record_ids[k] is None else str(batch.all_record_ids[k]),
+            ))
         return reqs
 
     def _collect(self, batch: Any, result: GenerationResult, n: int) -> Rollout:

@@ -44,7 +44,7 @@ class NaiveExperienceMaker(FastExperienceMaker):
         settings = dataclasses.replace(settings, micro_batch_size=logits_forward_batch_size)
         eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         engine = HFGenerateEngine(actor.model, actor.adapter, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                                  max_model_len=max_model_len, batch_size=inference_batch_size)
+                                  max_model_len=max_model_len, batch_size=inference_batch_size, tokenizer=tokenizer)
         super().__init__(actor, engine, data_processor, reward_engine, tokenizer, settings, sampling,
                          initial_model=initial_model, critic=critic if mode == "ppo" else None,
                          kl_controller=kl_controller)

@@ -25,7 +25,7 @@ a forward method, so a direct call gathers too.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -77,20 +77,37 @@ class ActorVL(nn.Module):
     backward: the trainer should call ``forward`` per micro-batch and backward each (gradient accumulation).
     """
 
-    def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024):
+    def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024,
+                 excluded_token_ids: Sequence[int] | None = None):
         super().__init__()
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model.config)
         self.chunk_size = chunk_size
+        self.excluded_token_ids = excluded_token_ids
+
+    @property
+    def excluded_token_ids(self) -> tuple[int, ...]:
+        """Tokens removed from the scored distribution: the ones the rollout engines never sample (default: the
+        family's vision special tokens; the experience builder adds the configured forbidden ids). Scoring the
+        same restricted distribution the engine sampled from keeps the engine/trainer comparison and the
+        importance ratios exact (on a tiny random model those tokens hold ~1% of the probability mass)."""
+        return self._excluded
+
+    @excluded_token_ids.setter
+    def excluded_token_ids(self, ids: Sequence[int] | None) -> None:
+        ids = self.adapter.vision_special_token_ids() if ids is None else ids
+        self._excluded = tuple(sorted({int(i) for i in ids}))
+        self._excluded_tensor = torch.tensor(self._excluded, dtype=torch.long) if self._excluded else None
 
     @classmethod
     def from_pretrained(cls, path: str, *, chunk_size: int = 1024, adapter: FamilyAdapter | None = None,
-                        **model_kwargs: Any) -> "ActorVL":
+                        excluded_token_ids: Sequence[int] | None = None, **model_kwargs: Any) -> "ActorVL":
         """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own."""
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
-        return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size)
+        return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size,
+                   excluded_token_ids=excluded_token_ids)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
     def hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -128,6 +145,7 @@ class ActorVL(nn.Module):
         logp, ent = chunked_log_probs(
             h, lm_head.weight, samples.sequences.reshape(-1)[tgt], bias=lm_head.bias,
             chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy,
+            excluded=self._excluded_tensor,
         )  # [N], [N] | None
         log_probs = logp.new_zeros(action_mask.shape).masked_scatter(action_mask, logp)  # [B, A]
         entropy = None if ent is None else ent.new_zeros(action_mask.shape).masked_scatter(action_mask, ent)

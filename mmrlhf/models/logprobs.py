@@ -8,6 +8,10 @@ storing them (a custom autograd function), so training peaks at a few [chunk_siz
 
 Numerics match the naive ``log_softmax(F.linear(h, W, b).float() / T)``: logits are computed in the weights' dtype
 and upcast to float32 before the softmax, as the model's own lm_head + ``.float()`` does.
+
+``excluded`` token ids (the tokens the rollout engines never sample: vision special tokens and the user's forbidden
+list) get a logit of ``EXCLUDED_LOGIT``: their probability is exactly 0 in float32, so the log-probs and entropy
+are those of the distribution the engine actually sampled from, renormalised over the allowed vocabulary.
 """
 
 from __future__ import annotations
@@ -21,26 +25,35 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
+# A finite stand-in for -inf: exp() of it is exactly 0 in float32 and p * log p stays 0 (no 0 * -inf = NaN).
+EXCLUDED_LOGIT = -1.0e4
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                  excluded: torch.Tensor | None = None) -> torch.Tensor:
     """[c, H] -> [c, V] float32 logits (matmul in the weights' dtype, like the model's lm_head)."""
     logits = F.linear(h, weight, bias)  # [c, V] in the weights' dtype
     logits = logits.to(_acc_dtype(logits.dtype))  # [c, V] float32 (float64 stays float64)
-    return logits.div_(temperature) if temperature != 1.0 else logits  # in place: no second [c, V] buffer
+    if temperature != 1.0:
+        logits.div_(temperature)  # in place: no second [c, V] buffer
+    if excluded is not None and excluded.numel():
+        logits.index_fill_(-1, excluded, EXCLUDED_LOGIT)
+    return logits
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     """Autograd function: forward and backward both walk the tokens in chunks; nothing of size [N, V] is stored."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy):
-        # hidden [N, H], weight [V, H], bias [V] | None, targets [N] long
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy, excluded):
+        # hidden [N, H], weight [V, H], bias [V] | None, targets [N] long, excluded [K] long | None
         n, acc = hidden.shape[0], _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
         logp = hidden.new_empty(n, dtype=acc)  # [N]
         lse = hidden.new_empty(n, dtype=acc)  # [N] log-sum-exp of each token's logits
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)  # [N] | [0]
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits = _chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+            logits = _chunk_logits(hidden[s:e], weight, bias, temperature, excluded)  # [c, V]
             chunk_lse = torch.logsumexp(logits, dim=-1)  # [c]
             lse[s:e] = chunk_lse
             logp[s:e] = logits.gather(-1, targets[s:e, None])[:, 0] - chunk_lse
@@ -50,7 +63,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 entropy[s:e] = -plogp.sum(-1)
                 del logq, plogp
             del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, excluded)
         ctx.set_materialize_grads(False)  # an unused output (e.g. a detached entropy) gets None: skip its term
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
         return logp, entropy
@@ -58,7 +71,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         # grad_logp [N], grad_entropy [N] | [0] | None
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, excluded = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         n, chunk, temp = hidden.shape[0], ctx.chunk_size, ctx.temperature
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
@@ -71,7 +84,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             # d logp_t / dz = onehot(t) - p ;  d H / dz = -p * (log p + H).  Two [c, V] buffers, updated in place.
-            logq = _chunk_logits(hidden[s:e], weight, bias, temp).sub_(lse[s:e, None])  # [c, V] log-probs
+            logq = _chunk_logits(hidden[s:e], weight, bias, temp, excluded).sub_(lse[s:e, None])  # [c, V] log-probs
             g = logq.exp()  # [c, V] probabilities p, turned into the logits' gradient below
             if use_ent:
                 ent_term = logq.add_(entropy[s:e, None]).mul_(g).mul_(grad_entropy[s:e, None])  # [c, V] in logq
@@ -93,7 +106,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             del g, g_lin
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def chunked_log_probs(
@@ -105,11 +118,13 @@ def chunked_log_probs(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of ``targets`` and (optionally) entropy of the next-token distribution at each hidden state.
 
     hidden [N, H] (rows = the positions that predict each target), weight [V, H] (the lm_head), bias [V] | None,
-    targets [N] long. Returns (log_probs [N] float32, entropy [N] float32 | None; float64 for float64 inputs).
+    targets [N] long, ``excluded`` [K] long token ids removed from the distribution (see the module docstring).
+    Returns (log_probs [N] float32, entropy [N] float32 | None; float64 for float64 inputs).
     Differentiable w.r.t. hidden, weight and bias (entropy too: usable as a bonus term); peak extra memory is two
     [chunk_size, V] buffers in the forward and in the backward (plus the weight's gradient).
     """
@@ -118,7 +133,8 @@ def chunked_log_probs(
     if hidden.ndim != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
     logp, entropy = _ChunkedLogProbs.apply(
-        hidden, weight, bias, targets.long(), int(chunk_size), float(temperature), bool(return_entropy)
+        hidden, weight, bias, targets.long(), int(chunk_size), float(temperature), bool(return_entropy),
+        None if excluded is None else excluded.to(device=hidden.device, dtype=torch.long),
     )
     return logp, (entropy if return_entropy else None)
 
@@ -130,11 +146,15 @@ def naive_log_probs(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    excluded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: full [N, V] float32 logits at once. For tests and benchmarks only (memory O(N * V))."""
     logits = F.linear(hidden, weight, bias)  # [N, V]
     logits = logits.to(_acc_dtype(logits.dtype)) / temperature  # [N, V] float32 (float64 stays float64)
+    if excluded is not None:
+        logits[:, excluded] = float("-inf")
     logq = torch.log_softmax(logits, dim=-1)  # [N, V]
     logp = logq.gather(-1, targets.long()[:, None])[:, 0]  # [N]
-    entropy = -(logq.exp() * logq).sum(-1)  # [N]
+    p = logq.exp()
+    entropy = -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1)  # [N] (excluded tokens: 0 log 0 = 0)
     return logp, entropy

@@ -48,17 +48,12 @@ def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdat
 
 
 def _engine_dtype(config: MMRLHFConfig) -> str:
-    """The precision the rollout engine computes in (``rollout.dtype`` when the config has it)."""
-    rollout_dtype = getattr(config.rollout, "dtype", None)
-    if rollout_dtype in (None, "auto"):
-        if config.rollout.engine == "transformers":
-            return config.model.dtype  # the engine is the actor itself
-        if rollout_dtype is None:
-            return config.model.dtype
-        from mmrlhf.rollout.builder import resolve_rollout_dtype
+    """The precision the rollout engine computes in: ``rollout.dtype`` for vLLM, the actor's for transformers."""
+    if config.rollout.engine == "transformers":
+        return config.model.dtype  # the engine is the actor's own module
+    from mmrlhf.rollout.vllm_setup import engine_dtype
 
-        return resolve_rollout_dtype(config.rollout)
-    return rollout_dtype
+    return engine_dtype(config.rollout.dtype)
 
 
 def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool) -> Path | None:

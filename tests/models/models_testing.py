@@ -82,12 +82,15 @@ def batch_pieces(bundle: Bundle, seed: int = 0):
 
 
 @torch.no_grad()
-def reference_log_probs(bundle: Bundle, inputs: dict[str, torch.Tensor], response: list[int]) -> torch.Tensor:
+def reference_log_probs(bundle: Bundle, inputs: dict[str, torch.Tensor], response: list[int],
+                        excluded: Any = "vision") -> torch.Tensor:
     """[A] log-probs of ``response`` after one sample's prompt: the HF model's own full-logits forward on one
     unpadded, unpacked sample, float32. Positions are the adapter's for the sample alone (the installed
     transformers' own rule places text after a video differently from the engine; that the adapter's rule is the
     engine's is checked in test_models_engine_parity.py), so this reference checks padding, packing and the
     response bookkeeping."""
+    if excluded == "vision":
+        excluded = bundle.adapter.vision_special_token_ids()
     prompt = inputs["input_ids"]  # [1, P]
     resp = torch.tensor([response], dtype=prompt.dtype)  # [1, A]
     ids = torch.cat([prompt, resp], dim=1)  # [1, P + A]
@@ -99,7 +102,10 @@ def reference_log_probs(bundle: Bundle, inputs: dict[str, torch.Tensor], respons
     )  # [3, 1, P + A]
     logits = bundle.model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
                           position_ids=positions, **extra).logits.float()  # [1, P + A, V]
-    logq = torch.log_softmax(logits[0, prompt.shape[1] - 1 : -1], dim=-1)  # [A, V]
+    step = logits[0, prompt.shape[1] - 1 : -1]  # [A, V]
+    if excluded:  # the tokens the engines never sample (ActorVL's default: the vision special tokens)
+        step[:, list(excluded)] = float("-inf")
+    logq = torch.log_softmax(step, dim=-1)  # [A, V]
     return logq.gather(-1, resp[0, :, None])[:, 0]  # [A]
 
 

@@ -50,6 +50,34 @@ def test_padded_matches_per_sample_reference(scored):
     assert (out_pad.entropy[s.action_mask] > 0).all()
 
 
+def test_excluded_tokens_leave_the_distribution(scored):
+    """By default the actor scores the distribution the engines sample from (vision special tokens removed);
+    ``excluded_token_ids=()`` gives the plain policy, which differs by the removed probability mass (control)."""
+    bundle, actor, padded, _, inputs, out_pad, _ = scored
+    assert actor.excluded_token_ids == tuple(sorted(bundle.adapter.vision_special_token_ids()))
+    plain_actor = ActorVL(bundle.model, bundle.adapter, chunk_size=5, excluded_token_ids=())
+    with torch.no_grad():
+        plain = plain_actor(padded.samples, vision_extra=padded.vision_extra, return_entropy=True)
+    s = padded.samples
+    a_max = s.action_mask.shape[1]
+    for i, x in enumerate(inputs):
+        n = int(s.response_length[i])
+        response = s.sequences[i, -a_max:][:n].tolist()
+        torch.testing.assert_close(plain.log_probs[i, :n], reference_log_probs(bundle, x, response, excluded=()),
+                                   rtol=0, atol=ATOL)
+    m = s.action_mask
+    gap = out_pad.log_probs[m] - plain.log_probs[m]  # log(1 / (1 - excluded mass)) > 0 on every token
+    assert (gap > 1e-4).all()
+    assert torch.isfinite(out_pad.entropy[m]).all() and (out_pad.entropy[m] < plain.entropy[m]).all()
+    grad_actor = ActorVL(bundle.model, bundle.adapter, chunk_size=5)
+    out = grad_actor(padded.samples, vision_extra=padded.vision_extra, return_entropy=True)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    head = bundle.model.get_output_embeddings().weight.grad
+    assert torch.isfinite(head).all()
+    assert (head[list(actor.excluded_token_ids)] == 0).all()  # an impossible token gets no gradient
+    bundle.model.zero_grad(set_to_none=True)
+
+
 def test_packed_matches_padded(scored):
     *_, out_pad, out_pack = scored
     assert torch.equal(out_pack.action_mask, out_pad.action_mask)
