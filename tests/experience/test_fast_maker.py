@@ -231,3 +231,92 @@ def _rebuild(maker, e):
                      num_actions=e.action_mask.shape[1], packed_seq_lens=None,
                      response_length=e.info["response_length"], total_length=e.info["total_length"],
                      mm_token_type_ids=e.mm_token_type_ids, image_num=e.image_num, video_num=e.video_num)
+
+
+class _RecordingModel(torch.nn.Module):
+    """A 'local reward model' that records the ids it was given and scores 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask, **vision):
+        self.seen.extend(row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask))
+        return torch.ones(input_ids.shape[0])
+
+
+def test_local_and_text_reward_sources_see_the_same_truncated_prompt(parts):
+    """One definition of the prompt a reward source sees: the ids the policy saw (local models) and their
+    chat-templated text (rules and remote servers, which get RewardBatch.prompts): processing that text gives
+    exactly the local model's prompt ids, also after left truncation."""
+    from PIL import Image
+
+    from mmrlhf.config.data import DataConfig
+    from mmrlhf.rewards.engine import RewardComputationEngine
+    from mmrlhf.rewards.local_model import LocalRewardModel
+    from mmrlhf.rewards.sources import FunctionSource
+
+    path, adapter, processor, *_ = parts
+    fn, model = RecordingReward(), _RecordingModel()
+    engine = RewardComputationEngine({"rule": FunctionSource(fn, name="rule"),
+                                      "rm": LocalRewardModel(model, name="rm", device="cpu")},
+                                     {}, default_recipe=[("rule", 1.0), ("rm", 1.0)])
+    maker = _maker(parts, fn)
+    maker.reward_engine = engine
+    maker.data_processor = MultimodalDataProcessor(processor, 40, adapter, data_config=DataConfig(prompt_max_len=40))
+    image = Image.new("RGB", (56, 56), (255, 0, 0))
+    long_prompt = "<image>" + " ".join(["red green blue"] * 30) + " What color is the square?"
+    rollout = maker.generate_rollout([long_prompt], images=[[image]], references=["red"])
+    assert rollout.metrics["truncated_prompts"] == 1
+    text = fn.calls[-1]["prompts"][0]
+    assert "What color is the square?" in text and text.count("red green blue") < 30  # truncated text
+    ids = processor(text=[text], images=[image], return_tensors="pt")["input_ids"][0].tolist()
+    prompt_ids = rollout.rows.prompt_ids[0]
+    assert ids == prompt_ids and model.seen[0][: len(prompt_ids)] == prompt_ids
+    assert model.seen[0][len(prompt_ids):] == rollout.rows.response_ids[0]
+
+
+def test_engine_errors_name_the_record(parts):
+    engine = parts[-1]
+    prompts = ["Describe the picture.", " ".join(["red"] * 1100)]
+    maker = _maker(parts, RecordingReward())
+    engine.prompt_too_long = "error"
+    try:
+        with pytest.raises(PromptTooLongError, match="record 'q-long'"):
+            maker.make_experience_list(prompts, record_ids=["q-short", "q-long"])
+    finally:
+        engine.prompt_too_long = "skip"
+    rollout = maker.generate_rollout(prompts, record_ids=["q-short", "q-long"])
+    assert set(rollout.rows.record_ids) == {"q-short"} and rollout.metrics["skipped_prompts"] == 1
+
+
+@pytest.mark.slow
+def test_tied_embedding_model_through_the_maker_and_a_weight_sync():
+    """Tied lm_head / embeddings (Qwen2-VL-2B, Qwen2.5-VL-3B): the maker's engine and actor agree before and after
+    a weight update pushed by name (a missed tied head would leave the engine on the old policy)."""
+    from mmrlhf.rollout.vllm_engine import VLLMEngine
+    from mmrlhf.testing.weights import perturb_
+
+    path = str(tiny_model_dir("qwen2_vl", tied=True))
+    adapter, processor = get_adapter(path), AutoProcessor.from_pretrained(path)
+    actor = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
+    assert actor.model.get_output_embeddings().weight is actor.model.get_input_embeddings().weight
+    engine = VLLMEngine(path, adapter, max_model_len=1024, dtype="float32")
+    maker = FastExperienceMaker(actor, engine, MultimodalDataProcessor(processor, 2048, adapter),
+                                reward_engine(RecordingReward()), processor.tokenizer,
+                                ExperienceSettings(n_samples_per_prompt=2, micro_batch_size=4),
+                                SamplingSettings(max_new_tokens=8, seed=0, temperature=0.7))
+    prompts, images, videos, refs, _ = mixed_batch()
+    gap = lambda: maker.make_experience_list(prompts, images=images, videos=videos)[0].info["batch"][  # noqa: E731
+        "engine_logprob_diff/max"]
+    try:
+        assert gap() < 1e-4
+        perturb_(actor.model)
+        assert gap() > DEFAULT_TOLERANCE
+        from mmrlhf.trainer.weight_sync import sync_weights
+
+        sync_weights(actor.model, engine)
+        assert gap() < 1e-4
+    finally:
+        engine.close()
