@@ -6,7 +6,8 @@ Modules, each with one job:
 - ``plugins``: the reward-function contract: loading by name, sync/async calls, output checking.
 - ``rules`` / ``math_accuracy``: built-in rule rewards (format checks, matching, math-verify accuracy).
 - ``local_model``: torch reward models (e.g. Qwen-VL backbone + scalar head), moved to the device only to score.
-- ``wire`` / ``remote`` / ``server``: the HTTP protocol, its client (retries, batching) and its server.
+- ``wire`` / ``remote`` / ``server``: the HTTP protocol, its client (retries, batching) and its server;
+  ``coalesce``: merges a served model's concurrent requests into one batch.
 - ``sources``: the uniform source interface and the ``type`` -> builder registry.
 - ``engine``: ``RewardComputationEngine`` (recipes, filtering, scatter-back, failure policy, metrics).
 
@@ -15,6 +16,7 @@ See docs/rewards.md.
 
 from mmrlhf.rewards.engine import RewardComputationEngine
 from mmrlhf.rewards.plugins import REWARD_FUNCTIONS, load_reward_function
+from mmrlhf.rewards.remote import RemoteRewardClient, RemoteRewardError
 from mmrlhf.rewards.sources import SOURCE_TYPES, FunctionSource, RewardSource, build_source
 from mmrlhf.rewards.types import RewardBatch, RewardError, RewardInputError, RewardResult, SourceScores
 
@@ -25,6 +27,8 @@ __all__ = [
     "RewardBatch",
     "RewardComputationEngine",
     "RewardError",
+    "RemoteRewardClient",
+    "RemoteRewardError",
     "RewardInputError",
     "RewardResult",
     "RewardSource",

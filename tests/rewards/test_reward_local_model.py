@@ -113,6 +113,14 @@ def test_model_is_moved_to_its_device_only_around_scoring():
     assert model.moves == ["cpu", "cpu:0", "cpu"]
 
 
+def test_a_served_model_stays_on_its_device_between_calls():
+    model = ToyVisionScorer()
+    source = LocalRewardModel(model, device=torch.device("cpu", 0), offload_device=None)
+    for _ in range(3):
+        asyncio.run(source.score(make_batch(["A"], [[1, 2]], [0], [0.0])))
+    assert model.moves == ["cpu:0"]  # moved once, when built
+
+
 def test_bad_outputs_and_inputs_are_named():
     class WrongShape(nn.Module):
         def forward(self, input_ids, attention_mask):
