@@ -212,6 +212,15 @@ def test_qwen_vl_backbone_with_scalar_head_scores_text_and_images(tmp_path):
     assert asyncio.run(scorer.score(recoloured.select([0]))).scores[0] != pytest.approx(together[0], abs=1e-6)
 
 
+def test_a_served_text_reward_model_is_placed_on_its_device_once():
+    from mmrlhf.rewards.text_model import load_text_reward_model
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir("qwen2_vl", "tiny", seed=0)
+    served = load_text_reward_model("qwen_vl_scalar", str(path), device="cpu", allow_random_head=True)
+    assert served.model.offload_device == served.model.device == torch.device("cpu")
+
+
 def test_qwen_vl_scalar_loads_its_trained_head_from_the_checkpoint(tmp_path):
     from safetensors.torch import save_file
 
