@@ -42,7 +42,6 @@ REWARD_FUNCTIONS: Registry[Callable[..., Any]] = Registry("reward function")
 OVERALL = "overall"
 
 
-
 def is_async_callable(fn: Callable[..., Any]) -> bool:
     """Whether calling ``fn`` gives a coroutine (``async def`` functions, partials of them, async ``__call__``)."""
     while isinstance(fn, functools.partial):

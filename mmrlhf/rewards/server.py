@@ -2,11 +2,12 @@
 
 Why FastAPI + uvicorn: both are maintained and already dependencies of the serving stack (vLLM).
 
-Load. The event loop only routes requests: decoding a large body (JSON, images) runs in a worker thread, a synchronous
-reward function in the scorer's bounded pool (``FunctionSource`` with ``serve-reward --threads``), a reward model
-in its own thread, so ``GET /health`` answers at once however busy the server is. At most
-``limits.max_concurrent_requests`` requests are decoded and scored at once (which bounds the bytes held in memory
-to that many bodies); one more is answered 503 with ``Retry-After``, which the client honours. A request whose
+Load. The event loop only routes requests: a large body (images) is decoded in a worker thread, a synchronous
+reward function runs in the scorer's bounded pool (``FunctionSource`` with ``serve-reward --threads``), a reward
+model in its own thread, so ``GET /health`` answers at once however busy the server is (a function marked
+``@main_thread``, like ``math_accuracy``, is the exception: it runs on the loop, see ``mmrlhf.rewards.runners``).
+At most ``limits.max_concurrent_requests`` requests are decoded and scored at once (which bounds the bytes held in
+memory to that many bodies); one more is answered 503 with ``Retry-After``, which the client honours. A request whose
 scoring takes over ``limits.request_timeout_s`` is answered 504 (a sync function's thread cannot be stopped: it
 finishes in the background, but the pool bounds how many can).
 
