@@ -51,13 +51,18 @@ class RemoteSourceConfig(Section):
     token_file: str = ""
     """File holding the bearer token sent to the server (empty: no token)."""
     timeout_s: float = Field(default=60.0, gt=0)
-    """Per-request timeout (connect + read)."""
-    max_retries: int = Field(default=3, ge=0)
-    """Retries of a failed request (connection error, timeout, 5xx, 429) before the batch fails."""
+    """Per-request timeout (connect + read); keep it above the server's ``--request-timeout-s``."""
+    max_retries: int = Field(default=8, ge=0)
+    """Most retries of one request. Only connection errors, timeouts and HTTP 408 / 429 / 502 / 503 / 504 are
+    retried; other answers (4xx, 500) would repeat and fail the batch at once."""
     backoff_s: float = Field(default=0.5, ge=0)
-    """First retry delay; doubles each retry (with jitter)."""
-    backoff_max_s: float = Field(default=10.0, ge=0)
-    """Upper bound of one retry delay."""
+    """First retry delay; doubles each retry (with jitter). A ``Retry-After`` header asking for longer wins."""
+    backoff_max_s: float = Field(default=8.0, ge=0)
+    """Upper bound of one retry delay. With the defaults a request keeps retrying for 20 to 40 s, which rides out a
+    server restart (3 to 8 s for ``serve-reward``)."""
+    retry_window_s: float = Field(default=60.0, ge=0)
+    """Retry budget shared by all requests of one batch: once this many seconds have passed since the batch's
+    first failed request, nothing more is retried and the batch fails (bounds the time lost to an outage)."""
     batch_size: int = Field(default=32, ge=1)
     """Samples per request."""
     max_concurrency: int = Field(default=8, ge=1)
@@ -89,6 +94,9 @@ class RewardConfig(Section):
     on_failure: Literal["error", "mask"] = "error"
     """A source failing on a sample (raises, NaN, wrong count): ``error`` stops naming source and sample;
     ``mask`` drops the sample from the loss and counts it in the metrics."""
+    function_workers: int = Field(default=4, ge=1)
+    """Threads running synchronous reward functions (one pool shared by all function sources), so a slow rule
+    computes while remote requests and other sources proceed. ``async def`` functions run on the event loop."""
 
     @field_validator("label_map", mode="before")
     @classmethod
@@ -116,4 +124,10 @@ class RewardConfig(Section):
                 if not math.isfinite(weight):
                     raise ValueError(f"recipe {label!r}: weight of {source!r} must be finite, got {weight}")
                 seen.add(source)
+            if entries and all(weight == 0.0 for _, weight in entries):
+                raise ValueError(
+                    f"recipe {label!r} gives every source a weight of 0: a weight of 0 means the source is not run, "
+                    "so every sample of that label would be masked out of the loss; give a source a non-zero "
+                    "weight (or write an empty recipe [] to mask that label on purpose)"
+                )
         return self

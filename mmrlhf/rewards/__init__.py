@@ -4,9 +4,12 @@ Modules, each with one job:
 
 - ``types``: ``RewardBatch`` (input), ``RewardResult`` (output), ``SourceScores`` (one source's answer).
 - ``plugins``: the reward-function contract: loading by name, sync/async calls, output checking.
+- ``runners``: which thread a synchronous function runs on (a bounded pool, or the main thread), off the loop.
 - ``rules`` / ``math_accuracy``: built-in rule rewards (format checks, matching, math-verify accuracy).
-- ``local_model``: torch reward models (e.g. Qwen-VL backbone + scalar head), moved to the device only to score.
-- ``wire`` / ``remote`` / ``server``: the HTTP protocol, its client (retries, batching) and its server.
+- ``local_model``: torch reward models (e.g. Qwen-VL backbone + scalar head), moved to the device only to score
+  (or kept there, when served); ``text_model``: the same, tokenizing text and images with its own processor.
+- ``wire`` / ``remote`` / ``server``: the HTTP protocol, its client (retries, batching) and its server;
+  ``coalesce``: merges a served model's concurrent requests into one batch.
 - ``sources``: the uniform source interface and the ``type`` -> builder registry.
 - ``engine``: ``RewardComputationEngine`` (recipes, filtering, scatter-back, failure policy, metrics).
 
@@ -15,6 +18,7 @@ See docs/rewards.md.
 
 from mmrlhf.rewards.engine import RewardComputationEngine
 from mmrlhf.rewards.plugins import REWARD_FUNCTIONS, load_reward_function
+from mmrlhf.rewards.remote import RemoteRewardClient, RemoteRewardError
 from mmrlhf.rewards.sources import SOURCE_TYPES, FunctionSource, RewardSource, build_source
 from mmrlhf.rewards.types import RewardBatch, RewardError, RewardInputError, RewardResult, SourceScores
 
@@ -25,6 +29,8 @@ __all__ = [
     "RewardBatch",
     "RewardComputationEngine",
     "RewardError",
+    "RemoteRewardClient",
+    "RemoteRewardError",
     "RewardInputError",
     "RewardResult",
     "RewardSource",

@@ -8,9 +8,14 @@ that apply to the sample (a ``None`` score means "does not apply" and drops that
 
 Failure policy (``on_failure``): a source failing on a sample (raised, NaN, wrong type) or returning a wrong number
 of scores either stops the step with an error naming the source and sample (``error``), or masks the affected
-samples out of the loss and counts them (``mask``). A sample to which no source applies is masked and counted too:
-a made-up 0 would bias its group's advantage. A remote server that stays down always raises: silently masking a
-whole batch would train on nothing while looking healthy.
+samples out of the loss and counts them (``mask``). The finite-score rule is checked here once more for EVERY
+source (whatever it is), so NaN keeps meaning "not run / does not apply" and never leaks from a bad answer into a
+reward. A sample to which no source applies is masked and counted too: a made-up 0 would bias its group's
+advantage. A remote server that stays down always raises: silently masking a whole batch would train on nothing
+while looking healthy.
+
+A weight of 0 means "not run"; a recipe whose weights are all 0 is refused (it would mask every sample of its label
+while looking configured); an empty recipe ``[]`` masks its label on purpose.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import numbers
+import threading
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Literal, Mapping, Sequence
 
 import torch
 
 from mmrlhf.rewards.plugins import WrongCountError, wait_all_or_first_error
+from mmrlhf.rewards.runners import run_loop_serving_main_thread
 from mmrlhf.rewards.sources import RewardSource, build_source
 from mmrlhf.rewards.types import RewardBatch, RewardError, RewardResult, SourceScores
 
@@ -42,25 +51,38 @@ class RewardComputationEngine:
         *,
         default_recipe: Recipe | None = None,
         on_failure: FailurePolicy = "error",
+        executor: Executor | None = None,
     ) -> None:
+        """``executor``: the pool the engine's synchronous function sources run in (kept alive with the engine)."""
         if on_failure not in ("error", "mask"):
             raise ValueError(f"on_failure must be 'error' or 'mask', got {on_failure!r}")
         self.sources = dict(sources)
         self.recipe = {label: [(s, float(w)) for s, w in entries] for label, entries in recipe.items()}
         self.default_recipe = None if default_recipe is None else [(s, float(w)) for s, w in default_recipe]
         self.on_failure = on_failure
+        self.executor = executor
         for label, entries in [*self.recipe.items(), ("<default_recipe>", self.default_recipe or [])]:
-            for source, _ in entries:
+            for source, weight in entries:
                 if source not in self.sources:
                     raise RewardError(
                         f"recipe {label!r} uses unknown reward source {source!r}; known: {sorted(self.sources)}"
                     )
+                if not math.isfinite(weight):
+                    raise RewardError(f"recipe {label!r}: weight of {source!r} must be finite, got {weight}")
+            if entries and all(weight == 0.0 for _, weight in entries):
+                raise RewardError(
+                    f"recipe {label!r} gives every source a weight of 0 (= not run): every sample of that label "
+                    "would be masked; give a source a non-zero weight, or use an empty recipe to mask it on purpose"
+                )
 
     @classmethod
     def from_config(cls, config) -> "RewardComputationEngine":
         """Build from a :class:`mmrlhf.config.reward.RewardConfig` (builds every source in ``label_map``)."""
-        sources = {name: build_source(name, source_cfg) for name, source_cfg in config.label_map.items()}
-        return cls(sources, config.recipe, default_recipe=config.default_recipe, on_failure=config.on_failure)
+        pool = ThreadPoolExecutor(config.function_workers, thread_name_prefix="reward-fn")
+        sources = {name: build_source(name, cfg, executor=pool) for name, cfg in config.label_map.items()}
+        return cls(
+            sources, config.recipe, default_recipe=config.default_recipe, on_failure=config.on_failure, executor=pool
+        )
 
     def recipe_for(self, label: str, where: str = "") -> list[tuple[str, float]]:
         """The recipe of ``label`` (or the default one); an unknown label without a default is an error."""
@@ -74,12 +96,19 @@ class RewardComputationEngine:
         )
 
     def compute(self, batch: RewardBatch) -> RewardResult:
-        """Synchronous entry point (runs its own event loop; use :meth:`acompute` from inside one)."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(self.acompute(batch))
-        raise RuntimeError("RewardComputationEngine.compute() called inside a running event loop; await acompute()")
+        """Synchronous entry point (runs its own event loop; use :meth:`acompute` from inside one).
+
+        From the main thread, the loop runs in a helper thread while the main thread serves the functions that
+        need it (signal-based timeouts), so those too run alongside remote requests (``mmrlhf.rewards.runners``).
+        Errors are raised as they are, outside any ``except`` block (no chained context).
+        """
+        if _loop_running():
+            raise RuntimeError(
+                "RewardComputationEngine.compute() called inside a running event loop; await acompute()"
+            )
+        if threading.current_thread() is threading.main_thread():
+            return run_loop_serving_main_thread(lambda: self.acompute(batch))
+        return asyncio.run(self.acompute(batch))
 
     async def acompute(self, batch: RewardBatch) -> RewardResult:
         n = len(batch)
@@ -104,7 +133,7 @@ class RewardComputationEngine:
             return SourceScores(scores=[None] * len(sub), errors=[f"{exc}"] * len(sub))
         if len(out.scores) != len(sub):  # a source class breaking its contract is a bug, never maskable
             raise RewardError(f"reward source {name!r} returned {len(out.scores)} scores for {len(sub)} samples")
-        return out
+        return _finite_only(name, out, sub)
 
     def _combine(
         self,
@@ -164,6 +193,37 @@ class RewardComputationEngine:
         not_applicable = sum(1 for s, e in zip(out.scores, out.errors) if s is None and e is None)
         metrics[f"reward/{name}/not_applicable"] = float(not_applicable)
         _mean_into(metrics, f"reward/{name}/mean", column[idx])
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _finite_only(name: str, out: SourceScores, sub: RewardBatch) -> SourceScores:
+    """``out`` with every score (and part) that is not a finite real number turned into that sample's error.
+
+    Function, model and remote sources check this themselves with precise messages; this is the engine's own
+    guarantee for any source, because a NaN scattered into the [B] tensors would read as "does not apply".
+    """
+    problems: dict[int, str] = {}
+    for i in range(len(out.scores)):
+        for what, value in [("score", out.scores[i]), *((f"part {p!r}", v[i]) for p, v in out.parts.items())]:
+            real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if value is not None and not (real and math.isfinite(value)):
+                problems[i] = f"reward source {name!r} on {sub.describe(i)}: {what} {value!r} is not a finite number"
+                break
+    if not problems:
+        return out
+    keep = lambda i, value: None if i in problems else value  # noqa: E731 - a failed sample keeps nothing
+    return SourceScores(
+        scores=[keep(i, v) for i, v in enumerate(out.scores)],
+        parts={p: [keep(i, v) for i, v in enumerate(values)] for p, values in out.parts.items()},
+        errors=[err or problems.get(i) for i, err in enumerate(out.errors)],
+    )
 
 
 def _weighted_sum(

@@ -7,6 +7,7 @@ image tokens in the sequences, so concatenating per-sample inputs in sample orde
 
 Why the model is moved to its device only around scoring: during RL the accelerator is shared with rollout and
 training; a reward model parked on ``offload_device`` (CPU) between calls holds no accelerator memory there.
+``offload_device=None`` keeps it on its device for good (a reward server, where nothing else shares it).
 Kinds are built through ``REWARD_MODELS`` (``qwen_vl_scalar``, or any ``package.module:factory``).
 """
 
@@ -58,12 +59,13 @@ class LocalRewardModel:
         *,
         name: str = "reward_model",
         device: str | torch.device = "auto",
-        offload_device: str | torch.device = "cpu",
+        offload_device: str | torch.device | None = "cpu",
         micro_batch_size: int = 8,
     ) -> None:
+        """``offload_device``: where the module waits between calls; None: it stays on ``device``."""
         self.name = name
         self.device = resolve_device(device) if isinstance(device, str) else device
-        self.offload_device = torch.device(offload_device)
+        self.offload_device = self.device if offload_device is None else torch.device(offload_device)
         self.micro_batch_size = micro_batch_size
         self.module = module.to(self.offload_device).eval()
         # One scoring call at a time: concurrent calls (a server's requests) would move the module between
@@ -93,7 +95,9 @@ class LocalRewardModel:
 
     def _score_locked(self, batch: RewardBatch, vision: list, scores: list, errors: list) -> None:
         n = len(batch)
-        self.module.to(self.device)
+        moves = self.offload_device != self.device
+        if moves:
+            self.module.to(self.device)
         try:
             for start in range(0, n, self.micro_batch_size):
                 rows = list(range(start, min(start + self.micro_batch_size, n)))
@@ -103,7 +107,8 @@ class LocalRewardModel:
                     scores.append(value if ok else None)
                     errors.append(None if ok else f"{self.name!r} on {batch.describe(row)}: non-finite score {value}")
         finally:
-            self.module.to(self.offload_device)
+            if moves:
+                self.module.to(self.offload_device)
 
     def _forward(self, batch: RewardBatch, vision: list[dict[str, torch.Tensor]], rows: list[int]) -> torch.Tensor:
         assert batch.sequences is not None and batch.attention_mask is not None

@@ -5,9 +5,11 @@ Why math-verify (over mathruler): it is maintained by Hugging Face, parses both 
 ``0.5``, ``\frac12`` and ``1/2`` all match; it is already a declared dependency (``mmrlhf[rewards]``). mathruler is a
 smaller regex + sympy grader that we would have to add as a new dependency for no extra coverage.
 
-math-verify guards its sympy calls with ``signal.alarm``, which Python allows only in the main thread. Outside it
-(a server worker thread, ``asyncio.to_thread``) we call it without that timeout rather than crash; this is logged
-once. Only the response's final answer (``<answer>`` block / last ``\boxed{}``) is parsed, never the prompt.
+math-verify guards its sympy calls with ``signal.alarm``, which Python allows only in the main thread (and only a
+signal can stop sympy building a huge integer while it holds the GIL, as ``10^{10^{10^{10}}}`` makes it do), so
+the function is marked ``@main_thread``: the engine runs it there, alongside remote requests (see
+``mmrlhf.rewards.runners``). Outside the main thread it is called without that timeout rather than crash; this is
+logged once. Only the response's final answer (``<answer>`` block / last ``\boxed{}``) is parsed, never the prompt.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from mmrlhf.rewards.plugins import REWARD_FUNCTIONS
 from mmrlhf.rewards.rules import extract_answer
+from mmrlhf.rewards.runners import main_thread
 
 logger = logging.getLogger(__name__)
 _warned_no_timeout = False
@@ -63,6 +66,7 @@ def _as_math(text: str) -> str:
 
 
 @REWARD_FUNCTIONS.register("math_accuracy", aliases=("math",))
+@main_thread
 def math_accuracy(
     responses: list[str], prompts: list[str], labels: list[str], references: list[Any], timeout_s: int = 5
 ) -> list[float | None]:

@@ -11,18 +11,27 @@ without it is an error, so a typo in the part name cannot silently become a zero
 Why the output is checked here rather than trusted: a wrong count would misalign every later sample's reward, and a
 NaN would poison the advantage of its whole group. Both are turned into per-sample errors (or a whole-call error for
 a wrong count) that the engine's failure policy handles in one place.
+
+Where a function runs: an ``async def`` function on the event loop; a plain function in a worker thread of a
+bounded pool (the engine's, or ``serve-reward``'s ``--threads``), so a slow rule never holds up remote requests or
+other sources waiting on the loop; one marked ``@main_thread`` on the main thread (see ``mmrlhf.rewards.runners``).
+A plain function may therefore run concurrently with OTHER functions, and on a server with several threads
+concurrently with itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
-import math
 import logging
+import math
 import numbers
+from concurrent.futures import Executor
 from typing import Any, Callable, Mapping
 
 from mmrlhf.registry import Registry
+from mmrlhf.rewards.runners import MAIN_THREAD_ATTR, run_sync
 from mmrlhf.rewards.types import RewardBatch, RewardError, SourceScores
 
 logger = logging.getLogger(__name__)
@@ -31,6 +40,13 @@ REWARD_FUNCTIONS: Registry[Callable[..., Any]] = Registry("reward function")
 """Built-in rule rewards by name; ``package.module:fn`` and ``path/to/file.py:fn`` resolve through it too."""
 
 OVERALL = "overall"
+
+
+def is_async_callable(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` gives a coroutine (``async def`` functions, partials of them, async ``__call__``)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
 
 class WrongCountError(RewardError):
@@ -86,24 +102,37 @@ def build_kwargs(fn: Callable[..., Any], batch: RewardBatch, options: Mapping[st
     return {**columns, **options}
 
 
-async def _invoke(fn: Callable[..., Any], batch: RewardBatch, kwargs: dict[str, Any]) -> Any:
-    out = fn(list(batch.responses), list(batch.prompts), list(batch.labels), list(batch.references), **kwargs)
+async def _invoke(
+    fn: Callable[..., Any], batch: RewardBatch, kwargs: dict[str, Any], executor: Executor | None
+) -> Any:
+    call = functools.partial(
+        fn, list(batch.responses), list(batch.prompts), list(batch.labels), list(batch.references), **kwargs
+    )
+    if is_async_callable(fn):
+        out = call()
+    else:
+        out = await run_sync(call, needs_main_thread=getattr(fn, MAIN_THREAD_ATTR, False), executor=executor)
     if inspect.isawaitable(out):
         out = await out
     return out
 
 
 async def call_reward_function(
-    fn: Callable[..., Any], batch: RewardBatch, *, name: str, options: Mapping[str, Any] | None = None
+    fn: Callable[..., Any],
+    batch: RewardBatch,
+    *,
+    name: str,
+    options: Mapping[str, Any] | None = None,
+    executor: Executor | None = None,
 ) -> SourceScores:
-    """Call ``fn`` on the batch (awaiting it if async) and normalise its output.
+    """Call ``fn`` on the batch (awaiting it if async, else in a thread of ``executor``) and normalise its output.
 
     If the batched call raises, each sample is re-scored alone so that the failure lands on the sample(s) that
     caused it (and the others keep their scores); a wrong count raises :class:`WrongCountError`.
     """
     kwargs = build_kwargs(fn, batch, options or {}, name)
     try:
-        raw = await _invoke(fn, batch, kwargs)
+        raw = await _invoke(fn, batch, kwargs, executor)
     except Exception as exc:  # noqa: BLE001 - isolated below, never dropped
         if len(batch) == 1:
             message = f"{name!r} on {batch.describe(0)}: raised {type(exc).__name__}: {exc}"
@@ -113,14 +142,17 @@ async def call_reward_function(
             "reward function %r raised %s on a batch of %d (%s ..); re-scoring sample by sample",
             name, type(exc).__name__, len(batch), batch.describe(0), exc_info=exc,
         )
-        return await _call_one_by_one(fn, batch, name=name, options=options or {})
+        return await _call_one_by_one(fn, batch, name=name, options=options or {}, executor=executor)
     return normalize_output(raw, batch, name=name)
 
 
 async def _call_one_by_one(
-    fn: Callable[..., Any], batch: RewardBatch, *, name: str, options: Mapping[str, Any]
+    fn: Callable[..., Any], batch: RewardBatch, *, name: str, options: Mapping[str, Any], executor: Executor | None
 ) -> SourceScores:
-    pieces = [await call_reward_function(fn, batch.select([i]), name=name, options=options) for i in range(len(batch))]
+    pieces = [
+        await call_reward_function(fn, batch.select([i]), name=name, options=options, executor=executor)
+        for i in range(len(batch))
+    ]
     return concat_scores(pieces)
 
 

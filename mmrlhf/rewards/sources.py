@@ -6,6 +6,7 @@ once. ``SOURCE_TYPES`` maps the config's ``type`` to a builder; it is the single
 
 from __future__ import annotations
 
+from concurrent.futures import Executor
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from mmrlhf.registry import Registry
@@ -23,19 +24,31 @@ class RewardSource(Protocol):
 
 
 class FunctionSource:
-    """A reward function (built-in or plugin) with fixed keyword ``options``."""
+    """A reward function (built-in or plugin) with fixed keyword ``options``.
 
-    def __init__(self, fn: Callable[..., Any], *, name: str | None = None, options: Mapping[str, Any] | None = None):
+    A synchronous function runs in a thread of ``executor`` (default: a small pool shared by the process), never on
+    the event loop's thread: remote requests and other sources keep going while it computes.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        executor: Executor | None = None,
+    ):
         self.fn = fn
         self.name = name or function_name(fn)
         self.options = dict(options or {})
+        self.executor = executor
 
     async def score(self, batch: RewardBatch) -> SourceScores:
         if len(batch) == 0:
             return SourceScores.empty(0)
         fname = function_name(self.fn)
         label = self.name if self.name == fname else f"{self.name} [{fname}]"  # errors name source AND function
-        return await call_reward_function(self.fn, batch, name=label, options=self.options)
+        return await call_reward_function(self.fn, batch, name=label, options=self.options, executor=self.executor)
 
 
 class ClientSource:
@@ -49,16 +62,17 @@ class ClientSource:
         return await self.client.score(batch)
 
 
-SOURCE_TYPES: Registry[Callable[[str, Any], RewardSource]] = Registry("reward source type")
+SOURCE_TYPES: Registry[Callable[..., RewardSource]] = Registry("reward source type")
+"""Builders ``fn(name, cfg, executor=None) -> RewardSource``; ``executor`` runs synchronous functions."""
 
 
 @SOURCE_TYPES.register("function")
-def _function_source(name: str, cfg: Any) -> RewardSource:
-    return FunctionSource(load_reward_function(cfg.function), name=name, options=cfg.options)
+def _function_source(name: str, cfg: Any, executor: Executor | None = None) -> RewardSource:
+    return FunctionSource(load_reward_function(cfg.function), name=name, options=cfg.options, executor=executor)
 
 
 @SOURCE_TYPES.register("model")
-def _model_source(name: str, cfg: Any) -> RewardSource:
+def _model_source(name: str, cfg: Any, executor: Executor | None = None) -> RewardSource:
     from mmrlhf.rewards.local_model import LocalRewardModel, build_reward_model
 
     module = build_reward_model(cfg.model, path=cfg.path, dtype=cfg.dtype, **cfg.options)
@@ -68,7 +82,7 @@ def _model_source(name: str, cfg: Any) -> RewardSource:
 
 
 @SOURCE_TYPES.register("remote")
-def _remote_source(name: str, cfg: Any) -> RewardSource:
+def _remote_source(name: str, cfg: Any, executor: Executor | None = None) -> RewardSource:
     from mmrlhf.rewards.remote import RemoteRewardClient, read_token
 
     client = RemoteRewardClient(
@@ -78,6 +92,7 @@ def _remote_source(name: str, cfg: Any) -> RewardSource:
         max_retries=cfg.max_retries,
         backoff_s=cfg.backoff_s,
         backoff_max_s=cfg.backoff_max_s,
+        retry_window_s=cfg.retry_window_s,
         batch_size=cfg.batch_size,
         max_concurrency=cfg.max_concurrency,
         send_images=cfg.send_images,
@@ -85,6 +100,7 @@ def _remote_source(name: str, cfg: Any) -> RewardSource:
     return ClientSource(client, name=name)
 
 
-def build_source(name: str, cfg: Any) -> RewardSource:
-    """The source described by one ``label_map`` entry (dispatching on its ``type``)."""
-    return SOURCE_TYPES.get(cfg.type)(name, cfg)
+def build_source(name: str, cfg: Any, *, executor: Executor | None = None) -> RewardSource:
+    """The source described by one ``label_map`` entry (dispatching on its ``type``); ``executor`` runs
+    synchronous reward functions (None: the process's shared pool)."""
+    return SOURCE_TYPES.get(cfg.type)(name, cfg, executor=executor)

@@ -60,17 +60,27 @@ class TextRewardModel:
         )
 
     async def score(self, batch: RewardBatch) -> SourceScores:
+        import asyncio
+
         if len(batch) == 0:
             return SourceScores.empty(0)
-        return await self.model.score(self.tokenize(batch))
+        # Tokenizing (image processing included) and the forward both run in a worker thread: the server's event
+        # loop keeps answering other requests and /health meanwhile.
+        return await asyncio.to_thread(lambda: self.model.score_sync(self.tokenize(batch)))
 
 
-def load_text_reward_model(kind: str, path: str, *, dtype: str = "float32", device: str = "auto", **options: Any):
-    """Build the ``kind`` reward model from ``path`` and the processor saved there, ready to score text."""
+def load_text_reward_model(
+    kind: str, path: str, *, dtype: str = "float32", device: str = "auto", micro_batch_size: int = 8, **options: Any
+):
+    """Build the ``kind`` reward model from ``path`` and the processor saved there, ready to score text.
+
+    The model is moved to ``device`` once and stays there (a served model shares its device with nothing).
+    """
     from transformers import AutoProcessor
 
     from mmrlhf.rewards.local_model import build_reward_model
 
     module = build_reward_model(kind, path=path, dtype=dtype, **options)
     processor = AutoProcessor.from_pretrained(path)
-    return TextRewardModel(LocalRewardModel(module, name=kind, device=device), processor, name=kind)
+    model = LocalRewardModel(module, name=kind, device=device, offload_device=None, micro_batch_size=micro_batch_size)
+    return TextRewardModel(model, processor, name=kind)

@@ -34,8 +34,9 @@ class RewardBatch:
     """Prompt text, kept separate from the response."""
     labels: list[str]
     """Per-sample label selecting the recipe (e.g. ``"math"``, ``"chart"``)."""
-    references: list[str | None]
-    """Ground-truth answer per sample (None where the dataset has none)."""
+    references: list[Any]
+    """Ground-truth answer per sample, as the dataset has it (str, number, list, ...; None where it has none).
+    Remote sources receive the same values (JSON)."""
     extra: dict[str, list[Any]] = field(default_factory=dict)
     """Further dataset columns, each a list of B values, passed to functions as keyword arguments."""
     sequences: torch.Tensor | None = None

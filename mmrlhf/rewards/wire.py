@@ -2,15 +2,21 @@
 
 Request  ``POST /score``::
 
-    {"responses": [str], "prompts": [str], "labels": [str], "references": [str | null],
+    {"responses": [str], "prompts": [str], "labels": [str], "references": [any JSON value],
      "extra": {column: [value]}, "images": [[base64 PNG/JPEG, ...] per sample] | null}
 
 Response ``200``::
 
-    {"scores": [float | null], "parts": {name: [float | null]}, "errors": [str | null]}
+    {"scores": [number | null], "parts": {name: [number | null]}, "errors": [str | null]}
 
 One entry per sample, in request order. ``errors[i]`` carries a per-sample failure (the function raised on it,
 returned NaN, ...) so the client's failure policy sees it as such instead of the whole request failing.
+
+References travel as they are (a JSONL ``"answer": 3`` arrives as the int 3, as a local function would get it);
+numpy / torch scalars become plain numbers. A reference that is not JSON (an object, NaN) is refused before
+sending, naming the sample. Scores must be finite JSON numbers: ``NaN`` / ``Infinity`` (which Python's JSON
+reader accepts), strings such as ``"2.5"`` and booleans are never coerced; each such entry is a failure of that
+sample, exactly as if a local function had returned it.
 
 Why JSON + base64 and not pickle: the server accepts data from the network; JSON cannot execute code, and images
 are decoded by PIL only after their encoded size, format and pixel count are checked.
@@ -21,10 +27,13 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, model_validator
 
 ALLOWED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
@@ -39,7 +48,12 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on what one request may carry (the server answers 413 / 422 beyond them)."""
+    """Bounds on what one request may carry (413 / 422 beyond them) and on the server's load.
+
+    ``max_concurrent_requests`` requests are read and scored at once; one more is answered 503 with a
+    ``Retry-After: retry_after_s`` header, so the bytes held in flight are at most that many bodies of
+    ``max_body_bytes``. A request whose scoring takes over ``request_timeout_s`` is answered 504.
+    """
 
     max_body_bytes: int = 64 * 1024 * 1024
     max_batch: int = 1024
@@ -47,6 +61,9 @@ class ServerLimits:
     max_images_per_sample: int = 16
     max_image_bytes: int = 8 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    max_concurrent_requests: int = 64
+    request_timeout_s: float = 50.0
+    retry_after_s: int = 1
 
 
 class ScoreRequest(BaseModel):
@@ -55,7 +72,7 @@ class ScoreRequest(BaseModel):
     responses: list[str]
     prompts: list[str]
     labels: list[str]
-    references: list[str | None]
+    references: list[Any]
     extra: dict[str, list[Any]] = Field(default_factory=dict)
     images: list[list[str]] | None = None
 
@@ -73,10 +90,12 @@ class ScoreRequest(BaseModel):
 
 
 class ScoreResponse(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """What the server sends (validated before sending: a non-finite score never leaves it)."""
 
-    scores: list[float | None]
-    parts: dict[str, list[float | None]] = Field(default_factory=dict)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    scores: list[FiniteFloat | None]
+    parts: dict[str, list[FiniteFloat | None]] = Field(default_factory=dict)
     errors: list[str | None] = Field(default_factory=list)
 
 
@@ -94,9 +113,9 @@ def parse_request(body: bytes, limits: ServerLimits) -> ScoreRequest:
     n = len(request.responses)
     if n > limits.max_batch:
         raise WireError(413, f"batch of {n} samples exceeds the limit of {limits.max_batch}")
-    for field in ("responses", "prompts"):
+    for field in ("responses", "prompts", "references"):
         for i, text in enumerate(getattr(request, field)):
-            if len(text) > limits.max_text_chars:
+            if isinstance(text, str) and len(text) > limits.max_text_chars:
                 raise WireError(413, f"sample {i}: {field} has {len(text)} characters (limit {limits.max_text_chars})")
     for i, images in enumerate(request.images or []):
         if len(images) > limits.max_images_per_sample:
@@ -135,3 +154,85 @@ def encode_image(image: Any) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def to_json_value(value: Any, where: str) -> Any:
+    """``value`` as plain JSON data (numpy / torch scalars and arrays become numbers and lists).
+
+    Raises ``ValueError`` naming ``where`` for anything JSON cannot carry faithfully (objects, NaN, infinities).
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value} cannot be sent as JSON")
+        return value
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{where}: dict keys must be strings to be sent as JSON")
+        return {k: to_json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if callable(getattr(value, "tolist", None)):  # numpy / torch scalars and arrays
+        return to_json_value(value.tolist(), where)
+    raise ValueError(f"{where}: a {type(value).__name__} cannot be sent as JSON")
+
+
+def _wire_score(value: Any) -> tuple[float | None, str | None]:
+    """(score, problem) for one answered entry: JSON numbers only, finite; ``null`` is "does not apply"."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None, f"answered a {type(value).__name__} ({json.dumps(value)[:60]}), expected a finite number or null"
+    if not math.isfinite(value):
+        return None, f"answered a non-finite score ({value})"
+    return float(value), None
+
+
+def decode_answer(content: bytes, n: int) -> tuple[list[float | None], dict[str, list[float | None]], list[str | None]]:
+    """(scores, parts, per-sample problems) of a ``200`` answer for ``n`` samples.
+
+    The shape (an object with ``scores`` / ``parts`` / ``errors`` lists of ``n`` entries) is checked first and a
+    wrong one raises ``ValueError``: nothing can be aligned then. A bad VALUE (NaN, a string, a boolean) only
+    fails its sample: ``problems[i]`` says why (the server's own ``errors[i]`` is reported the same way).
+    """
+    try:
+        answer = json.loads(content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(answer, dict):
+        raise ValueError(f"expected a JSON object, got {type(answer).__name__}")
+    unknown = sorted(set(answer) - {"scores", "parts", "errors"})
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}")
+    scores_in, parts_in = answer.get("scores"), answer.get("parts") or {}
+    errors_in = answer.get("errors") or [None] * n
+    if not isinstance(scores_in, list) or not isinstance(parts_in, dict) or not isinstance(errors_in, list):
+        raise ValueError("'scores' and 'errors' must be lists and 'parts' an object")
+    columns = {"scores": scores_in, "errors": errors_in, **{f"parts.{k}": v for k, v in parts_in.items()}}
+    for field, column in columns.items():
+        if not isinstance(column, list) or len(column) != n:
+            size = f"{len(column)} entries" if isinstance(column, list) else f"a {type(column).__name__}"
+            raise ValueError(f"'{field}' has {size} for {n} samples")
+    if any(e is not None and not isinstance(e, str) for e in errors_in):
+        raise ValueError("'errors' entries must be strings or null")
+    problems: list[str | None] = [e for e in errors_in]
+    scores: list[float | None] = []
+    for i, value in enumerate(scores_in):
+        score, problem = _wire_score(value)
+        scores.append(score)
+        problems[i] = problems[i] or problem
+    parts: dict[str, list[float | None]] = {}
+    for part, column in parts_in.items():
+        parts[part] = []
+        for i, value in enumerate(column):
+            score, problem = _wire_score(value)
+            parts[part].append(score)
+            if problem is not None:
+                problems[i] = problems[i] or f"part {part!r} {problem}"
+    for i, problem in enumerate(problems):
+        if problem is not None:  # a failed sample keeps no score (and no parts)
+            scores[i] = None
+            for column in parts.values():
+                column[i] = None
+    return scores, parts, problems

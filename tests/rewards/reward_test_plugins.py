@@ -52,3 +52,17 @@ def fails_on_bad(responses, prompts, labels, references):
 
 def drops_one(responses, prompts, labels, references):
     return [1.0] * (len(responses) - 1)
+
+
+def sleep_echo(responses, prompts, labels, references, delay=0.2):
+    """A slow synchronous rule: sleeps ``delay`` seconds (the GIL is released), then echoes the numbers."""
+    time.sleep(delay)
+    return [float(r) for r in responses]
+
+
+REFERENCE_KINDS = {type(None): 0.0, int: 1.0, float: 2.0, str: 3.0, list: 4.0, dict: 5.0, bool: 6.0}
+
+
+def reference_kind(responses, prompts, labels, references):
+    """Scores the Python type of each reference (checks references arrive as they were sent, not as text)."""
+    return [REFERENCE_KINDS.get(type(ref), -1.0) for ref in references]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PLUGINS = HERE / "reward_test_plugins.py"
-START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 120.0  # a server starting on a loaded 2-core machine can take many seconds
 
 
 def plugin(name: str) -> str:
@@ -43,6 +43,9 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"reward server did not start (first line {first!r}); stderr: {self.errors()}")
         self.url = first.strip().rsplit(" on ", 1)[1]
+        self.health_url = self.url.rsplit("/", 1)[0] + "/health"
+        self.host, port = self.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        self.port = int(port)
 
     def errors(self) -> str:
         """The tail of the server's stderr."""
@@ -52,9 +55,10 @@ class ServerProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=30)
 
 
 def serve(*args: str) -> ServerProcess:
-    """Start ``mmrlhf serve-reward`` (this module alone, so other subcommands' imports do not matter) on port 0."""
+    """Start ``mmrlhf serve-reward`` (this module alone, so other subcommands' imports do not matter) on a free port
+    (``--port 0``, unless ``args`` names one)."""
     return ServerProcess([sys.executable, "-m", "mmrlhf.cli.serve_reward", "--port", "0", *args])

@@ -35,6 +35,9 @@ def test_reward_and_reward_model_are_mutually_exclusive_and_one_is_required():
         (["--reward", "format", "--options", "[1]"], "--options must be a JSON object"),
         (["--reward", "no_such_reward"], "unknown reward function 'no_such_reward'"),
         (["--reward", "format", "--token-file", "/nonexistent/token"], "cannot read token file"),
+        (["--reward", "format", "--threads", "0"], "--threads must be >= 1"),
+        (["--reward", "format", "--max-concurrent", "0"], "--max-concurrent must be >= 1"),
+        (["--reward", "format", "--request-timeout-s", "0"], "--request-timeout-s must be > 0"),
     ],
 )
 def test_bad_invocations_exit_2_with_a_message(argv, words, capsys):

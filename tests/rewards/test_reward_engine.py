@@ -218,6 +218,8 @@ def test_property_combined_reward_equals_the_per_sample_weighted_sum(labels, wei
         "C": [("len", weights[3]), ("sq", weights[4]), ("one", weights[5])],
         "D": [("one", 1.0)],
     }
+    # An all-zero recipe is refused (it would mask its label while looking configured); [] masks on purpose.
+    recipe = {label: entries if any(w for _, w in entries) else [] for label, entries in recipe.items()}
     result = RewardComputationEngine(sources, recipe).compute(make_batch(labels, responses))
     value = {"len": lambda r: float(len(r)), "one": lambda r: 1.0, "sq": lambda r: float(len(r) ** 2)}
     for i, (label, response) in enumerate(zip(labels, responses)):
@@ -227,3 +229,74 @@ def test_property_combined_reward_equals_the_per_sample_weighted_sum(labels, wei
     for name, src in sources.items():
         wanted = [i for i, lab in enumerate(labels) if any(s == name and w != 0.0 for s, w in recipe[lab])]
         assert src.calls == ([wanted] if wanted else [])
+
+
+class Fixed:
+    """A source class answering fixed scores (whatever they are: the engine must check them itself)."""
+
+    def __init__(self, name, scores, parts=None):
+        self.name, self._scores, self._parts = name, scores, parts or {}
+
+    async def score(self, batch):
+        return SourceScores(scores=list(self._scores), parts={k: list(v) for k, v in self._parts.items()})
+
+
+def test_engine_rejects_non_finite_scores_from_any_source():
+    bad = Fixed("bad", [1.0, float("nan"), float("inf"), True, 2.0], parts={"p": [0.0, 0.0, 0.0, 0.0, float("-inf")]})
+    sources = {"bad": bad, "one": Recording("one", lambda r: 1.0)}
+    recipe = {"A": [("bad", 1.0), ("one", 1.0)]}
+    result = RewardComputationEngine(sources, recipe, on_failure="mask").compute(make_batch(["A"] * 5))
+    assert result.valid.tolist() == [True, False, False, False, False]
+    assert torch.isfinite(result.rewards).all() and result.rewards[0].item() == 2.0
+    assert result.metrics["reward/failed_samples"] == 4.0 and result.metrics["reward/bad/failures"] == 4.0
+    assert result.metrics["reward/bad/not_applicable"] == 0.0  # NaN is a failure, not "does not apply"
+    with pytest.raises(RewardError, match=r"'bad' on sample 1 \(label 'A'\): score nan is not a finite number"):
+        RewardComputationEngine(sources, recipe).compute(make_batch(["A"] * 5))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+@pytest.mark.parametrize("where", ["label", "source", "function"])
+def test_compute_raises_the_real_error_alone(where):
+    class Boom:
+        name = "boom"
+
+        async def score(self, batch):
+            raise ValueError("boom")
+
+    def raising(responses, prompts, labels, references):
+        raise KeyError("nope")
+
+    sources = {"boom": Boom(), "len": Recording("len"), "fn": FunctionSource(raising, name="fn")}
+    recipe = {"label": [("len", 1.0)], "source": [("boom", 1.0)], "function": [("fn", 1.0)]}
+    with pytest.raises(Exception) as info:
+        RewardComputationEngine(sources, {k: v for k, v in recipe.items() if k != "label"}).compute(
+            make_batch([where if where != "label" else "unknown"])
+        )
+    chain = _chain(info.value)
+    assert not any("no running event loop" in str(e) for e in chain), [repr(e) for e in chain]
+    if where == "source":
+        assert isinstance(info.value, ValueError) and info.value.__context__ is None
+
+
+def test_a_zero_weight_source_is_not_run_and_does_not_mask_when_another_applies():
+    rm, rule = Recording("rm"), Recording("rule", lambda r: 0.5)
+    engine = RewardComputationEngine({"rm": rm, "rule": rule}, {"A": [("rm", 0.0), ("rule", 2.0)], "skip": []})
+    result = engine.compute(make_batch(["A", "A", "skip"]))
+    assert rm.calls == [] and result.valid.tolist() == [True, True, False]
+    assert result.rewards[:2].tolist() == [1.0, 1.0] and result.metrics["reward/no_applicable_source"] == 1.0
+
+
+def test_a_recipe_of_only_zero_weights_is_refused_naming_its_label():
+    with pytest.raises(RewardError, match=r"recipe 'caption' gives every source a weight of 0"):
+        RewardComputationEngine({"rm": Recording("rm")}, {"caption": [("rm", 0.0)]})
+    with pytest.raises(ConfigError, match=r"recipe 'caption' gives every source a weight of 0"):
+        build_config({"reward": {"label_map": {"rm": "format"}, "recipe": {"caption": [["rm", 0.0]]}}})
+    with pytest.raises(ConfigError, match=r"recipe '<default_recipe>' gives every source a weight of 0"):
+        build_config({"reward": {"label_map": {"rm": "format"}, "default_recipe": [["rm", 0]]}})

@@ -113,6 +113,14 @@ def test_model_is_moved_to_its_device_only_around_scoring():
     assert model.moves == ["cpu", "cpu:0", "cpu"]
 
 
+def test_a_served_model_stays_on_its_device_between_calls():
+    model = ToyVisionScorer()
+    source = LocalRewardModel(model, device=torch.device("cpu", 0), offload_device=None)
+    for _ in range(3):
+        asyncio.run(source.score(make_batch(["A"], [[1, 2]], [0], [0.0])))
+    assert model.moves == ["cpu:0"]  # moved once, when built
+
+
 def test_bad_outputs_and_inputs_are_named():
     class WrongShape(nn.Module):
         def forward(self, input_ids, attention_mask):
@@ -202,6 +210,15 @@ def test_qwen_vl_backbone_with_scalar_head_scores_text_and_images(tmp_path):
     blue = [[Image.new("RGB", (56, 56), "blue")], [], batch.images[2]]
     recoloured = RewardBatch(**{**batch.__dict__, "images": blue})
     assert asyncio.run(scorer.score(recoloured.select([0]))).scores[0] != pytest.approx(together[0], abs=1e-6)
+
+
+def test_a_served_text_reward_model_is_placed_on_its_device_once():
+    from mmrlhf.rewards.text_model import load_text_reward_model
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir("qwen2_vl", "tiny", seed=0)
+    served = load_text_reward_model("qwen_vl_scalar", str(path), device="cpu", allow_random_head=True)
+    assert served.model.offload_device == served.model.device == torch.device("cpu")
 
 
 def test_qwen_vl_scalar_loads_its_trained_head_from_the_checkpoint(tmp_path):

@@ -50,7 +50,9 @@ def test_64_concurrent_batched_requests_all_answered_and_aligned(echo_server):
     for k, res in enumerate(results):
         assert res.scores == [float(1000 * k + j) for j in range(7)]
         assert res.errors == [None] * 7
-    assert c.requests_sent == 64 * 3
+    # Up to 64 x 3 requests arrive at once; the server takes 64 and answers the rest 503 + Retry-After, which the
+    # client honours and retries, so every chunk is sent at least once and some more than once.
+    assert c.requests_sent >= 64 * 3
 
 
 def test_one_large_batch_is_split_and_reassembled_in_order(echo_server):
@@ -257,5 +259,5 @@ def test_client_keeps_to_its_concurrency_limit_and_rejects_misaligned_answers():
         return httpx.Response(200, json={"scores": [1.0]})
 
     bad = client("http://scorer.test/score", batch_size=2, transport=httpx.MockTransport(short))
-    with pytest.raises(RemoteRewardError, match=r"answered \[1\] entries for 2 samples"):
+    with pytest.raises(RemoteRewardError, match=r"'scores' has 1 entries for 2 samples"):
         asyncio.run(bad.score(batch_of([1, 2])))
