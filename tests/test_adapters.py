@@ -54,3 +54,27 @@ def test_engine_prompt_ids_collapse_pad_runs():
     qwen3 = get_adapter(_config("qwen3_vl", 2))
     assert qwen3.engine_prompt_ids(ids) is None  # video expansion carries timestamps: send text instead
     assert qwen3.engine_prompt_ids([13, 11, 11, 14]) == [13, 11, 14]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_mm_token_type_ids_match_the_processor_for_lists_and_tensors(family):
+    """One rule for the token types (data processor, sample builder, scalar-head reward model): the adapter's,
+    equal to what the family's HF processor returns, for images and videos."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir(family)
+    processor, adapter = AutoProcessor.from_pretrained(path), get_adapter(path)
+    frames = [np.full((56, 56, 3), 40 * t, dtype=np.uint8) for t in range(4)]
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "video"}, {"type": "text", "text": "What is shown?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    kwargs = {"video_metadata": [{"fps": 2.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3]}]}
+    out = processor(text=[text], images=[Image.new("RGB", (56, 56), (255, 0, 0))], videos=[frames],
+                    return_tensors="pt", do_sample_frames=False, **kwargs)
+    ids, expected = out["input_ids"], out["mm_token_type_ids"]  # [1, S]
+    assert set(expected.unique().tolist()) == {0, 1, 2}
+    assert torch.equal(adapter.mm_token_type_ids(ids), expected)
+    assert adapter.mm_token_type_ids(ids[0].tolist()) == expected[0].tolist()

@@ -296,13 +296,9 @@ class MultimodalDataProcessor:
         ids, mm_types = out["input_ids"], out.get("mm_token_type_ids")
         for j, p in enumerate(prompts):
             p.ids = _as_list(ids[j])
-            p.mm_types = _as_list(mm_types[j]) if mm_types is not None else self._mm_types(p.ids)
+            p.mm_types = _as_list(mm_types[j]) if mm_types is not None else self.adapter.mm_token_type_ids(p.ids)
         self._slice(prompts, out, IMAGE_KEYS, [len(p.images) for p in prompts])
         self._slice(prompts, out, VIDEO_KEYS, [len(p.videos) for p in prompts])
-
-    def _mm_types(self, ids: list[int]) -> list[int]:
-        image, video = self.adapter.image_token_id, self.adapter.video_token_id
-        return [1 if t == image else 2 if t == video else 0 for t in ids]
 
     def _slice(self, prompts: list[_Prompt], out: Any, keys: tuple[str, str], counts: list[int]) -> None:
         """Give each prompt its rows of ``out[pixel_key]`` and ``out[grid_key]`` (views), by grid products, and

@@ -29,10 +29,6 @@ _VISION_FIELDS = {
 # Keys a processor returns that are not model inputs of the vision tower.
 _NON_VISION_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids"}
 
-# Values of ``mm_token_type_ids`` as transformers' ``ProcessorMixin.create_mm_token_type_ids`` defines them.
-TEXT_TYPE, IMAGE_TYPE, VIDEO_TYPE = 0, 1, 2
-
-
 class BuiltSamples(NamedTuple):
     """A built batch: the samples, which responses hit the length limit, and extra per-video vision inputs."""
 
@@ -42,15 +38,9 @@ class BuiltSamples(NamedTuple):
 
 
 def mm_token_type_ids(input_ids: torch.Tensor, adapter: FamilyAdapter) -> torch.Tensor:
-    """Modality of every token (same shape as ``input_ids``): image pad 1, video pad 2, anything else 0.
-
-    Rebuilt from the ids rather than carried from the processor because responses (and padding) are appended
-    after processing; the values match what the HF processor returns for the prompt part.
-    """
-    types = torch.zeros_like(input_ids, dtype=torch.long)  # [..., S]
-    types[input_ids == adapter.image_token_id] = IMAGE_TYPE
-    types[input_ids == adapter.video_token_id] = VIDEO_TYPE
-    return types
+    """Modality of every token (see :meth:`FamilyAdapter.mm_token_type_ids`): rebuilt from the ids rather than
+    carried from the processor because responses (and padding) are appended after processing."""
+    return adapter.mm_token_type_ids(input_ids)
 
 
 def cut_at_stop(response: Sequence[int], stop_ids: Iterable[int]) -> tuple[list[int], bool]:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from mmrlhf.models.mrope import VisionUnit, batch_positions
+from mmrlhf.models.mrope import IMAGE, TEXT, VIDEO, VisionUnit, batch_positions
 from mmrlhf.registry import Registry
 
 ADAPTERS: Registry[type["FamilyAdapter"]] = Registry("model family")
@@ -82,6 +82,18 @@ class FamilyAdapter:
                 continue
             out.append(int(tok))
         return out
+
+    def mm_token_type_ids(self, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor | list[int]:
+        """Modality of every token (same shape as ``input_ids``): image pad 1, video pad 2, anything else 0, the
+        values transformers' processors return. The one place they are rebuilt from ids (responses and padding are
+        appended after processing, and reward models receive ids only); a list gives a list."""
+        if not isinstance(input_ids, torch.Tensor):
+            return [IMAGE if t == self.image_token_id else VIDEO if t == self.video_token_id else TEXT
+                    for t in input_ids]
+        types = torch.full_like(input_ids, TEXT, dtype=torch.long)  # [..., S]
+        types[input_ids == self.image_token_id] = IMAGE
+        types[input_ids == self.video_token_id] = VIDEO
+        return types
 
     def vision_special_token_ids(self) -> list[int]:
         """Tokens a response must never contain: sampling one breaks the next forward (feature/token mismatch)."""

@@ -143,23 +143,20 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 class ScalarHeadRewardModel(nn.Module):
     """A transformer backbone returning hidden states, plus a linear head read at each row's last token.
 
-    ``modality_tokens`` maps special token ids to modality types (Qwen-VL: image pad -> 1, video pad -> 2). Recent
-    transformers need ``mm_token_type_ids`` to place vision tokens in M-RoPE; they are rebuilt here from the ids
-    rather than required of every caller (the experience maker hands over sequences and vision inputs only).
+    Recent transformers need ``mm_token_type_ids`` to place vision tokens in M-RoPE; with a family ``adapter`` they
+    are rebuilt here from the ids (:meth:`FamilyAdapter.mm_token_type_ids`) rather than required of every caller
+    (the experience maker hands over sequences and vision inputs only).
     """
 
-    def __init__(self, backbone: nn.Module, hidden_size: int, modality_tokens: dict[int, int] | None = None) -> None:
+    def __init__(self, backbone: nn.Module, hidden_size: int, adapter: Any = None) -> None:
         super().__init__()
         self.backbone = backbone
         self.score_head = nn.Linear(hidden_size, 1)
-        self.modality_tokens = dict(modality_tokens or {})
+        self.adapter = adapter
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **vision: torch.Tensor) -> torch.Tensor:
-        if vision and self.modality_tokens and "mm_token_type_ids" not in vision:
-            types = torch.zeros_like(input_ids)
-            for token_id, modality in self.modality_tokens.items():
-                types[input_ids == token_id] = modality
-            vision["mm_token_type_ids"] = types
+        if vision and self.adapter is not None and "mm_token_type_ids" not in vision:
+            vision["mm_token_type_ids"] = self.adapter.mm_token_type_ids(input_ids)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **vision).last_hidden_state
         last = last_token_index(attention_mask)
         picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [b, H]
@@ -186,10 +183,10 @@ def build_qwen_vl_scalar(path: str, dtype: str = "float32", allow_random_head: b
     if not path:
         raise RewardError("reward model kind 'qwen_vl_scalar' needs 'path' (a Qwen-VL checkpoint directory)")
     backbone = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
+    from mmrlhf.models.adapters import get_adapter
+
     text_config = getattr(backbone.config, "text_config", backbone.config)
-    ids = {1: getattr(backbone.config, "image_token_id", None), 2: getattr(backbone.config, "video_token_id", None)}
-    modality = {token_id: kind for kind, token_id in ids.items() if token_id is not None}
-    model = ScalarHeadRewardModel(backbone, text_config.hidden_size, modality)
+    model = ScalarHeadRewardModel(backbone, text_config.hidden_size, get_adapter(backbone.config))
     head_file = Path(path) / HEAD_FILE
     if head_file.is_file():
         model.score_head.load_state_dict({k.removeprefix("score_head."): v for k, v in load_file(head_file).items()})
