@@ -54,8 +54,9 @@ class RolloutConfig(Section):
     weight_sync_bucket_mb: int = Field(default=512, ge=1)
     """Size bound of one weight-update bucket pushed into the engine."""
     seed: int = 0
-    """Base seed for sampling: sample j of request i of a call draws from its own stream, ``seed + i * n + j``
-    (n = ``n_samples_per_prompt``), and each call moves the base on (see ``SamplingSettings.seed``)."""
+    """Base seed for sampling: every sample of every call draws from its own stream, derived from this seed, the
+    call, the request and the sample by hashing (see ``SamplingSettings.seed``); different seeds give unrelated
+    samples."""
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "RolloutConfig":

@@ -40,7 +40,7 @@ from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
-from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings
+from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings, mix_seed
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class FastExperienceMaker(ExperienceMaker):
         if "seed" not in overrides and call.seed is not None:
             # A fresh stream per call (see SamplingSettings.seed for the per-request / per-sample scheme),
             # reproducible across a resume through state_dict(); without it every step would replay the same noise.
-            call = dataclasses.replace(call, seed=call.seed + self._calls * _SEED_STRIDE)
+            call = dataclasses.replace(call, seed=mix_seed(call.seed, self._calls))
         return call
 
     def _requests(self, batch: Any, n: int) -> list[GenerationRequest]:
@@ -394,7 +394,6 @@ class FastExperienceMaker(ExperienceMaker):
         return experiences
 
 
-_SEED_STRIDE = 1_000_003  # > any batch's request count: call streams never overlap
 DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a recipe or a default_recipe)
 
 

@@ -46,10 +46,11 @@ class SamplingSettings:
     ``top_k`` then ``top_p``. A checkpoint's ``generation_config.json`` sampling defaults (repetition penalty,
     top-k, ...) are never applied.
 
-    ``seed``: sample ``j`` of request ``i`` draws from its own stream, seeded ``seed + i * n + j``, so no two samples
-    of one call share random numbers and a sample does not depend on how the batch was split. A caller making
-    several calls must move ``seed`` by at least ``len(requests) * n`` per call (the experience maker moves it by
-    1,000,003 per call). ``None``: fresh, unreproducible randomness.
+    ``seed``: sample ``j`` of request ``i`` draws from its own stream, seeded ``stream_seed(seed, i, j, n)`` =
+    ``request_seed(seed, i, n) + j`` where the request seed is a hash of ``(seed, i)`` times ``n``: no two samples of
+    one call share random numbers, a sample does not depend on how the batch was split, and nearby seeds (1 and 2)
+    give unrelated streams rather than the same streams shifted by one. A caller making several calls passes a new
+    seed per call (the experience maker uses ``mix_seed(base, call)``). ``None``: fresh, unreproducible randomness.
     """
 
     n: int = 1  # completions per request
@@ -60,14 +61,35 @@ class SamplingSettings:
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None  # sample j of request i uses seed + i * n + j (see the class docstring)
+    seed: int | None = None  # sample j of request i uses stream_seed(seed, i, j, n) (see the class docstring)
     logprobs: bool = True  # return the sampled tokens' log-probs (of the distribution they were drawn from)
     forbidden_token_ids: tuple[int, ...] = ()  # never sampled, in addition to the family's vision special tokens
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A 62-bit seed that depends on every part through a SplitMix64 chain: inputs that differ by one give
+    unrelated outputs (so run seeds 1 and 2, or calls 7 and 8, never share streams)."""
+    x = 0
+    for part in parts:
+        x = (x ^ (int(part) & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x >> 2
+
+
+def request_seed(seed: int, request_index: int, n: int) -> int:
+    """Seed of request ``request_index``: a multiple of ``n``, so its samples ``+ 0 .. n-1`` (vLLM seeds the j-th
+    child of a request with ``request seed + j``) never reach another request's."""
+    return (mix_seed(seed, request_index) % ((1 << 62) // max(n, 1))) * n
+
+
 def stream_seed(seed: int, request_index: int, sample_index: int, n: int) -> int:
     """The seed of sample ``sample_index`` of request ``request_index`` (see :class:`SamplingSettings`)."""
-    return seed + request_index * n + sample_index
+    return request_seed(seed, request_index, n) + sample_index
 
 
 @dataclass

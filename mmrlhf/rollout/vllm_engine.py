@@ -17,7 +17,7 @@ from mmrlhf.rollout.types import (
     RequestRejectedError,
     SamplingSettings,
     request_name,
-    stream_seed,
+    request_seed,
 )
 from mmrlhf.rollout.vllm_setup import cuda_available, forbid_tokens_bias, import_vllm, make_llm
 
@@ -141,7 +141,7 @@ class VLLMEngine(RolloutEngine):
             min_tokens=settings.min_new_tokens,
             stop=list(settings.stop) or None,
             stop_token_ids=list(settings.stop_token_ids) or None,
-            seed=None if settings.seed is None else stream_seed(settings.seed, index, 0, settings.n),
+            seed=None if settings.seed is None else request_seed(settings.seed, index, settings.n),
             logprobs=0 if settings.logprobs else None,
             logit_bias=forbid_tokens_bias(forbidden_token_ids(self.adapter, settings)),
         )

@@ -131,17 +131,24 @@ def test_hf_engine_ignores_the_checkpoints_generation_defaults(monkeypatch):
 
 
 def test_hf_engine_gives_every_sample_its_own_stream(hf_setup):
-    """Identical prompts: no two samples of a call are equal (no shared noise), and sample j of request i is the
-    same whichever batch it is generated in (its stream is seed + i * n + j)."""
+    """Identical prompts: no two samples of a call are equal (no shared noise), and a sample is the same whichever
+    engine batch it is generated in (its stream depends on its seed, request and sample index only)."""
     engine, _, processor = hf_setup
     ids = processor.tokenizer("red green blue")["input_ids"]
     same = [GenerationRequest("p", prompt_token_ids=list(ids)) for _ in range(3)]
     n = 3
+    samples = lambda result: [tuple(c.token_ids) for o in result.outputs for c in o.completions]  # noqa: E731
     result = engine.generate(same, SamplingSettings(n=n, max_new_tokens=8, seed=21))
-    samples = [tuple(c.token_ids) for o in result.outputs for c in o.completions]
-    assert len(set(samples)) == len(samples) == 9, samples
-    alone = engine.generate(same[:1], SamplingSettings(n=n, max_new_tokens=8, seed=21 + 2 * n))
-    assert [c.token_ids for c in alone.outputs[0].completions] == [c.token_ids for c in result.outputs[2].completions]
+    assert len(set(samples(result))) == len(samples(result)) == 9, samples(result)
+    size = engine.batch_size
+    engine.batch_size = 1  # every request in a batch of its own
+    try:
+        split = engine.generate(same, SamplingSettings(n=n, max_new_tokens=8, seed=21))
+    finally:
+        engine.batch_size = size
+    assert samples(split) == samples(result)
+    nearby = engine.generate(same, SamplingSettings(n=n, max_new_tokens=8, seed=22))
+    assert not set(samples(nearby)) & set(samples(result))  # seed 22 is not seed 21 shifted by one sample
 
 
 def test_hf_engine_stop_strings(hf_setup):

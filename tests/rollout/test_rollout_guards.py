@@ -116,3 +116,16 @@ def test_build_engine_takes_the_rollout_dtype_not_the_trainers(monkeypatch, tiny
         build_engine(cfg, str(tiny_qwen2_vl), hf_model=model, tokenizer=tok)
     engine = build_engine(RolloutConfig(engine="transformers"), str(tiny_qwen2_vl), hf_model=model, tokenizer=tok)
     assert engine.tokenizer is tok  # stop strings work through the builder
+
+
+def test_stream_seeds_are_distinct_and_nearby_seeds_unrelated():
+    from mmrlhf.rollout.types import mix_seed, request_seed, stream_seed
+
+    n = 16
+    streams = {stream_seed(7, i, j, n) for i in range(2000) for j in range(n)}
+    assert len(streams) == 2000 * n  # every (request, sample) of a call has its own stream
+    assert all(request_seed(7, i, n) % n == 0 for i in range(100))  # vLLM's child j adds j
+    nearby = {stream_seed(8, i, j, n) for i in range(2000) for j in range(n)}
+    assert not streams & nearby  # base seeds 7 and 8 share no stream (seed + i*n + j shared all but n)
+    assert len({mix_seed(3, call) for call in range(10000)}) == 10000
+    assert mix_seed(1, 2) != mix_seed(2, 1) and 0 <= mix_seed(2**70, -5) < 2**62

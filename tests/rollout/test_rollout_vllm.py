@@ -124,16 +124,21 @@ def test_a_rejected_request_is_named_and_never_skipped(small_context_engine):
 
 def test_every_sample_of_a_call_has_its_own_stream(small_context_engine):
     """Identical prompts, n samples each: with request seeds seed + i, vLLM's child j (seed + i + j) of request 0
-    and child j - 1 of request 1 shared a stream and came out identical. Now sample j of request i uses
-    seed + i * n + j: all distinct, and reproduced when the same stream is asked for from another position."""
+    and child j - 1 of request 1 shared a stream and came out identical. Now every sample's stream is its own
+    (stream_seed): all distinct; a request's samples do not depend on the other requests of the call; and runs
+    with nearby base seeds draw unrelated samples."""
     engine, _ = small_context_engine
     n = 3
     same = [GenerationRequest("red green blue") for _ in range(3)]
+    samples = lambda result: [tuple(c.token_ids) for o in result.outputs for c in o.completions]  # noqa: E731
     result = engine.generate(same, SamplingSettings(n=n, max_new_tokens=8, seed=5))
-    samples = [tuple(c.token_ids) for o in result.outputs for c in o.completions]
-    assert len(set(samples)) == len(samples) == 9, samples
-    alone = engine.generate(same[:1], SamplingSettings(n=n, max_new_tokens=8, seed=5 + 2 * n))
-    assert [c.token_ids for c in alone.outputs[0].completions] == [c.token_ids for c in result.outputs[2].completions]
+    assert len(set(samples(result))) == len(samples(result)) == 9, samples(result)
+    other_first = [GenerationRequest("What color is the square?"), *same[1:]]
+    again = engine.generate(other_first, SamplingSettings(n=n, max_new_tokens=8, seed=5))
+    assert samples(again)[n:] == samples(result)[n:]  # requests 1 and 2 drew exactly the same samples
+    assert samples(again)[:n] != samples(result)[:n]  # control: request 0 changed
+    nearby = engine.generate(same, SamplingSettings(n=n, max_new_tokens=8, seed=6))
+    assert not set(samples(nearby)) & set(samples(result))  # seed 6 is not seed 5 shifted by one sample
 
 
 def test_seeded_batch_larger_than_one_prefill_step(small_context_engine):
