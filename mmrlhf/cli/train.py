@@ -45,8 +45,14 @@ def _run(args: argparse.Namespace) -> int:
     out = trainer.s.output_dir
     with open(f"{out}/config.yaml", "w") as f:
         f.write(dump_config(config))
-    with trainer.p.tracker:
-        metrics = trainer.fit()
+    from mmrlhf.trainer.minibatch import NonFiniteError
+
+    try:
+        with trainer.p.tracker:
+            metrics = trainer.fit()
+    except NonFiniteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     latest = trainer.p.checkpoints.latest()
     reward = metrics.get("eval/reward/mean", metrics.get("reward/mean"))
     print(f"done: step {trainer.state.step}" + (f", reward {reward:.3f}" if reward is not None else ""))

@@ -42,7 +42,7 @@ class CriticUpdater:
             raise ValueError("the critic update needs old values and returns in the experience (a critic in the maker)")
         # The value loss trains on every response token of a valid sample, not only the policy's selected ones.
         counts = [float(agg_count(it.token["loss_mask"][None], s.agg)) for it in items]
-        self.critic.train()
+        self.critic.eval()  # no dropout: values are compared with the old values (see the policy update)
 
         def micro_loss(micro: list[int], mini: list[int]) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,

@@ -129,8 +129,7 @@ class Trainer:
         with _timed(seconds, "experience"):
             experiences = p.maker.experiences_from(rollout)
             items = [item for exp in experiences for item in split_experience(exp)]
-            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if not k.startswith("reward/")
-                            and k not in metrics})
+            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
             metrics.update(prepare_policy_targets(items, p.policy.s))
             metrics.update(_entropy_metric(items))
         temperature = rollout.sampling.temperature if rollout.sampling.temperature > 0 else 1.0

@@ -101,7 +101,9 @@ class PolicyUpdater:
         s = self.s
         need_ref = s.kl_loss_coef > 0
         counts = [float(agg_count(it.token["policy_mask"][None], s.agg)) for it in items]
-        self.actor.train()
+        # The actor stays in eval mode: dropout would make the new log-probs differ from the old ones (scored
+        # without it) for reasons that have nothing to do with the update, and break the ratio's meaning.
+        self.actor.eval()
 
         def micro_loss(micro: list[int], mini: list[int]) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,

@@ -176,6 +176,7 @@ def test_seeds_reproduce_and_lifecycle_is_a_noop_on_cpu(small_context_engine):
 
 def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
     """No engine needed: the parameters each request gets."""
+    from mmrlhf.rollout.types import stream_seed
     from mmrlhf.rollout.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
@@ -186,7 +187,8 @@ def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
     assert all(set(p.logit_bias) == set(vision) | {7, 8} for p in params)
     assert all(v <= -100 for p in params for v in p.logit_bias.values())
     streams = [p.seed + j for p in params for j in range(settings.n)]  # vLLM's child j: request seed + j
-    assert streams == list(range(100, 112))
+    assert streams == [stream_seed(100, i, j, 4) for i in range(3) for j in range(4)]
+    assert len(set(streams)) == 12
 
 
 def test_make_llm_arguments(monkeypatch):
