@@ -28,7 +28,7 @@ def test_answers_are_balanced_and_visible():
         img = rec["images"][0]
         background = img.getpixel((0, 0))  # squares never touch the border
         drawn = sum(1 for x in range(img.size[0]) for y in range(img.size[1]) if img.getpixel((x, y)) != background)
-        side = max(img.size[0] // 4, 4)
+        side = max((img.size[0] // 2) * 2 // 3, 4)
         assert drawn == int(rec["reference"]) * side * side
 
 

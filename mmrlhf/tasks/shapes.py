@@ -3,8 +3,9 @@
 Three variants, each a single-word answer the tiny tokenizer holds as one token:
 
 - ``colour``: a square filling the image in one of four colours -> "What color is the square?" (chance 0.25);
-- ``shape``: a square or a circle on a light background -> "Which shape is in the image?" (chance 0.5);
-- ``count``: one to four small squares -> "How many objects are in the image?" answered with a digit (chance 0.25).
+- ``shape``: a large square or circle on a light background -> "Which shape is in the image?" (chance 0.5);
+- ``count``: one to four squares, one per quarter of the image -> "How many objects are in the image?" answered
+  with a digit (chance 0.25).
 
 ``make_record(index, split=...)`` is a prompt generator for ``data.generator`` (``mmrlhf.tasks.shapes:make_record``):
 record ``index`` of a split depends only on ``(seed, split, index)``, so runs are reproducible, resumable and the
@@ -39,22 +40,23 @@ def _jitter(rgb: tuple[int, int, int], rng: random.Random, amount: int = 25) -> 
 
 
 def draw(task: str, answer: str, rng: random.Random, size: int) -> Image.Image:
-    """The image of one question (``answer`` is what it shows)."""
+    """The image of one question (``answer`` is what it shows). Shapes and squares are placed so that each quarter
+    of the image holds one decisive part (a corner of the shape, one counted square): on the tiny models a 56-pixel
+    image is four vision tokens, one per quarter, so the answer is visible yet has to be read across tokens."""
     if task == "colour":
         return Image.new("RGB", (size, size), _jitter(COLOURS[answer], rng))
     background = _jitter((235, 235, 235), rng, 15)
     img = Image.new("RGB", (size, size), background)
     pen = ImageDraw.Draw(img)
     fill = _jitter(rng.choice(list(COLOURS.values())), rng)
-    if task == "shape":
-        half = rng.randint(size // 4, size // 2 - 2)
-        cx, cy = rng.randint(half, size - half), rng.randint(half, size - half)
-        box = (cx - half, cy - half, cx + half - 1, cy + half - 1)
+    if task == "shape":  # a large shape around the centre: a square fills the corners, a circle leaves them empty
+        margin = rng.randint(1, max(size // 14, 1))
+        box = (margin, margin, size - 1 - margin, size - 1 - margin)
         (pen.rectangle if answer == "square" else pen.ellipse)(box, fill=fill)
         return img
-    # count: k squares in distinct cells of a 2 x 2 grid, each jittered inside its cell
+    # count: k of the four quarters hold a square, slightly jittered inside its quarter
     cell = size // 2
-    side = max(cell // 2, 4)
+    side = max(cell * 2 // 3, 4)
     for c in rng.sample(range(4), int(answer)):
         x0 = (c % 2) * cell + rng.randint(1, cell - side - 1)
         y0 = (c // 2) * cell + rng.randint(1, cell - side - 1)
@@ -62,20 +64,18 @@ def draw(task: str, answer: str, rng: random.Random, size: int) -> Image.Image:
     return img
 
 
-def make_record(index: int, *, split: str = "train", task: str = "colour", size: int | None = None,
+def make_record(index: int, *, split: str = "train", task: str = "colour", size: int = 56,
                 blank: bool = False, seed: int = 0) -> dict[str, Any]:
     """Row ``index`` of ``split``: ``{"prompt", "images", "reference", "label", "id"}``.
 
-    ``size``: image side in pixels (default 56 for ``colour``: 4 vision tokens on the tiny models; 112 for the
-    others, whose shapes need more resolution). ``blank``: the grey-image control.
+    ``size``: image side in pixels (56: four vision tokens on the tiny models). ``blank``: the grey-image control.
     """
     if task not in QUESTIONS:
         raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
     rng = random.Random(f"{seed}:{split}:{task}:{index}")
     answers = {"colour": tuple(COLOURS), "shape": SHAPES, "count": COUNTS}[task]
     answer = rng.choice(answers)
-    side = size or (56 if task == "colour" else 112)
-    image = Image.new("RGB", (side, side), (128, 128, 128)) if blank else draw(task, answer, rng, side)
+    image = Image.new("RGB", (size, size), (128, 128, 128)) if blank else draw(task, answer, rng, size)
     return {"prompt": "<image>" + QUESTIONS[task], "images": [image], "reference": answer, "label": task,
             "id": f"{task}-{split}-{index}"}
 
