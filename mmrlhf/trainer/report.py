@@ -132,7 +132,8 @@ table.m{border-collapse:collapse;font-size:13px;margin:6px 0 12px} table.m td{pa
 .group{background:#fff;border:1px solid #ccc;border-radius:6px;padding:10px;margin:0 0 16px}
 .group.flat{border-color:#b9770e} .warn{color:#9a5b00;font-weight:600}
 .ctx{display:flex;gap:12px;align-items:flex-start;margin:0 0 8px}
-.imgs img{max-width:384px;max-height:384px;border:1px solid #999;margin:0 6px 6px 0;vertical-align:top}
+.imgs img{max-width:384px;max-height:384px;min-width:96px;image-rendering:pixelated;border:1px solid #999;
+ margin:0 6px 6px 0;vertical-align:top}
 .samples{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:8px}
 .sample{border:1px solid #ddd;border-radius:4px;padding:6px;background:#fcfcfc}
 .sample.masked{background:repeating-linear-gradient(45deg,#f1f1f1,#f1f1f1 8px,#e4e4e4 8px,#e4e4e4 16px);
@@ -215,13 +216,20 @@ def write_rollout_report(samples: Sequence[ReportSample], out_html: str | Path, 
     order = sorted((g for g in groups if g is not None)) + ([None] if None in groups else [])
 
     metrics = dict(metrics or {})
-    keys = [k for k in KEY_METRICS if k in metrics] + sorted(k for k in metrics if k not in KEY_METRICS)
+    key = [k for k in KEY_METRICS if k in metrics]
+    rest = sorted(k for k in metrics if k not in KEY_METRICS)
     n_masked = sum(not s.valid for s in samples)
     head = [f"<h1>{_e(title or 'Rollout report')} &mdash; step {int(step)}</h1>",
             f'<div class="k">{len(samples)} samples, {len(order)} groups, {n_masked} masked</div>']
-    if keys:
-        head.append('<table class="m">' + "".join(
-            f"<tr><td>{_e(k)}</td><td><b>{_e(_fmt(metrics[k]))}</b></td></tr>" for k in keys) + "</table>")
+
+    def table(names: list[str]) -> str:
+        return '<table class="m">' + "".join(
+            f"<tr><td>{_e(k)}</td><td><b>{_e(_fmt(metrics[k]))}</b></td></tr>" for k in names) + "</table>"
+
+    if key:
+        head.append(table(key))
+    if rest:  # the full list stays one click away, so the samples start on the first screen
+        head.append(f"<details><summary>all {len(rest)} other metrics</summary>{table(rest)}</details>")
 
     body = []
     for g in order:

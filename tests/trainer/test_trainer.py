@@ -109,3 +109,27 @@ def test_dynamic_sampling_refills_and_an_all_flat_step_is_logged(tmp_path):
     assert [r["train/empty_steps"] for r in rows] == [1.0, 2.0]
     assert all(r["dynamic_sampling/kept_group_frac"] == 0 and r["groups/with_variance_frac"] == 0 for r in rows)
     assert trainer.state.step == 2 and trainer.state.samples_trained == 0
+
+
+def test_reports_and_curves_show_the_last_rollout(tmp_path):
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    trainer = _fit(toy_config(tmp_path / "rep", trainer={"max_steps": 2, "report_steps": 1, "report_groups": 2}))
+    out = tmp_path / "rep"
+    assert (out / "curves.png").stat().st_size > 0 and (out / "reports" / "step-00000001.html").exists()
+    html = (out / "report.html").read_text()
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
+    assert len(images) == 2  # one image per group (the prompt's), two groups
+    rollout = trainer.last_rollout
+    for b64 in images:
+        img = Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
+        assert img.getpixel((img.width // 2, img.height // 2)) != (255, 255, 255)  # a coloured square, not blank
+    texts = trainer.p.reporter.tokenizer.batch_decode(rollout.rows.response_ids[:8], skip_special_tokens=True)
+    import html as html_lib
+
+    assert all(html_lib.escape(t) in html for t in texts if t.strip())
+    assert "step 2</h1>" in html
