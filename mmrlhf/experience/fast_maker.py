@@ -163,7 +163,7 @@ class FastExperienceMaker(ExperienceMaker):
         rows, sampling = rollout.rows, rollout.sampling
         with timer("build"):
             built = [self._build(rows.select(range(s, min(s + micro, len(rows))))) for s in range(0, len(rows), micro)]
-        scored = self._score(built, timer, _scoring_temperature(sampling))
+        scored = self._score(built, timer, scoring_temperature(sampling))
         with timer("advantages"):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling)
         info = dict(rollout.metrics)
@@ -397,8 +397,8 @@ class FastExperienceMaker(ExperienceMaker):
 DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a recipe or a default_recipe)
 
 
-def _scoring_temperature(sampling: SamplingSettings) -> float:
-    """Log-probs are taken at the sampling temperature; greedy decoding (0) is scored at 1."""
+def scoring_temperature(sampling: SamplingSettings) -> float:
+    """The temperature log-probs are taken at: the sampling temperature; greedy decoding (0) is scored at 1."""
     return sampling.temperature if sampling.temperature > 0 else 1.0
 
 

@@ -44,22 +44,16 @@ class CriticUpdater:
         counts = [float(agg_count(it.token["loss_mask"][None], s.agg)) for it in items]
         self.critic.eval()  # no dropout: values are compared with the old values (see the policy update)
 
-        def micro_loss(micro: list[int], mini: list[int]) -> tuple[torch.Tensor, dict]:
+        def micro_loss(micro: list[int], denom: float) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
                             adapter=self.adapter).to(self.device)
-            denom = sum(counts[i] for i in mini)
             values = self.critic(batch.samples, vision_extra=batch.vision_extra)  # [b, A]
             tok = batch.token
-            loss, metrics = value_loss(values, tok["values"], tok["returns"], tok["loss_mask"], clip=s.value_clip, agg=s.agg,
-                                       norm_len=s.norm_len)
-            share = sum(counts[i] for i in micro) / max(denom, 1.0)
+            loss, metrics = value_loss(values, tok["values"], tok["returns"], tok["loss_mask"], clip=s.value_clip,
+                                       agg=s.agg, norm_len=s.norm_len)
+            share = sum(counts[i] for i in micro) / max(denom, 1.0)  # the micro-batch mean -> its share of the mini
             return s.value_loss_coef * loss * share, metrics
 
-        sums, norms, skipped = run_minibatches(
-            len(items), batch_size=s.train_batch_size, micro_size=s.micro_batch_size, epochs=s.ppo_epochs,
-            generator=generator if s.shuffle else None, stepper=self.stepper, micro_loss=micro_loss,
-            count=lambda idx: sum(counts[i] for i in idx))
-        out = sums.means("critic/")
-        out.update({"critic/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
-                    "critic/skipped_steps": float(skipped), "critic/lr": self.stepper.lr})
-        return out
+        return run_minibatches(counts, batch_size=s.train_batch_size, micro_size=s.micro_batch_size,
+                               epochs=s.ppo_epochs, generator=generator if s.shuffle else None, stepper=self.stepper,
+                               micro_loss=micro_loss, prefix="critic/")

@@ -22,6 +22,7 @@ import torch
 from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter_groups
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
+from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
 from mmrlhf.trainer.checkpoint import CheckpointManager
 from mmrlhf.trainer.policy_update import prepare_policy_targets
@@ -78,41 +79,34 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Run until ``max_steps``; Ctrl-C finishes the current step, saves a checkpoint and returns."""
+        """Run until ``max_steps``; Ctrl-C finishes the current step, saves a checkpoint and returns. The last
+        step is always evaluated (when evaluation is on), saved and reported."""
         s, p = self.s, self.p
         bar = ProgressBar(s.max_steps, initial=self.state.step, enabled=s.progress_bar)
-        interrupted = False
         with _stop_on_interrupt() as stop, bar:
-            while self.state.step < s.max_steps:
+            while self.state.step < s.max_steps and not stop.requested:
                 t0 = time.perf_counter()
                 metrics = self.train_step()
                 self.state.step += 1
                 metrics["time/step"] = time.perf_counter() - t0
-                step = self.state.step
-                if s.eval_steps and p.evaluator is not None and step % s.eval_steps == 0:
+                step, last = self.state.step, self.state.step == s.max_steps
+                if p.evaluator is not None and s.eval_steps and (step % s.eval_steps == 0 or last):
+                    t_eval = time.perf_counter()
                     metrics.update(self.evaluate())
+                    metrics["time/eval"] = time.perf_counter() - t_eval
                 self.last_metrics = metrics
-                if step % s.log_steps == 0 or step == s.max_steps:
+                if step % s.log_steps == 0 or last or stop.requested:
                     p.tracker.log(step, metrics)
                 bar.update(metrics, self.state.last_eval)
-                if step % s.save_steps == 0:
+                if step % s.save_steps == 0 or last or stop.requested:
                     self.save()
-                if s.report_steps and step % s.report_steps == 0:
+                if (s.report_steps and step % s.report_steps == 0) or last or stop.requested:
                     self.report()
-                if stop.requested:
-                    interrupted = True
-                    break
-        if interrupted:
-            path = self.save()
-            print(f"\ninterrupted at step {self.state.step}: checkpoint saved to {path}; continue with --resume")
-            return self.last_metrics
-        if p.evaluator is not None and s.eval_steps and self.state.step % s.eval_steps:
-            final = self.evaluate()
-            p.tracker.log(self.state.step, final)
-            self.last_metrics.update(final)
-        if self.state.step % s.save_steps:
-            self.save()
-        self.report()
+        if stop.requested and self.state.step < s.max_steps:
+            latest = p.checkpoints.latest()
+            if latest is None or p.checkpoints.step_of(latest) != self.state.step:
+                latest = self.save()  # the signal came between the step's save check and the loop test
+            print(f"\ninterrupted at step {self.state.step}: checkpoint saved to {latest}; continue with --resume")
         return self.last_metrics
 
     def train_step(self) -> dict[str, float]:
@@ -132,9 +126,9 @@ class Trainer:
             metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
             metrics.update(prepare_policy_targets(items, p.policy.s))
             metrics.update(_entropy_metric(items))
-        temperature = rollout.sampling.temperature if rollout.sampling.temperature > 0 else 1.0
         with _timed(seconds, "policy_update"):
-            metrics.update(p.policy.update(items, temperature=temperature, generator=p.shuffle))
+            metrics.update(p.policy.update(items, temperature=scoring_temperature(rollout.sampling),
+                                           generator=p.shuffle))
         if p.critic is not None:
             with _timed(seconds, "critic_update"):
                 metrics.update(p.critic.update(items, generator=p.shuffle))

@@ -106,26 +106,31 @@ class GuardedStepper:
         self.steps = int(state["steps"])
 
 
-def run_minibatches(n: int, *, batch_size: int, micro_size: int, epochs: int, generator: torch.Generator | None,
-                    stepper: GuardedStepper, micro_loss: Callable[[list[int], list[int]], tuple[torch.Tensor, dict]],
-                    count: Callable[[list[int]], float]) -> tuple[MetricSums, list[float], int]:
-    """The update loop. ``micro_loss(micro, mini)`` returns the micro-batch's share of its mini-batch loss (already
-    divided by the mini-batch's count) and its metrics; ``count(indices)`` is the aggregation count of items (the
-    metrics' weight). Returns (metric sums, gradient norms of the taken steps, steps skipped)."""
+def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int, epochs: int,
+                    generator: torch.Generator | None, stepper: GuardedStepper,
+                    micro_loss: Callable[[list[int], float], tuple[torch.Tensor, dict]], prefix: str) -> dict[str, float]:
+    """The update loop over ``len(counts)`` items; ``counts[i]`` is item ``i``'s aggregation count (tokens or 1 per
+    response). ``micro_loss(micro, denominator)`` returns the micro-batch's share of its mini-batch loss (divided by
+    ``denominator``, the mini-batch's total count) and its metrics. Returns ``prefix``-ed metrics: count-weighted
+    means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped, the LR."""
     sums, norms, skipped = MetricSums(), [], 0
-    for _, micros in minibatches(n, batch_size, micro_size, epochs, generator):
-        mini = [i for m in micros for i in m]
+    for _, micros in minibatches(len(counts), batch_size, micro_size, epochs, generator):
+        denominator = sum(counts[i] for m in micros for i in m)
         finite = True
         for micro in micros:
-            loss, metrics = micro_loss(micro, mini)
+            loss, metrics = micro_loss(micro, denominator)
             if not torch.isfinite(loss.detach()).all():
                 finite = False  # no backward: a NaN would poison every gradient of the mini-batch
                 break
             loss.backward()
-            sums.add(metrics, count(micro))
+            sums.add(metrics, sum(counts[i] for i in micro))
         grad_norm, ok = stepper.step(finite)
         if ok:
             norms.append(grad_norm)
         else:
             skipped += 1
-    return sums, norms, skipped
+    out = sums.means(prefix)
+    out.update({f"{prefix}grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+                f"{prefix}optimizer_steps": float(len(norms)), f"{prefix}skipped_steps": float(skipped),
+                f"{prefix}skipped_steps_total": float(stepper.skipped_total), f"{prefix}lr": stepper.lr})
+    return out

@@ -105,10 +105,9 @@ class PolicyUpdater:
         # without it) for reasons that have nothing to do with the update, and break the ratio's meaning.
         self.actor.eval()
 
-        def micro_loss(micro: list[int], mini: list[int]) -> tuple[torch.Tensor, dict]:
+        def micro_loss(micro: list[int], denom: float) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
                             adapter=self.actor.adapter).to(self.device)
-            denom = sum(counts[i] for i in mini)
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
                              return_entropy=s.entropy_coef > 0)
             tok, mask = batch.token, batch.token["policy_mask"]
@@ -129,12 +128,6 @@ class PolicyUpdater:
                     metrics[key] = metrics[key] / max(share, 1e-12)
             return loss, metrics
 
-        sums, norms, skipped = run_minibatches(
-            len(items), batch_size=s.train_batch_size, micro_size=s.micro_batch_size, epochs=s.ppo_epochs,
-            generator=generator if s.shuffle else None, stepper=self.stepper, micro_loss=micro_loss,
-            count=lambda idx: sum(counts[i] for i in idx))
-        out = sums.means("policy/")
-        out.update({"policy/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
-                    "policy/optimizer_steps": float(len(norms)), "policy/skipped_steps": float(skipped),
-                    "policy/skipped_steps_total": float(self.stepper.skipped_total), "policy/lr": self.stepper.lr})
-        return out
+        return run_minibatches(counts, batch_size=s.train_batch_size, micro_size=s.micro_batch_size,
+                               epochs=s.ppo_epochs, generator=generator if s.shuffle else None, stepper=self.stepper,
+                               micro_loss=micro_loss, prefix="policy/")

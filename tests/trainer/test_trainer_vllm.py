@@ -71,3 +71,29 @@ def test_vllm_resume_restores_data_order_and_state(tmp_path):
     assert (resumed.p.stream.state_dict(), resumed.p.maker.state_dict(), resumed.state.step) == full_state
     assert [r["step"] for r in metrics_rows(tmp_path / "part")] == [1, 2, 3]
     resumed.p.maker.engine.close()
+
+
+def _recipe(out, *overrides):
+    from mmrlhf.config import load_config
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    return load_config("examples/grpo_toy_shapes_cpu.yaml", [
+        f"model.pretrain={tiny_model_dir('qwen2_vl')}", f"trainer.output_dir={out}", "trainer.progress_bar=false",
+        "trainer.tensorboard=false", "trainer.report_steps=0", "trainer.save_steps=1000", *overrides])
+
+
+def _reward_gain(rows, first=10, last=10):
+    mean = lambda rs: sum(r["reward/mean"] for r in rs) / len(rs)  # noqa: E731
+    return mean(rows[:first]), mean(rows[-last:])
+
+
+def test_grpo_learns_the_toy_task(tmp_path):
+    """The quick start's recipe, shortened: measured on 3 seeds, the greedy evaluation on fresh prompts reached
+    1.0 by step 120 (0.5 / 0.91 / 1.0 at step 100) and the sampled reward rose from ~0.01 to 0.54-0.71 over
+    steps 111-120. Thresholds keep a wide margin."""
+    _fit(_recipe(tmp_path / "grpo", "trainer.max_steps=120", "trainer.eval_steps=60"))
+    rows = metrics_rows(tmp_path / "grpo")
+    start, end = _reward_gain(rows)
+    assert start < 0.05 and end > 0.3, (start, end)
+    assert rows[-1]["eval/reward/mean"] >= 0.75, rows[-1]["eval/reward/mean"]
+    assert max(r["groups/with_variance_frac"] for r in rows[-20:]) > 0.5  # no collapse onto one answer
