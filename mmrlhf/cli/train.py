@@ -30,6 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     from mmrlhf.config import ConfigError, dump_config, load_config
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("vllm").propagate = False  # vLLM logs through its own handler (VLLM_LOGGING_LEVEL)
     try:
         config = load_config(args.config, list(args.overrides))
     except ConfigError as exc:
