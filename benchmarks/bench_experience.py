@@ -67,11 +67,12 @@ def main() -> None:
     actor = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
     ref = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
     rewards = RewardComputationEngine(
-        {"len": FunctionSource(lambda responses, prompts, labels, references, **_: [float(len(r) % 3) for r in responses],
+        {"len": FunctionSource(lambda responses, prompts, labels, references, **_: [float(len(r) % 3)
+                                                                                     for r in responses],
                                name="len")}, {}, default_recipe=[("len", 1.0)])
     maker = FastExperienceMaker(actor, engine, dp, rewards, tok, maker_settings, settings, initial_model=ref,
                                 kl_controller=FixedKLController(0.01))
-    reqs = maker._requests(batch)
+    reqs = maker._requests(batch, args.samples)
 
     engine.generate(reqs[:2], settings)  # warm-up
     t0 = time.perf_counter()

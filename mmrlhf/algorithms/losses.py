@@ -6,7 +6,8 @@ loss with the chosen mode (see ``masked.agg_loss``), adds the optional entropy b
 Keeping aggregation out of the individual losses makes every loss usable with every aggregation mode.
 
 All tensors are ``[B, A]``. ``ratio = exp(logprobs - old_logprobs)`` with the log-ratio clamped to ``[-20, 20]``
-(beyond that ``exp`` overflows to inf; a token that far off-policy gets no gradient through the clamp). Metrics are detached 0-d tensors:
+(beyond that ``exp`` overflows to inf; a token that far off-policy gets no gradient through the clamp).
+Metrics are detached 0-d tensors:
 
 - ``pg_loss``: the aggregated policy loss (before the entropy bonus);
 - ``clip_frac``: fraction of response tokens whose gradient the clipping removed (``cispo``: whose weight it

@@ -111,7 +111,6 @@ class RewardComputationEngine:
         return asyncio.run(self.acompute(batch))
 
     async def acompute(self, batch: RewardBatch) -> RewardResult:
-        n = len(batch)
         recipes = [self.recipe_for(label, f" ({batch.describe(i)})") for i, label in enumerate(batch.labels)]
         rows: dict[str, list[int]] = {}
         for i, recipe in enumerate(recipes):

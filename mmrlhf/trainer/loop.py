@@ -133,7 +133,8 @@ class Trainer:
             with _timed(seconds, "critic_update"):
                 metrics.update(p.critic.update(items, generator=p.shuffle))
         with _timed(seconds, "sync"):
-            metrics.update(sync_weights(p.policy.actor.model, p.maker.engine, only_trainable=self.s.sync_only_trainable))
+            metrics.update(sync_weights(p.policy.actor.model, p.maker.engine,
+                                        only_trainable=self.s.sync_only_trainable))
         self.state.samples_generated += int(metrics.get("samples", len(rollout)))
         self.state.samples_trained += len(items)
         metrics["train/samples_trained"] = float(len(items))

@@ -108,7 +108,8 @@ class GuardedStepper:
 
 def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int, epochs: int,
                     generator: torch.Generator | None, stepper: GuardedStepper,
-                    micro_loss: Callable[[list[int], float], tuple[torch.Tensor, dict]], prefix: str) -> dict[str, float]:
+                    micro_loss: Callable[[list[int], float], tuple[torch.Tensor, dict]],
+                    prefix: str) -> dict[str, float]:
     """The update loop over ``len(counts)`` items; ``counts[i]`` is item ``i``'s aggregation count (tokens or 1 per
     response). ``micro_loss(micro, denominator)`` returns the micro-batch's share of its mini-batch loss (divided by
     ``denominator``, the mini-batch's total count) and its metrics. Returns ``prefix``-ed metrics: count-weighted

@@ -40,7 +40,6 @@ def test_resume_gives_the_same_per_step_metrics_as_an_uninterrupted_run(tmp_path
     with interrupted.p.tracker:
         interrupted.fit()
     assert interrupted.state.step == 2 and interrupted.p.checkpoints.latest().name == "step-00000002"
-    del interrupted
     resumed = _fit(toy_config(tmp_path / "part", **extra), resume=True)
     a, b = metrics_rows(tmp_path / "full"), metrics_rows(tmp_path / "part")
     assert [r["step"] for r in b] == [1, 2, 3, 4]

@@ -5,7 +5,6 @@ task learns with GRPO and with PPO."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mmrlhf.trainer.builder import build_trainer
 from trainer_helpers import metrics_rows, toy_config
