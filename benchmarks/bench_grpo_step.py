@@ -9,7 +9,11 @@ few warm-up steps, then times ``--steps`` steps and reports each phase's share o
 - sync: pushing the updated weights into the engine;
 - other: prompts, rewards, sample building, advantages, bookkeeping.
 
-Run:  python benchmarks/bench_grpo_step.py [--size tiny|small] [--steps 10] [overrides ...]
+With ``--shared-prompt both`` (the default) it runs the recipe twice, ``trainer.shared_prompt`` off then on, and
+prints both breakdowns side by side with the off/on ratio per phase.
+
+Run:  python benchmarks/bench_grpo_step.py [--size tiny|small] [--steps 10] [--shared-prompt both|true|false]
+      [overrides ...]
 e.g.  python benchmarks/bench_grpo_step.py --size small rollout.max_new_tokens=16
 """
 
@@ -42,27 +46,18 @@ def breakdown(rows: list[dict]) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    import torch
-
+def timed_run(args, shared_prompt: str):
+    """(config, per-phase breakdown) of one run of the recipe with ``trainer.shared_prompt=<shared_prompt>``."""
     from mmrlhf.config import load_config
     from mmrlhf.testing.tiny_models import tiny_model_dir
     from mmrlhf.trainer.builder import build_trainer
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="tiny", choices=["tiny", "small"])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--recipe", default="examples/grpo_toy_shapes_cpu.yaml")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as out:
         config = load_config(args.recipe, [
             f"model.pretrain={tiny_model_dir('qwen2_vl', args.size)}", f"trainer.output_dir={out}",
             f"trainer.max_steps={args.warmup + args.steps}", "trainer.eval_steps=0", "trainer.report_steps=0",
             "trainer.save_steps=100000", "trainer.progress_bar=false", "trainer.tensorboard=false",
-            *args.overrides])
+            f"trainer.shared_prompt={shared_prompt}", *args.overrides])
         trainer = build_trainer(config)
         rows = []
         with trainer.p.tracker:
@@ -74,7 +69,26 @@ def main() -> None:
                 if i >= args.warmup:
                     rows.append(metrics)
         trainer.p.maker.engine.close()
-    b = breakdown(rows)
+    return config, breakdown(rows)
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--recipe", default="examples/grpo_toy_shapes_cpu.yaml")
+    ap.add_argument("--shared-prompt", default="both", choices=["both", "true", "false"],
+                    help="trainer.shared_prompt of the run; both: off then on, side by side")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    modes = ["false", "true"] if args.shared_prompt == "both" else [args.shared_prompt]
+    results = {}
+    for mode in modes:
+        config, results[mode] = timed_run(args, mode)
     cpu = platform.processor() or platform.machine()
     samples = config.trainer.rollout_batch_size * config.rollout.n_samples_per_prompt
     print(f"qwen2_vl {args.size}; {config.trainer.rollout_batch_size} prompts x {config.rollout.n_samples_per_prompt}"
@@ -82,11 +96,20 @@ def main() -> None:
           f"{config.rollout.engine}; {args.steps} timed steps after {args.warmup} warm-up; torch threads "
           f"{torch.get_num_threads()}; {cpu}")
     print()
-    print("| phase | seconds / step | share |")
-    print("| --- | ---: | ---: |")
-    for name in ("generate", "forwards", "update", "sync", "other"):
-        print(f"| {name} | {b[name]:.3f} | {100 * b[name] / b['step']:.1f}% |")
-    print(f"| **step** | **{b['step']:.3f}** | 100% |")
+    names = {"false": "shared prompt off", "true": "shared prompt on"}
+    print("| phase | " + " | ".join(f"{names[m]}: s / step | share" for m in modes)
+          + (" | off / on |" if len(modes) == 2 else " |"))
+    print("| --- |" + " ---: | ---: |" * len(modes) + (" ---: |" if len(modes) == 2 else ""))
+    for name in ("generate", "forwards", "update", "sync", "other", "step"):
+        cells = []
+        for m in modes:
+            b = results[m]
+            cells.append(f"{b[name]:.3f} | {100 * b[name] / b['step']:.1f}%")
+        ratio = ""
+        if len(modes) == 2:
+            ratio = f" {results['false'][name] / max(results['true'][name], 1e-9):.2f}x |"
+        label = f"**{name}**" if name == "step" else name
+        print(f"| {label} | " + " | ".join(cells) + " |" + ratio)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
@@ -53,6 +53,17 @@ class TrainerConfig(Section):
     """Rollout steps to run."""
     packing_samples: bool = False
     """Pack sequences without padding in the forwards (works with images and video)."""
+    shared_prompt: Union[Literal["auto"], bool] = "auto"
+    """Shared-prompt forward: the samples of one prompt are scored as ONE row (the prompt and its images once, then
+    each response attending to the prompt and itself only), in the experience forwards (actor, reference, critic)
+    and the policy / value updates; results equal the per-sample layouts, the prompt's work is done once per group
+    instead of once per sample. ``auto``: on when ``rollout.n_samples_per_prompt > 1`` and
+    ``model.attn_implementation`` reads arbitrary masks (``sdpa``, ``eager``); ``true`` refuses other kernels.
+    Micro-batches are counted in samples: make ``micro_train_batch_size`` and ``rollout.micro_rollout_batch_size``
+    multiples of ``n_samples_per_prompt`` so that groups are not split across forwards."""
+    shared_prompt_max_tokens: int = Field(default=8192, ge=1)
+    """Longest row of the shared-prompt layout (prompt + responses); a group whose responses do not fit is split
+    over several rows. Attention over a row is dense: this bounds its quadratic time and mask memory."""
 
     # ---- run ---------------------------------------------------------------------------------------------------
     seed: int = 42

@@ -4,8 +4,8 @@ selection of items into a :class:`TrainBatch`.
 Why: the experience maker scores in micro-batches sized for no-grad forwards, while the update wants mini-batches
 of ``train_batch_size`` samples in micro-batches of ``micro_train_batch_size``, shuffled anew every PPO epoch.
 Items carry their prompt and response ids, their own vision tensors and their per-token tensors without padding;
-collation lays them out again with the same builders the maker uses (padded or packed), so a training forward sees
-exactly the sequences, M-RoPE positions and vision inputs the experience was scored on.
+collation lays them out again with the same builders the maker uses (padded, packed or grouped), so a training
+forward sees exactly the sequences, M-RoPE positions and vision inputs the experience was scored on.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mmrlhf.experience.grouped import GroupedSamples, build_grouped_samples
 from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 from mmrlhf.experience.types import ExperienceVL, SamplesVL
 
@@ -41,7 +42,7 @@ class TrainItem:
 class TrainBatch:
     """A collated selection of items: the samples for the forward plus aligned per-token tensors."""
 
-    samples: SamplesVL  # layout for ActorVL / CriticVL (action_mask: every response token)
+    samples: SamplesVL | GroupedSamples  # layout for ActorVL / CriticVL (all response tokens are scored)
     vision_extra: dict[str, torch.Tensor]
     token: dict[str, torch.Tensor]  # [B, A] each; "loss_mask" [B, A] bool
     info: dict[str, torch.Tensor]  # [B] each
@@ -83,21 +84,40 @@ def split_experience(exp: ExperienceVL) -> list[TrainItem]:
     return items
 
 
-def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: Any) -> TrainBatch:
-    """Lay ``items`` out as one batch (padded: left-padded prompts, right-padded responses; packed: [1, T])."""
+def group_keys(items: Sequence[TrainItem]) -> list[Any]:
+    """Per item, the key of its prompt group: the rollout's group id (unique within a step) where the item carries
+    one, else its prompt ids."""
+    return [int(it.info["group"]) if "group" in it.info else tuple(it.prompt_ids) for it in items]
+
+
+def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: Any, shared_prompt: bool = False,
+            max_row_tokens: int | None = None) -> TrainBatch:
+    """Lay ``items`` out as one batch (padded: left-padded prompts, right-padded responses; packed: [1, T];
+    ``shared_prompt``: the grouped layout, one row per prompt of at most ``max_row_tokens``, which wins over
+    ``packed``). Per-token tensors are [B, A] in item order whatever the layout."""
     if not items:
         raise ValueError("collate needs at least one item")
-    build = build_packed_samples if packed else build_padded_samples
-    built = build([it.prompt_ids for it in items], [it.response_ids for it in items], pad_id=pad_id, eos_id=(),
-                  adapter=adapter, vision=[it.vision for it in items])
+    prompts, responses = [it.prompt_ids for it in items], [it.response_ids for it in items]
+    if shared_prompt:
+        built = build_grouped_samples(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
+                                      vision=[{**it.vision, **it.vision_extra} for it in items],
+                                      max_row_tokens=max_row_tokens)
+    else:
+        build = build_packed_samples if packed else build_padded_samples
+        built = build(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
+                      vision=[it.vision for it in items])
     a_max = max(len(it.response_ids) for it in items)
     token: dict[str, torch.Tensor] = {}
     for name in items[0].token:
         if any(name not in it.token for it in items):
             raise ValueError(f"per-token field {name!r} is present in some items only")
         token[name] = torch.stack([_pad(it.token[name], a_max) for it in items])  # [B, A]
-    extra_keys = sorted({k for it in items for k in it.vision_extra})
-    vision_extra = {k: torch.cat([it.vision_extra[k] for it in items if k in it.vision_extra]) for k in extra_keys}
+    if shared_prompt:
+        vision_extra = built.vision_extra  # per row, not per item
+    else:
+        extra_keys = sorted({k for it in items for k in it.vision_extra})
+        vision_extra = {k: torch.cat([it.vision_extra[k] for it in items if k in it.vision_extra])
+                        for k in extra_keys}
     info = {k: torch.stack([it.info[k] for it in items]) for k in items[0].info if all(k in it.info for it in items)}
     return TrainBatch(built.samples, vision_extra, token, info)
 

@@ -61,7 +61,8 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     actor = ActorVL.from_pretrained(policy_path, adapter=adapter, **load).to(target)
     if before_engine is not None:
         before_engine(actor)
-    settings = experience_settings(config.algorithm, config.rollout, config.trainer)
+    settings = experience_settings(config.algorithm, config.rollout, config.trainer,
+                                   attn_implementation=model_cfg.attn_implementation)
     reference = None
     if settings.need_reference:
         reference = ActorVL.from_pretrained(model_cfg.reference or model_cfg.pretrain, adapter=adapter,

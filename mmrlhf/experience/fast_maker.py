@@ -34,6 +34,7 @@ from mmrlhf.algorithms.shaping import (
 )
 from mmrlhf.experience.base import ExperienceMaker
 from mmrlhf.experience.rollout import Rollout, ScoredRollout
+from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.timing import PhaseTimer
@@ -162,8 +163,12 @@ class FastExperienceMaker(ExperienceMaker):
         micro = int(micro_batch_size or self.settings.micro_batch_size)
         rows, sampling = rollout.rows, rollout.sampling
         with timer("build"):
-            built = [self._build(rows.select(range(s, min(s + micro, len(rows))))) for s in range(0, len(rows), micro)]
-        scored = self._score(built, timer, scoring_temperature(sampling))
+            micros = [rows.select(range(s, min(s + micro, len(rows)))) for s in range(0, len(rows), micro)]
+            built = [self._build(m) for m in micros]
+            # The forwards may see another layout than the experience keeps (grouped: each prompt once per row);
+            # every layout scores the same [b, A] values in sample order.
+            scoring = [self._build_grouped(m) for m in micros] if self.settings.shared_prompt else built
+        scored = self._score(scoring, timer, scoring_temperature(sampling))
         with timer("advantages"):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling)
         info = dict(rollout.metrics)
@@ -279,6 +284,16 @@ class FastExperienceMaker(ExperienceMaker):
             raise ValueError(f"building samples {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: {exc}") from exc
         # Truncation is the engine's call: a response ended by a stop STRING has no stop token yet is complete.
         return built._replace(truncated=torch.tensor([not f for f in rows.finished], dtype=torch.bool))
+
+    def _build_grouped(self, rows: Rollout) -> BuiltSamples:
+        """The shared-prompt layout of ``rows`` for the scoring forwards (see mmrlhf.experience.grouped)."""
+        try:
+            return build_grouped_samples(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
+                                         adapter=self.adapter, vision=rows.vision,
+                                         max_row_tokens=self.settings.shared_prompt_max_tokens)
+        except ValueError as exc:
+            raise ValueError(f"building shared-prompt rows {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: "
+                             f"{exc}") from exc
 
     @torch.no_grad()
     def _score(self, built: list[BuiltSamples], timer: PhaseTimer,

@@ -13,6 +13,8 @@ class ExperienceSettings:
     n_samples_per_prompt: int = 8
     micro_batch_size: int = 8  # samples per actor / reference / critic forward (bounds memory)
     packing: bool = False  # packed layout (no padding) for the forwards
+    shared_prompt: bool = False  # grouped layout (each prompt once per row) for the forwards; wins over packing
+    shared_prompt_max_tokens: int | None = None  # longest grouped row (None: a whole group per row)
     advantage_estimator: str = "grpo"  # registry name or "module:function"
     advantage_params: Mapping[str, Any] = field(default_factory=dict)  # estimator keyword arguments
     kl_estimator: str = "k1"  # KL folded into the reward
@@ -28,8 +30,12 @@ class ExperienceSettings:
     check_prompt_ids: bool = True  # the engine's prompt ids must equal the processor's (vision layout check)
 
 
-def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> ExperienceSettings:
-    """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections."""
+def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *,
+                        attn_implementation: str = "sdpa") -> ExperienceSettings:
+    """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections
+    (``attn_implementation``: ``model.attn_implementation``, which decides ``trainer.shared_prompt: auto``)."""
+    from mmrlhf.models.shared_prompt import resolve_shared_prompt
+
     params: dict[str, Any] = {}
     name = algorithm.advantage_estimator
     if name == "gae":
@@ -46,6 +52,8 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any) -> Experienc
         n_samples_per_prompt=rollout.n_samples_per_prompt,
         micro_batch_size=rollout.micro_rollout_batch_size,
         packing=trainer.packing_samples,
+        shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt),
+        shared_prompt_max_tokens=trainer.shared_prompt_max_tokens,
         advantage_estimator=name,
         advantage_params=params,
         kl_estimator=algorithm.kl_estimator,

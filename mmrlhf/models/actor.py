@@ -11,7 +11,12 @@ this is the library's own packing path (sdpa and eager verified by the tests on 
 same row to derive varlen boundaries, not verified here). Vision tensors of all samples go in concatenated: the
 vision tower treats each grid independently.
 
-Both layouts return [B, A] tensors (A = longest response) plus the action mask, so callers are layout-agnostic.
+Grouped layout (``GroupedSamples``, :mod:`mmrlhf.experience.grouped`): one row per shared prompt followed by its
+responses, a [G, 1, L, L] mask (:mod:`mmrlhf.models.shared_prompt`) and per-response positions; the prompt and its
+images go through the model once per row instead of once per sample.
+
+All layouts return [B, A] tensors (A = longest response) in sample order plus the action mask, so callers are
+layout-agnostic.
 
 Sharding (FSDP2, ``torch.distributed.fsdp.fully_shard``): the forward calls ``model.base_model`` and reads
 ``lm_head.weight`` for the chunked head itself, never through the HF model's or the lm_head's own forward, so their
@@ -30,10 +35,12 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from mmrlhf.experience.grouped import GroupedSamples
 from mmrlhf.experience.types import SamplesVL, split_vision_inputs
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.logprobs import chunked_log_probs
-from mmrlhf.models.positions import packed_position_ids, padded_position_ids
+from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
+from mmrlhf.models.shared_prompt import attention_implementation, grouped_attention_mask
 from mmrlhf.models.sharding import check_wrapper_layout
 
 
@@ -51,6 +58,8 @@ def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torc
     ordered sample by sample, matching ``action_mask.nonzero()`` order.
     """
     device = samples.sequences.device
+    if isinstance(samples, GroupedSamples):
+        return _grouped_response_index(samples)
     if samples.packed:
         lens = samples.packed_seq_lens.to(device)  # [B]
         acts = torch.as_tensor(samples.num_actions, device=device).long()  # [B]
@@ -66,6 +75,22 @@ def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torc
         cols = torch.arange(s - a, s, device=device)[None] + torch.arange(b, device=device)[:, None] * s  # [B, A]
         targets = cols[action_mask]  # [N]
     return targets - 1, targets, action_mask
+
+
+def _grouped_response_index(samples: GroupedSamples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``response_index`` of the grouped layout: a response's first token is predicted by the LAST PROMPT token of
+    its row (shared by the row's responses), every later one by the token before it in the same response."""
+    device = samples.sequences.device
+    width = samples.sequences.shape[1]
+    acts = samples.response_length.to(device)  # [B]
+    a_max = int(acts.max()) if acts.numel() else 0
+    steps = torch.arange(a_max, device=device)[None]  # [1, A]
+    action_mask = steps < acts[:, None]  # [B, A]
+    row_base = samples.sample_row.to(device)[:, None] * width  # [B, 1] flat offset of each sample's row
+    tgt = row_base + samples.sample_start.to(device)[:, None] + steps  # [B, A] flat response-token positions
+    last_prompt = row_base + samples.prompt_lengths.to(device)[samples.sample_row.to(device)][:, None] - 1  # [B, 1]
+    src = torch.where(steps == 0, last_prompt, tgt - 1)  # [B, A]
+    return src[action_mask], tgt[action_mask], action_mask
 
 
 class ActorVL(nn.Module):
@@ -110,15 +135,21 @@ class ActorVL(nn.Module):
                    excluded_token_ids=excluded_token_ids)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
-    def hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Final (normed) decoder hidden states [B, S, H] (padded) or [1, T, H] (packed)."""
+    def hidden_states(self, samples: SamplesVL | GroupedSamples,
+                      vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Final (normed) decoder hidden states [B, S, H] (padded), [1, T, H] (packed) or [G, L, H] (grouped)."""
         check_wrapper_layout(self.model)
         return self._hidden_states(samples, vision_extra)
 
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
-        if samples.packed:
+        if isinstance(samples, GroupedSamples):
+            position_ids = grouped_position_ids(self.adapter, samples, vision_extra)  # [3, G, L]
+            dtype = self.model.get_input_embeddings().weight.dtype
+            # [G, 1, L, L], passed through to every layer as it is
+            attention_mask = grouped_attention_mask(samples.segment_ids, attention_implementation(self.model), dtype)
+        elif samples.packed:
             position_ids = packed_position_ids(self.adapter, samples, vision_extra)  # [4, 1, T]
             attention_mask = None  # the block-diagonal causal mask comes from position_ids[0]
         else:
@@ -169,6 +200,9 @@ class ActorVL(nn.Module):
         check_wrapper_layout(self.model)
         chunk = chunk_size or self.chunk_size
         batch = samples.batch_size
+        if isinstance(samples, GroupedSamples) and micro_batch_size is not None and micro_batch_size < batch:
+            raise ValueError("a grouped (shared-prompt) batch is one forward: build one per micro-batch instead of "
+                             "passing micro_batch_size")
         if micro_batch_size is None or micro_batch_size >= batch:
             return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature)
         parts = [

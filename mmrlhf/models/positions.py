@@ -7,13 +7,17 @@ sequence the engine sampled. This module only decides what each call sees:
 - padded: one call for the whole batch with the 0/1 attention mask (padding gets position 0 and is never attended);
 - packed: one call per sample on that sample's own tokens and vision items, so its positions restart at 0 exactly
   as if it were alone, then the samples are concatenated. A fourth row (first) carries plain per-sample text
-  positions: transformers reads it to build the block-diagonal causal mask of packed sequences.
+  positions: transformers reads it to build the block-diagonal causal mask of packed sequences;
+- grouped (shared prompt): one call per row on its prompt and longest response; every response of the row takes
+  the positions that follow the prompt, as in its own sequence (the mask comes from ``shared_prompt``).
 
 Always passing explicit positions matters: for a text-only batch transformers would otherwise use ``arange(S)``,
 which ignores left padding.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -74,3 +78,41 @@ def packed_position_ids(
         text = torch.arange(len(sample_ids), device=ids.device, dtype=mrope.dtype).view(1, 1, -1)  # [1, 1, L_i]
         rows.append(torch.cat([text, mrope], dim=0))  # [4, 1, L_i]
     return torch.cat(rows, dim=2)  # [4, 1, T]
+
+
+def grouped_position_ids(
+    adapter: FamilyAdapter, samples: Any, vision_extra: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """[3, G, L] M-RoPE positions of a grouped batch (:class:`~mmrlhf.experience.grouped.GroupedSamples`).
+
+    Every response continues from its prompt exactly as in its own sequence: one rule call per row on the prompt
+    followed by the row's longest response (positions depend on token TYPES only, and responses are text), then
+    response k of the row takes the positions of the first ``len(k)`` tokens after the prompt. Padding gets 0.
+    """
+    seqs, types, segments = samples.sequences, samples.mm_token_type_ids, samples.segment_ids  # [G, L] each
+    rows, width = seqs.shape
+    vision = split_vision_inputs(
+        samples.image_num or [0] * rows, samples.video_num or [0] * rows, samples.pixel_values,
+        samples.image_grid_thws, samples.pixel_values_videos, samples.video_grid_thws,
+    )
+    extras = _split_extra(vision_extra, samples.video_num or [0] * rows)
+    out = torch.zeros(3, rows, width, dtype=torch.long, device=seqs.device)  # [3, G, L]
+    prompt_len = samples.prompt_lengths.tolist()
+    for g in range(rows):
+        p = prompt_len[g]
+        seg = segments[g]  # [L]
+        longest = int(torch.bincount(seg[seg > 0]).max()) if bool((seg > 0).any()) else 0
+        first = int(torch.nonzero(seg > 0)[0]) if longest else p
+        row_types = torch.cat([types[g, :p], types.new_zeros(longest)])  # [p + longest] responses are text
+        row_ids = torch.cat([seqs[g, :p], seqs[g, first: first + 1].expand(longest)])  # ids only carry the device
+        try:
+            pos = adapter.rope_index(row_ids[None], row_types[None], image_grid_thw=vision[g].get("image_grid_thw"),
+                                     video_grid_thw=vision[g].get("video_grid_thw"), attention_mask=None,
+                                     **extras[g])[:, 0]  # [3, p + longest]
+        except ValueError as exc:
+            raise ValueError(f"grouped row {g}: {exc}") from exc
+        out[:, g, :p] = pos[:, :p]
+        for k in range(1, int(seg.max()) + 1):
+            cols = torch.nonzero(seg == k).reshape(-1)  # [R_k] consecutive columns of response k
+            out[:, g, cols] = pos[:, p: p + cols.numel()]
+    return out

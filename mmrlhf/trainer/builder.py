@@ -44,7 +44,17 @@ def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdat
         norm_len=a.loss_agg_norm_len, entropy_coef=a.entropy_coef, kl_loss_coef=a.kl_loss_coef,
         kl_loss_estimator=a.kl_loss_estimator, high_entropy_top_p=a.high_entropy_top_p, correction=correction,
         correction_level=a.rollout_correction_level, correction_cap=a.rollout_correction_cap,
-        correction_lower=a.rollout_correction_lower, packing=t.packing_samples)
+        correction_lower=a.rollout_correction_lower, packing=t.packing_samples, **_layout(config))
+
+
+def _layout(config: MMRLHFConfig) -> dict[str, Any]:
+    """The forward layout keys the policy and critic updates share with the experience maker."""
+    from mmrlhf.models.shared_prompt import resolve_shared_prompt
+
+    t = config.trainer
+    return {"shared_prompt": resolve_shared_prompt(t.shared_prompt, config.model.attn_implementation,
+                                                   config.rollout.n_samples_per_prompt),
+            "shared_prompt_max_tokens": t.shared_prompt_max_tokens}
 
 
 def _engine_dtype(config: MMRLHFConfig) -> str:
@@ -106,7 +116,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
                               max_consecutive=t.max_consecutive_nonfinite, name=name)
 
     correction = resolve_rollout_correction(a, _engine_dtype(config), config.model.dtype)
-    logger.info("rollout correction: %s", correction)
+    logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
+                "on" if _layout(config)["shared_prompt"] else "off")
     pad_id = stack.tokenizer.pad_token_id
     policy = PolicyUpdater(stack.actor, stepper(stack.actor, t.lr, "policy"),
                            policy_update_settings(config, correction), pad_id=pad_id, device=device)
@@ -116,7 +127,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
             critic, stepper(critic, t.critic_lr, "critic"),
             CriticUpdateSettings(train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
                                  ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
-                                 agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples),
+                                 agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples,
+                                 **_layout(config)),
             pad_id=pad_id, adapter=stack.actor.adapter, device=device)
 
     if d.prompt_data:

@@ -11,7 +11,7 @@ import torch
 
 from mmrlhf.algorithms.losses import value_loss
 from mmrlhf.algorithms.masked import agg_count
-from mmrlhf.experience.batching import TrainItem, collate
+from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
 
@@ -25,6 +25,8 @@ class CriticUpdateSettings:
     agg: str = "token-mean"
     norm_len: int | None = None
     packing: bool = False
+    shared_prompt: bool = False  # grouped layout (each prompt once per row); wins over packing
+    shared_prompt_max_tokens: int | None = None
     shuffle: bool = True
 
 
@@ -46,7 +48,8 @@ class CriticUpdater:
 
         def micro_loss(micro: list[int], denom: float) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
-                            adapter=self.adapter).to(self.device)
+                            adapter=self.adapter, shared_prompt=s.shared_prompt,
+                            max_row_tokens=s.shared_prompt_max_tokens).to(self.device)
             values = self.critic(batch.samples, vision_extra=batch.vision_extra)  # [b, A]
             tok = batch.token
             loss, metrics = value_loss(values, tok["values"], tok["returns"], tok["loss_mask"], clip=s.value_clip,
@@ -56,4 +59,5 @@ class CriticUpdater:
 
         return run_minibatches(counts, batch_size=s.train_batch_size, micro_size=s.micro_batch_size,
                                epochs=s.ppo_epochs, generator=generator if s.shuffle else None, stepper=self.stepper,
-                               micro_loss=micro_loss, prefix="critic/")
+                               micro_loss=micro_loss, prefix="critic/",
+                               groups=group_keys(items))

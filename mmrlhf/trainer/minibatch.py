@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -24,12 +24,34 @@ class NonFiniteError(RuntimeError):
     """Too many optimiser steps in a row had a non-finite loss or gradient: training stops."""
 
 
-def minibatches(n: int, batch_size: int, micro_size: int, epochs: int,
-                generator: torch.Generator | None) -> Iterator[tuple[int, list[list[int]]]]:
-    """``(epoch, micro-batches of one mini-batch)`` over ``n`` items: a fresh permutation per epoch (in order when
-    ``generator`` is None); the last mini-batch of an epoch may be smaller, never empty."""
+def epoch_order(n: int, generator: torch.Generator | None, groups: Sequence[Hashable] | None = None) -> list[int]:
+    """One epoch's item order: in order without ``generator``; else a random permutation that keeps the items of
+    one group (equal ``groups[i]``, e.g. the same prompt) next to each other: groups in random order, members
+    shuffled within. Adjacent siblings land in the same micro-batch, where the shared-prompt layout encodes their
+    prompt once; mini-batches then hold whole groups, as GRPO's per-group statistics suggest anyway."""
+    if generator is None:
+        return list(range(n))
+    if groups is None:
+        return torch.randperm(n, generator=generator).tolist()
+    if len(groups) != n:
+        raise ValueError(f"{len(groups)} group keys for {n} items")
+    members: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(groups):
+        members.setdefault(key, []).append(i)
+    ordered = list(members.values())
+    order: list[int] = []
+    for g in torch.randperm(len(ordered), generator=generator).tolist():
+        inner = ordered[g]
+        order.extend(inner[j] for j in torch.randperm(len(inner), generator=generator).tolist())
+    return order
+
+
+def minibatches(n: int, batch_size: int, micro_size: int, epochs: int, generator: torch.Generator | None,
+                groups: Sequence[Hashable] | None = None) -> Iterator[tuple[int, list[list[int]]]]:
+    """``(epoch, micro-batches of one mini-batch)`` over ``n`` items: a fresh :func:`epoch_order` per epoch; the
+    last mini-batch of an epoch may be smaller, never empty."""
     for epoch in range(epochs):
-        order = torch.randperm(n, generator=generator).tolist() if generator is not None else list(range(n))
+        order = epoch_order(n, generator, groups)
         for s in range(0, n, batch_size):
             mini = order[s: s + batch_size]
             yield epoch, [mini[m: m + micro_size] for m in range(0, len(mini), micro_size)]
@@ -109,13 +131,14 @@ class GuardedStepper:
 def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int, epochs: int,
                     generator: torch.Generator | None, stepper: GuardedStepper,
                     micro_loss: Callable[[list[int], float], tuple[torch.Tensor, dict]],
-                    prefix: str) -> dict[str, float]:
+                    prefix: str, groups: Sequence[Hashable] | None = None) -> dict[str, float]:
     """The update loop over ``len(counts)`` items; ``counts[i]`` is item ``i``'s aggregation count (tokens or 1 per
     response). ``micro_loss(micro, denominator)`` returns the micro-batch's share of its mini-batch loss (divided by
     ``denominator``, the mini-batch's total count) and its metrics. Returns ``prefix``-ed metrics: count-weighted
-    means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped, the LR."""
+    means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped, the LR.
+    ``groups``: per-item group keys that shuffling keeps together (see :func:`epoch_order`)."""
     sums, norms, skipped = MetricSums(), [], 0
-    for _, micros in minibatches(len(counts), batch_size, micro_size, epochs, generator):
+    for _, micros in minibatches(len(counts), batch_size, micro_size, epochs, generator, groups):
         denominator = sum(counts[i] for m in micros for i in m)
         finite = True
         for micro in micros:

@@ -23,7 +23,7 @@ from mmrlhf.algorithms.kl import kl_loss
 from mmrlhf.algorithms.losses import policy_loss
 from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.algorithms.rollout_correction import rollout_correction
-from mmrlhf.experience.batching import TrainItem, collate
+from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
 
@@ -49,6 +49,8 @@ class PolicyUpdateSettings:
     correction_cap: float = 2.0
     correction_lower: float = 0.0
     packing: bool = False
+    shared_prompt: bool = False  # grouped layout (each prompt once per row); wins over packing
+    shared_prompt_max_tokens: int | None = None
     shuffle: bool = True
 
 
@@ -107,7 +109,8 @@ class PolicyUpdater:
 
         def micro_loss(micro: list[int], denom: float) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
-                            adapter=self.actor.adapter).to(self.device)
+                            adapter=self.actor.adapter, shared_prompt=s.shared_prompt,
+                            max_row_tokens=s.shared_prompt_max_tokens).to(self.device)
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
                              return_entropy=s.entropy_coef > 0)
             tok, mask = batch.token, batch.token["policy_mask"]
@@ -130,4 +133,5 @@ class PolicyUpdater:
 
         return run_minibatches(counts, batch_size=s.train_batch_size, micro_size=s.micro_batch_size,
                                epochs=s.ppo_epochs, generator=generator if s.shuffle else None, stepper=self.stepper,
-                               micro_loss=micro_loss, prefix="policy/")
+                               micro_loss=micro_loss, prefix="policy/",
+                               groups=group_keys(items))

@@ -1,5 +1,5 @@
 """Re-batching for training: items split from experience and collated again (any order, other micro-batch sizes,
-padded or packed) reproduce the forward the experience was scored with."""
+padded, packed or grouped by shared prompt) reproduce the forward the experience was scored with."""
 
 from __future__ import annotations
 
@@ -39,11 +39,15 @@ def test_split_and_collate_reproduce_the_scored_log_probs(family, packed):
     items = [it for e in exps for it in split_experience(e)]
     assert len(items) == sum(int(e.info["response_length"].shape[0]) for e in exps) == 10
     assert any(it.vision_extra for it in items) == (family == "qwen2_5_vl")  # video extras travel per sample
-    order = [7, 2, 9, 0, 5, 1, 8, 3, 6, 4]  # shuffled, other micro-batch sizes, the other layout too
-    for layout in (packed, not packed):
+    order = [7, 2, 9, 0, 5, 1, 8, 3, 6, 4]  # shuffled, other micro-batch sizes, the other layouts too
+    orders = {"scattered": order, "grouped": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]}  # siblings together: shared rows
+    for layout, shared in ((packed, False), (not packed, False), (False, True)):
         for start in range(0, 10, 4):
-            chosen = [items[i] for i in order[start:start + 4]]
-            batch = collate(chosen, packed=layout, pad_id=processor.tokenizer.pad_token_id, adapter=actor.adapter)
+            chosen = [items[i] for i in orders["grouped" if shared and start == 0 else "scattered"][start:start + 4]]
+            batch = collate(chosen, packed=layout, pad_id=processor.tokenizer.pad_token_id, adapter=actor.adapter,
+                            shared_prompt=shared)
+            if shared and start == 0:
+                assert batch.samples.num_rows == 2  # 2 prompts x 2 samples: one row each
             with torch.no_grad():
                 out = actor(batch.samples, vision_extra=batch.vision_extra)
             m = batch.token["loss_mask"]

@@ -132,3 +132,40 @@ def test_reports_and_curves_show_the_last_rollout(tmp_path):
 
     assert all(html_lib.escape(t) in html for t in texts if t.strip())
     assert "step 2</h1>" in html
+
+
+def test_shared_prompt_on_and_off_train_alike(tmp_path, monkeypatch):
+    """The shared-prompt layout changes how the forwards are laid out, not what they compute: two steps (two PPO
+    epochs each, micro-batches of whole groups) give the same per-step metrics with it on and off, and the run
+    with it on really scored and trained through grouped rows."""
+    import mmrlhf.experience.batching as batching
+    import mmrlhf.experience.fast_maker as fast_maker
+
+    calls = {"maker": 0, "update": 0}
+
+    def spy(where, real):
+        def wrapped(*args, **kwargs):
+            calls[where] += 1
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(fast_maker, "build_grouped_samples", spy("maker", fast_maker.build_grouped_samples))
+    monkeypatch.setattr(batching, "build_grouped_samples", spy("update", batching.build_grouped_samples))
+    extra = {"max_steps": 2, "ppo_epochs": 2}
+    sections = {"reward": {"label_map": {"parity": {"type": "function", "function": "trainer_helpers:parity_reward"}},
+                           "default_recipe": [["parity", 1.0]]},
+                "algorithm": {"entropy_coef": 0.01, "kl_loss_coef": 0.01}}  # the entropy and reference paths too
+    _fit(toy_config(tmp_path / "off", trainer={"shared_prompt": False, **extra}, **sections))
+    assert calls == {"maker": 0, "update": 0}
+    _fit(toy_config(tmp_path / "on", trainer={"shared_prompt": True, **extra}, **sections))
+    assert calls["maker"] >= 2 and calls["update"] >= 2 * 2 * 2  # every scoring and every update micro-batch
+    a, b = metrics_rows(tmp_path / "off"), metrics_rows(tmp_path / "on")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b):
+        sa, sb = stable(ra), stable(rb)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-5), (ra["step"], k)
+    for row in a:  # the updates did something, so their equality is not vacuous
+        assert row["policy/grad_norm"] > 1e-3 and row["groups/with_variance_frac"] > 0
+    assert stable(a[0])["policy/pg_loss"] != stable(a[1])["policy/pg_loss"]

@@ -46,6 +46,12 @@ def constant_reward(responses, prompts, labels, references):
     return [1.0] * len(responses)
 
 
+def parity_reward(responses, prompts, labels, references):
+    """1 when the response's characters sum to an even code: varies within groups of a random tiny model, so GRPO
+    has advantages to learn from (the toy task's reward is ~0 everywhere for an untrained model)."""
+    return [float(sum(map(ord, r)) % 2 == 0) for r in responses]
+
+
 FLAKY_CALLS: list[int] = []
 
 
