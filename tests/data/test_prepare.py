@@ -125,6 +125,14 @@ def test_bad_rows_raise_naming_record_field_and_file(tmp_path):
         prepare("video_qa", [str(tmp_path / "v.jsonl")], str(tmp_path / "vo.jsonl"))
 
 
+def test_duplicate_ids_are_an_error(tmp_path):
+    img = {"bytes": published_data.png_bytes(2), "path": None}
+    src = _parquet(tmp_path / "d.parquet", [{"id": "a", "images": [img], "problem": "Find x.", "answer": "1"},
+                                            {"id": "a", "images": [img], "problem": "Find y.", "answer": "2"}])
+    with pytest.raises(DataError, match=r"record 1 \(id='a'\), field 'id'.*duplicate id 'a'"):
+        prepare("geometry3k", [src], str(tmp_path / "d.jsonl"))
+
+
 def test_an_answer_outside_the_options_is_an_error(tmp_path):
     img = {"bytes": published_data.png_bytes(1), "path": None}
     src = _parquet(tmp_path / "m.parquet", [{"image_1": img, "image_2": img, "question": "Same?",
