@@ -55,6 +55,20 @@ def test_geometry3k_parquet_round_trips_prompts_images_and_answers(tmp_path, ima
                                       _raw_pixels(row["images"][0]["bytes"]))
 
 
+def test_geometry3k_from_a_save_to_disk_folder_with_image_features(tmp_path):
+    """The same release loaded with `datasets` and saved (Image features, decoded on access) converts alike."""
+    datasets = pytest.importorskip("datasets")
+    _, rows = published_data.geometry3k(tmp_path / "raw", n=2)
+    features = datasets.Features({"images": datasets.List(datasets.Image()), "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+    prepare("geometry3k", [str(tmp_path / "saved")], str(tmp_path / "out" / "train.jsonl"))
+    records = _load(tmp_path / "out" / "train.jsonl")
+    assert [r.reference for r in records] == [row["answer"] for row in rows]
+    np.testing.assert_array_equal(_pixels(records[1].images[0], records[1].base_dir),
+                                  _raw_pixels(rows[1]["images"][0]["bytes"]))
+
+
 def test_clevr_count_json_with_image_paths_and_wrapped_answers(tmp_path):
     src, rows = published_data.clevr_count(tmp_path / "raw")
     out = tmp_path / "out" / "clevr.jsonl"

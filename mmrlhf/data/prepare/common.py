@@ -257,14 +257,14 @@ def convert(converter: Converter, inputs: list[str], output: str, *, images: Ima
         with open(tmp, "w", encoding="utf-8") as f:
             for row in iter_rows(inputs, limit):
                 try:
-                    record = converter(row, store)
-                    if record["id"] in seen_ids:
-                        raise row.fail(f"duplicate id {record['id']!r}", "id")
+                    converted = converter(row, store)
+                    if converted["id"] in seen_ids:
+                        raise row.fail(f"duplicate id {converted['id']!r}", "id")
                 except DataError as err:
                     skips.handle(err)
                     continue
-                seen_ids.add(record["id"])
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                seen_ids.add(converted["id"])
+                f.write(json.dumps(converted, ensure_ascii=False) + "\n")
                 written += 1
         if written == 0:
             raise ValueError(f"no record converted from {', '.join(inputs)} (skipped: {dict(skips.counts)})")
