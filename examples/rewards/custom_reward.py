@@ -4,9 +4,19 @@ The contract: ``fn(responses, prompts, labels, references, **extra_columns)`` re
 a float, ``None`` ("does not apply to this sample"), or a dict of named parts with an ``overall`` part (the score
 the recipe weighs; the other parts are logged as ``reward/<source>/<part>/mean``). Async functions work too.
 
-Extra dataset columns arrive as keyword arguments when the function names them (here ``max_words``); images arrive
-as ``images`` (lists of PIL images) when the batch carries them. Score the RESPONSE: the prompt is given for
-context, and reusing it for format checks would reward text the policy never wrote.
+Extra columns arrive as keyword arguments when the function names them (here ``max_words``): from
+``RewardBatch.extra`` when you call the reward engine yourself, or from a request's ``extra`` on ``mmrlhf
+serve-reward``. ``mmrlhf train`` hands rewards no dataset columns besides labels and references, so keep such
+arguments optional, as ``max_words`` is. Images arrive as ``images`` (lists of PIL images) when the batch carries
+them. Score the RESPONSE: the prompt is given for context, and reusing it for format checks would reward text the
+policy never wrote.
+
+Use it in a recipe as a function source (``reward.label_map.<name>: {type: function, function:
+examples/rewards/custom_reward.py:score, options: {format_weight: 0.1}}``, a path relative to where you start
+``mmrlhf train``), or serve it to several trainers:
+``mmrlhf serve-reward --reward examples/rewards/custom_reward.py:score --options '{"format_weight": 0.0}'``
+(examples/grpo_geometry3k_remote_reward.yaml). Served, it runs in the server's thread pool, so keep it free of
+shared mutable state; there ``math_equal`` runs without math-verify's signal timeout (it needs the main thread).
 """
 
 from __future__ import annotations
