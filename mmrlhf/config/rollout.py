@@ -42,9 +42,10 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take (ignored on CPU)."""
     enable_sleep: bool = False
-    """Create the vLLM engine with sleep mode (CUDA only; ignored elsewhere), so that its ``sleep()`` / ``wake_up()``
-    can release and restore its GPU memory. The training loop does not call them yet: on its own this key frees no
-    memory during training (see docs/gpu.md)."""
+    """vLLM sleep mode (CUDA only; ignored elsewhere): each training step puts the engine to sleep after generation
+    (weights offloaded to CPU memory, KV cache freed) so the experience forwards and the updates get its GPU memory,
+    and wakes it before the weight sync. Costs the offload and reload time per step (``time/engine_sleep``,
+    ``time/engine_wake``); see docs/gpu.md."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation in vLLM (required on CPU; slower on GPU)."""
     max_model_len: int = Field(default=4096, ge=16)

@@ -120,18 +120,30 @@ class Trainer:
                            self.state.step + 1)
             metrics["train/empty_steps"] = float(self.state.empty_steps)
             return metrics
-        with _timed(seconds, "experience"):
-            experiences = p.maker.experiences_from(rollout)
-            items = [item for exp in experiences for item in split_experience(exp)]
-            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
-            metrics.update(prepare_policy_targets(items, p.policy.s))
-            metrics.update(_entropy_metric(items))
-        with _timed(seconds, "policy_update"):
-            metrics.update(p.policy.update(items, temperature=scoring_temperature(rollout.sampling),
-                                           generator=p.shuffle))
-        if p.critic is not None:
-            with _timed(seconds, "critic_update"):
-                metrics.update(p.critic.update(items, generator=p.shuffle))
+        engine = p.maker.engine
+        # A sleeping engine (vLLM sleep mode, rollout.enable_sleep on CUDA) hands its GPU memory to the forwards and
+        # the updates; it wakes (weights back, KV cache re-allocated) before the sync, even if the update fails.
+        asleep = bool(getattr(engine, "supports_sleep", False))
+        if asleep:
+            with _timed(seconds, "engine_sleep"):
+                engine.sleep()
+        try:
+            with _timed(seconds, "experience"):
+                experiences = p.maker.experiences_from(rollout)
+                items = [item for exp in experiences for item in split_experience(exp)]
+                metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
+                metrics.update(prepare_policy_targets(items, p.policy.s))
+                metrics.update(_entropy_metric(items))
+            with _timed(seconds, "policy_update"):
+                metrics.update(p.policy.update(items, temperature=scoring_temperature(rollout.sampling),
+                                               generator=p.shuffle))
+            if p.critic is not None:
+                with _timed(seconds, "critic_update"):
+                    metrics.update(p.critic.update(items, generator=p.shuffle))
+        finally:
+            if asleep:
+                with _timed(seconds, "engine_wake"):
+                    engine.wake_up()
         with _timed(seconds, "sync"):
             metrics.update(sync_weights(p.policy.actor.model, p.maker.engine,
                                         only_trainable=self.s.sync_only_trainable))

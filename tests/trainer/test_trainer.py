@@ -169,3 +169,46 @@ def test_shared_prompt_on_and_off_train_alike(tmp_path, monkeypatch):
     for row in a:  # the updates did something, so their equality is not vacuous
         assert row["policy/grad_norm"] > 1e-3 and row["groups/with_variance_frac"] > 0
     assert stable(a[0])["policy/pg_loss"] != stable(a[1])["policy/pg_loss"]
+
+
+def test_a_sleeping_engine_sleeps_through_the_update_and_wakes_before_the_sync(tmp_path):
+    """rollout.enable_sleep: the loop puts an engine that supports sleep to sleep after generation and wakes it
+    before the weight sync, also when the update raises (a recording engine: vLLM sleep needs CUDA)."""
+    trainer = build_trainer(toy_config(tmp_path / "sleep", trainer={"max_steps": 1}))
+    engine = trainer.p.maker.engine
+    calls: list[str] = []
+    real_generate, real_update = engine.generate, engine.update_weights
+
+    def generate(*args, **kwargs):
+        calls.append("generate")
+        return real_generate(*args, **kwargs)
+
+    def update_weights(*args, **kwargs):
+        calls.append("update_weights")
+        return real_update(*args, **kwargs)
+
+    engine.generate, engine.update_weights = generate, update_weights
+    engine.sleep, engine.wake_up = (lambda: calls.append("sleep")), (lambda: calls.append("wake_up"))
+    engine.supports_sleep = True
+    metrics = trainer.train_step()
+    first_sync = calls.index("update_weights")
+    assert calls[:first_sync].count("generate") >= 1
+    assert calls.index("sleep") > max(i for i, c in enumerate(calls) if c == "generate")
+    assert calls.index("sleep") < calls.index("wake_up") < first_sync
+    assert "time/engine_sleep" in metrics and "time/engine_wake" in metrics
+
+    calls.clear()
+
+    def broken_update(*args, **kwargs):
+        raise RuntimeError("update failed")
+
+    trainer.p.policy.update = broken_update
+    with pytest.raises(RuntimeError, match="update failed"):
+        trainer.train_step()
+    assert calls[-2:] == ["sleep", "wake_up"]  # woken up although the update raised
+    # control: an engine without sleep support is never put to sleep
+    calls.clear()
+    engine.supports_sleep = False
+    with pytest.raises(RuntimeError, match="update failed"):
+        trainer.train_step()
+    assert "sleep" not in calls and "wake_up" not in calls
