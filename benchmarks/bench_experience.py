@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = ap.parse_args()
 
     path = str(tiny_model_dir("qwen2_vl", args.size))
@@ -109,6 +110,24 @@ def main() -> None:
     print(f"{'what':<{width}}  {'amount':>14}  {'time':>10}  rate / share")
     for r in rows:
         print(f"{r[0]:<{width}}  {r[1]:>14}  {r[2]:>10}  {r[3]}")
+    if args.json:
+        from _results import table, write_json
+
+        rate_v, rate_h, total = res_v.num_tokens / t_vllm, res_h.num_tokens / t_hf, info["time/total"]
+        phases = [[name, seconds, 100 * seconds / total] for name, seconds in (
+            ("generate + actor + reference", inside), ("everything else", outside),
+            *((f"  {p}", info.get("time/" + p, 0.0)) for p in ("prepare", "build", "reward", "advantages", "other")))]
+        write_json(args.json, "experience",
+                   f"vLLM / transformers generate {rate_v / rate_h:.2f}x; experience making outside generation and "
+                   f"forwards {100 * outside / total:.1f}% (target < 10%)",
+                   {"model": f"qwen2_vl {args.size}", "prompts": args.prompts, "samples": args.samples,
+                    "new_tokens": args.new_tokens, "dtype": "bfloat16", "torch_threads": torch.get_num_threads()},
+                   [table("Rollout tokens/s, same requests, bfloat16 in both engines",
+                          ["engine", "tokens", "s", "tok/s", "vs transformers"],
+                          [["vLLM", res_v.num_tokens, t_vllm, rate_v, rate_v / rate_h],
+                           ["transformers generate", res_h.num_tokens, t_hf, rate_h, 1.0]]),
+                    table(f"make_experience_list on {int(info['samples'])} samples: where the time goes",
+                          ["part", "s", "share %"], phases)])
 
 
 if __name__ == "__main__":
