@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--recipe", default="examples/grpo_toy_shapes_cpu.yaml")
+    ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -87,6 +88,18 @@ def main() -> None:
     for name in ("generate", "forwards", "update", "sync", "other"):
         print(f"| {name} | {b[name]:.3f} | {100 * b[name] / b['step']:.1f}% |")
     print(f"| **step** | **{b['step']:.3f}** | 100% |")
+    if args.json:
+        from _results import table, write_json
+
+        names = ("generate", "forwards", "update", "sync", "other")
+        top = max(names, key=lambda n: b[n])
+        write_json(args.json, "grpo_step", f"{top} {100 * b[top] / b['step']:.0f}% of a GRPO step (qwen2_vl "
+                   f"{args.size}, {samples} samples)",
+                   {"size": args.size, "samples": samples, "new_tokens": config.rollout.max_new_tokens,
+                    "engine": config.rollout.engine, "steps": args.steps, "warmup": args.warmup,
+                    "overrides": " ".join(args.overrides)},
+                   [table("Mean seconds per timed step by phase", ["phase", "s / step", "share %"],
+                          [[n, b[n], 100 * b[n] / b["step"]] for n in names] + [["step", b["step"], 100.0]])])
 
 
 if __name__ == "__main__":
