@@ -68,7 +68,8 @@ def _child(method: str, tokens: int, chunk: int, backward: bool) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def bench_memory(quick: bool) -> list[list]:
+def bench_memory(quick: bool, modes: tuple[str, ...] = ("forward", "fwd+bwd"),
+                 target_tokens: int | None = None) -> list[list]:
     """Prints the table; returns its rows (mode, tokens, naive MB, chunked MB, chunked / naive %, extrapolated)."""
     chunk = 512
     rows = []
@@ -79,8 +80,11 @@ def bench_memory(quick: bool) -> list[list]:
           f"{'max|dlogp|':>12}{'max|dH|':>10}{'max|dgrad_h|':>14}")
     for backward in (False, True):
         mode = "fwd+bwd" if backward else "forward"
+        if mode not in modes:
+            continue
         # fwd+bwd costs 3 lm_head matmuls per token on 2 CPU cores: a smaller extrapolation target keeps it short
         target = (4096 if quick else 8192) if not backward else (2048 if quick else 4096)
+        target = target_tokens or target
         naive_peaks = []
         for n in naive_sizes:
             a, b = _child("naive", n, chunk, backward), _child("chunked", n, chunk, backward)
@@ -178,9 +182,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["memory", "throughput", "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    parser.add_argument("--memory-modes", nargs="+", choices=["forward", "fwd+bwd"], default=["forward", "fwd+bwd"])
+    parser.add_argument("--memory-target", type=int, help="tokens of the extrapolated row (default 8192 forward, "
+                        "4096 fwd+bwd; half with --quick)")
     parser.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = parser.parse_args()
-    memory = bench_memory(args.quick) if args.part in ("memory", "all") else None
+    memory = None
+    if args.part in ("memory", "all"):
+        memory = bench_memory(args.quick, tuple(args.memory_modes), args.memory_target)
     throughput = bench_throughput(args.quick) if args.part in ("throughput", "all") else None
     if args.json:
         _write_json(args, memory, throughput)
@@ -191,8 +200,9 @@ def _write_json(args, memory, throughput) -> None:
 
     tables, headline = [], []
     if memory:
-        largest = max((r for r in memory if r[0] == "forward"), key=lambda r: r[1])
-        headline.append(f"chunked log-probs peak {largest[4]:.1f}% of full logits' at {largest[1]} tokens")
+        largest = max(memory, key=lambda r: (r[0] == "forward", r[1]))
+        headline.append(f"chunked log-probs peak {largest[4]:.1f}% of full logits' at {largest[1]} tokens "
+                        f"({largest[0]})")
         tables.append(table(f"Peak memory growth of log-probs + entropy, vocab {VOCAB}, hidden {HIDDEN} (MB)",
                             ["mode", "tokens", "full logits MB", "chunked MB", "chunked / full %", "full side"],
                             memory))
