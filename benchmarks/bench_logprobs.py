@@ -95,6 +95,8 @@ def bench_memory(quick: bool, modes: tuple[str, ...] = ("forward", "fwd+bwd"),
             dg = f"{max(abs(x - y) for x, y in zip(a['grad_h'], b['grad_h'])):.2e}" if backward else "-"
             print(f"{mode:<9}{n:>8}{a['peak_mb']:>11.0f}{b['peak_mb']:>12.0f}{b['peak_mb'] / a['peak_mb']:>8.1%}"
                   f"{a['seconds']:>9.2f}{b['seconds']:>9.2f}{dl:>12.2e}{de:>10.2e}{dg:>14}")
+        if target <= naive_sizes[-1]:  # nothing beyond the measured sizes to extrapolate to
+            continue
         # naive memory is linear in tokens: extrapolate from the two measured sizes
         slope = (naive_peaks[1] - naive_peaks[0]) / (naive_sizes[1] - naive_sizes[0])
         naive_target = naive_peaks[1] + slope * (target - naive_sizes[1])
@@ -184,7 +186,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument("--memory-modes", nargs="+", choices=["forward", "fwd+bwd"], default=["forward", "fwd+bwd"])
     parser.add_argument("--memory-target", type=int, help="tokens of the extrapolated row (default 8192 forward, "
-                        "4096 fwd+bwd; half with --quick)")
+                        "4096 fwd+bwd; half with --quick; one at or below the measured sizes adds no row)")
     parser.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = parser.parse_args()
     memory = None
