@@ -280,7 +280,8 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
         numeric = all(isinstance(r[col_index], (int, float)) or r[col_index] is None for r in rows) and rows
         return "---:" if numeric else "---"
 
-    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join(align(i) for i in range(len(columns))) + " |"]
+    lines = ["| " + " | ".join(fmt(c) for c in columns) + " |",
+             "| " + " | ".join(align(i) for i in range(len(columns))) + " |"]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 

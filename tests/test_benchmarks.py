@@ -38,7 +38,8 @@ ap.add_argument("--json")
 args = ap.parse_args()
 print("plain table for humans")
 write_json(args.json, "fake_ok", f"ratio {{2.5 * args.size:.2f}}x", {{"size": args.size}},
-           [table("speeds", ["engine", "tok/s", "vs base"], [["a", 1234.5678, 2.5 * args.size], ["b", 493.8, None]])])
+           [table("speeds", ["engine", "tok/s", "vs base", "max |d|"],
+                  [["a", 1234.5678, 2.5 * args.size, 1e-6], ["b", 493.8, None, None]])])
 """
 CRASH_SCRIPT = """
 import sys
@@ -90,7 +91,8 @@ def test_suite_reports_every_benchmark_with_machine_and_failures(tmp_path):
     assert "| fake_crash | failed |" in md and "**FAILED**: exit status 3" in md
     assert "| fake_hang | timeout |" in md
     assert "RuntimeError: boom in the engine" in md  # the stderr tail is shown under the failed benchmark
-    assert "| a | 1235 | 5 |" in md and "| b | 494 | - |" in md  # three significant figures; None -> dash
+    assert "| engine | tok/s | vs base | max \\|d\\| |" in md  # a '|' in a cell or header must not split it
+    assert "| a | 1235 | 5 | 1.00e-06 |" in md and "| b | 494 | - | - |" in md  # 3 significant figures; None: -
 
 
 def test_quick_mode_uses_the_quick_arguments(tmp_path):
