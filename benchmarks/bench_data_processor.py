@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")
     parser.add_argument("--repeats", type=int, default=7, help="runs per size; each column reports its fastest")
     parser.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"])
+    parser.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = parser.parse_args()
 
     rows = run(args.sizes, args.n, args.repeats, args.family)
@@ -113,12 +114,33 @@ def main() -> None:
         print(f"{size:>7} {samples:>7} {total:>8.3f} {tmpl:>10.3f} {tok:>11.3f} {proc:>11.3f} {other:>8.3f} "
               f"{100 * other / total:>6.1f}% {1000 * total / size:>9.3f}")
     by_size = {r[0]: r for r in rows}
+    scaling = []
     for a, b in zip(args.sizes, args.sizes[1:]):
         ra, rb = by_size[a], by_size[b]
         linear = b / a
+        scaling.append([f"{a} -> {b}", linear, rb[2] / ra[2], rb[2] / ra[2] / linear, rb[6] / ra[6] / linear])
         print(f"scaling {a} -> {b} prompts (linear = {linear:.1f}x): total {rb[2] / ra[2]:.2f}x "
               f"({rb[2] / ra[2] / linear:.2f} of linear), other {rb[6] / ra[6]:.2f}x "
               f"({rb[6] / ra[6] / linear:.2f} of linear)")
+    if args.json:
+        _write_json(args, rows, scaling)
+
+
+def _write_json(args, rows, scaling) -> None:
+    from _results import table, write_json
+
+    big = rows[-1]
+    headline = f"{100 * big[6] / big[2]:.1f}% of the time outside the HF calls at {big[0]} prompts"
+    if scaling:
+        headline += f"; {scaling[-1][0]} prompts: {scaling[-1][3]:.2f} of linear"
+    write_json(args.json, "data_processor", headline,
+               {"family": args.family, "n": args.n, "repeats": args.repeats},
+               [table("Fastest of the repeats per column; 'other' is the time outside the chat template, tokenizer "
+                      "and processor calls", ["prompts", "samples", "total s", "HF calls s", "other s", "other %"],
+                      [[size, samples, total, tmpl + tok + proc, other, 100 * other / total]
+                       for size, samples, total, tmpl, tok, proc, other in rows]),
+                table("Scaling (1.00 of linear = time grows exactly with the batch)",
+                      ["prompts", "linear x", "total x", "total, of linear", "other, of linear"], scaling)])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ With the "small" random Qwen2-VL (~29 M parameters): P prompts with one image x 
   2. the share of ``FastExperienceMaker.make_experience_list`` wall time spent outside generation and the
      actor / reference forwards (target < 10%).
 
-Run:  python benchmarks/bench_experience.py [--prompts 32] [--samples 4] [--new-tokens 128]
+Run:  python benchmarks/bench_experience.py [--prompts 32] [--samples 4] [--new-tokens 128] [--dtype float32]
 (``min_new_tokens = max_new_tokens`` so both engines produce exactly the same number of tokens.)
 """
 
@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="both engines' precision (CPUs without bf16 hardware emulate bfloat16: float32 is faster)")
+    ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = ap.parse_args()
 
     path = str(tiny_model_dir("qwen2_vl", args.size))
@@ -61,7 +64,7 @@ def main() -> None:
     settings = SamplingSettings(n=args.samples, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                 seed=0)
 
-    engine = VLLMEngine(path, adapter, max_model_len=1024, dtype="bfloat16")
+    engine = VLLMEngine(path, adapter, max_model_len=1024, dtype=args.dtype)
     maker_settings = ExperienceSettings(n_samples_per_prompt=args.samples, micro_batch_size=16,
                                         need_reference=True, kl_in_reward=True)
     actor = ActorVL.from_pretrained(path, dtype=torch.float32).eval()
@@ -79,7 +82,7 @@ def main() -> None:
     res_v = engine.generate(reqs, settings)
     t_vllm = time.perf_counter() - t0
 
-    hf_model = ActorVL.from_pretrained(path, dtype=torch.bfloat16).model.eval()
+    hf_model = ActorVL.from_pretrained(path, dtype=getattr(torch, args.dtype)).model.eval()
     hf = HFGenerateEngine(hf_model, adapter, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                           pad_token_id=tok.pad_token_id, max_model_len=1024, batch_size=args.prompts)
     hf.generate(reqs[:1], SamplingSettings(n=1, max_new_tokens=4, min_new_tokens=4, seed=0))  # warm-up
@@ -94,7 +97,7 @@ def main() -> None:
 
     rows = [
         ("vLLM generate", f"{res_v.num_tokens} tokens", f"{t_vllm:.2f} s", f"{res_v.num_tokens / t_vllm:.0f} tok/s"),
-        ("transformers generate (bf16)", f"{res_h.num_tokens} tokens", f"{t_hf:.2f} s",
+        (f"transformers generate ({args.dtype})", f"{res_h.num_tokens} tokens", f"{t_hf:.2f} s",
          f"{res_h.num_tokens / t_hf:.0f} tok/s"),
         ("ratio vLLM / transformers", "", "", f"{(res_v.num_tokens / t_vllm) / (res_h.num_tokens / t_hf):.2f}x"),
         ("make_experience_list total", f"{int(info['samples'])} samples", f"{info['time/total']:.2f} s", ""),
@@ -109,6 +112,24 @@ def main() -> None:
     print(f"{'what':<{width}}  {'amount':>14}  {'time':>10}  rate / share")
     for r in rows:
         print(f"{r[0]:<{width}}  {r[1]:>14}  {r[2]:>10}  {r[3]}")
+    if args.json:
+        from _results import table, write_json
+
+        rate_v, rate_h, total = res_v.num_tokens / t_vllm, res_h.num_tokens / t_hf, info["time/total"]
+        phases = [[name, seconds, 100 * seconds / total] for name, seconds in (
+            ("generate + actor + reference", inside), ("everything else", outside),
+            *((f"  {p}", info.get("time/" + p, 0.0)) for p in ("prepare", "build", "reward", "advantages", "other")))]
+        write_json(args.json, "experience",
+                   f"vLLM / transformers generate {rate_v / rate_h:.2f}x; experience making outside generation and "
+                   f"forwards {100 * outside / total:.1f}% (target < 10%)",
+                   {"model": f"qwen2_vl {args.size}", "prompts": args.prompts, "samples": args.samples,
+                    "new_tokens": args.new_tokens, "dtype": args.dtype, "torch_threads": torch.get_num_threads()},
+                   [table(f"Rollout tokens/s, same requests, {args.dtype} in both engines",
+                          ["engine", "tokens", "s", "tok/s", "vs transformers"],
+                          [["vLLM", res_v.num_tokens, t_vllm, rate_v, rate_v / rate_h],
+                           ["transformers generate", res_h.num_tokens, t_hf, rate_h, 1.0]]),
+                    table(f"make_experience_list on {int(info['samples'])} samples: where the time goes",
+                          ["part", "s", "share %"], phases)])
 
 
 if __name__ == "__main__":

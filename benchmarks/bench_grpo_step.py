@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="examples/grpo_toy_shapes_cpu.yaml")
     ap.add_argument("--shared-prompt", default="both", choices=["both", "true", "false"],
                     help="trainer.shared_prompt of the run; both: off then on, side by side")
+    ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
 
@@ -110,6 +111,29 @@ def main() -> None:
             ratio = f" {results['false'][name] / max(results['true'][name], 1e-9):.2f}x |"
         label = f"**{name}**" if name == "step" else name
         print(f"| {label} | " + " | ".join(cells) + " |" + ratio)
+    if args.json:
+        from _results import table, write_json
+
+        phases = ("generate", "forwards", "update", "sync", "other", "step")
+        columns = ["phase"] + [f"{names[m]}: {c}" for m in modes for c in ("s / step", "share %")]
+        rows = [[n] + [v for m in modes for v in (results[m][n], 100 * results[m][n] / results[m]["step"])]
+                for n in phases]
+        if len(modes) == 2:
+            columns.append("off / on")
+            for row, n in zip(rows, phases):
+                row.append(results["false"][n] / max(results["true"][n], 1e-9))
+            headline = (f"shared prompt on: step {results['false']['step'] / results['true']['step']:.2f}x faster, "
+                        f"forwards {results['false']['forwards'] / max(results['true']['forwards'], 1e-9):.2f}x, "
+                        f"update {results['false']['update'] / max(results['true']['update'], 1e-9):.2f}x")
+        else:
+            b = results[modes[0]]
+            top = max(phases[:-1], key=lambda n: b[n])
+            headline = f"{top} {100 * b[top] / b['step']:.0f}% of a GRPO step"
+        write_json(args.json, "grpo_step", f"{headline} (qwen2_vl {args.size}, {samples} samples)",
+                   {"size": args.size, "samples": samples, "new_tokens": config.rollout.max_new_tokens,
+                    "engine": config.rollout.engine, "steps": args.steps, "warmup": args.warmup,
+                    "shared_prompt": args.shared_prompt, "overrides": " ".join(args.overrides)},
+                   [table("Mean seconds per timed step by phase", columns, rows)])
 
 
 if __name__ == "__main__":

@@ -68,8 +68,11 @@ def _child(method: str, tokens: int, chunk: int, backward: bool) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def bench_memory(quick: bool) -> None:
+def bench_memory(quick: bool, modes: tuple[str, ...] = ("forward", "fwd+bwd"),
+                 target_tokens: int | None = None) -> list[list]:
+    """Prints the table; returns its rows (mode, tokens, naive MB, chunked MB, chunked / naive %, extrapolated)."""
     chunk = 512
+    rows = []
     naive_sizes = [512, 1024] if quick else [1024, 2048]
     print(f"\n(i) log-probs + entropy memory, vocab {VOCAB}, hidden {HIDDEN}, chunk {chunk} "
           f"(peak RSS growth over the inputs, MB)")
@@ -77,25 +80,34 @@ def bench_memory(quick: bool) -> None:
           f"{'max|dlogp|':>12}{'max|dH|':>10}{'max|dgrad_h|':>14}")
     for backward in (False, True):
         mode = "fwd+bwd" if backward else "forward"
+        if mode not in modes:
+            continue
         # fwd+bwd costs 3 lm_head matmuls per token on 2 CPU cores: a smaller extrapolation target keeps it short
         target = (4096 if quick else 8192) if not backward else (2048 if quick else 4096)
+        target = target_tokens or target
         naive_peaks = []
         for n in naive_sizes:
             a, b = _child("naive", n, chunk, backward), _child("chunked", n, chunk, backward)
             naive_peaks.append(a["peak_mb"])
+            rows.append([mode, n, a["peak_mb"], b["peak_mb"], 100 * b["peak_mb"] / a["peak_mb"], "measured"])
             dl = max(abs(x - y) for x, y in zip(a["logp"], b["logp"]))
             de = max(abs(x - y) for x, y in zip(a["ent"], b["ent"]))
             dg = f"{max(abs(x - y) for x, y in zip(a['grad_h'], b['grad_h'])):.2e}" if backward else "-"
             print(f"{mode:<9}{n:>8}{a['peak_mb']:>11.0f}{b['peak_mb']:>12.0f}{b['peak_mb'] / a['peak_mb']:>8.1%}"
                   f"{a['seconds']:>9.2f}{b['seconds']:>9.2f}{dl:>12.2e}{de:>10.2e}{dg:>14}")
+        if target <= naive_sizes[-1]:  # nothing beyond the measured sizes to extrapolate to
+            continue
         # naive memory is linear in tokens: extrapolate from the two measured sizes
         slope = (naive_peaks[1] - naive_peaks[0]) / (naive_sizes[1] - naive_sizes[0])
         naive_target = naive_peaks[1] + slope * (target - naive_sizes[1])
         c = _child("chunked", target, chunk, backward)
+        rows.append([mode, target, naive_target, c["peak_mb"], 100 * c["peak_mb"] / naive_target,
+                     "naive extrapolated"])
         print(f"{mode:<9}{target:>8}{naive_target:>10.0f}*{c['peak_mb']:>12.0f}{c['peak_mb'] / naive_target:>8.1%}"
               f"{'-':>9}{c['seconds']:>9.2f}")
     print("  * naive extrapolated linearly from its two measured sizes (its [N, V] float32 logits alone are "
           f"{8192 * VOCAB * 4 / 2**20:.0f} MB at 8192 tokens; measuring it would take most of this shared machine)")
+    return rows
 
 
 # ---- (ii) throughput ----------------------------------------------------------------------------------------
@@ -110,7 +122,8 @@ def skewed_lengths(batch: int, low: int = 16, high: int = 512, seed: int = 0) ->
     return lengths
 
 
-def bench_throughput(quick: bool) -> None:
+def bench_throughput(quick: bool) -> list[list]:
+    """Prints the table; returns its rows (layout, tokens in, best s, real tok/s, speed-up vs padded)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -162,17 +175,45 @@ def bench_throughput(quick: bool) -> None:
         print(f"{name:<8}{tokens:>10}{sec:>9.2f}{real / sec:>12.0f}")
     print(f"speed-up packed / padded: {results['padded'][0] / results['packed'][0]:.2f}x   "
           f"max |log-prob difference|: {diff:.2e}")
+    return [[name, results[name][2], results[name][0], real / results[name][0],
+             results["padded"][0] / results[name][0], diff if name == "packed" else None]
+            for name in ("padded", "packed")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["memory", "throughput", "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    parser.add_argument("--memory-modes", nargs="+", choices=["forward", "fwd+bwd"], default=["forward", "fwd+bwd"])
+    parser.add_argument("--memory-target", type=int, help="tokens of the extrapolated row (default 8192 forward, "
+                        "4096 fwd+bwd; half with --quick; one at or below the measured sizes adds no row)")
+    parser.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = parser.parse_args()
+    memory = None
     if args.part in ("memory", "all"):
-        bench_memory(args.quick)
-    if args.part in ("throughput", "all"):
-        bench_throughput(args.quick)
+        memory = bench_memory(args.quick, tuple(args.memory_modes), args.memory_target)
+    throughput = bench_throughput(args.quick) if args.part in ("throughput", "all") else None
+    if args.json:
+        _write_json(args, memory, throughput)
+
+
+def _write_json(args, memory, throughput) -> None:
+    from _results import table, write_json
+
+    tables, headline = [], []
+    if memory:
+        largest = max(memory, key=lambda r: (r[0] == "forward", r[1]))
+        headline.append(f"chunked log-probs peak {largest[4]:.1f}% of full logits' at {largest[1]} tokens "
+                        f"({largest[0]})")
+        tables.append(table(f"Peak memory growth of log-probs + entropy, vocab {VOCAB}, hidden {HIDDEN} (MB)",
+                            ["mode", "tokens", "full logits MB", "chunked MB", "chunked / full %", "full side"],
+                            memory))
+    if throughput:
+        headline.append(f"packed / padded log-prob throughput {throughput[1][4]:.2f}x")
+        tables.append(table("ActorVL log-probs, small qwen2_vl, skewed response lengths (16..512)",
+                            ["layout", "tokens in", "best s", "real tok/s", "speed-up vs padded",
+                             "max |dlogp|"], throughput))
+    write_json(args.json, "logprobs", "; ".join(headline), {"part": args.part, "quick": args.quick}, tables)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="sending time per configuration")
     ap.add_argument("--samples", type=int, default=4, help="samples per request")
     ap.add_argument("--threads", default="1,8,32,64", help="pool sizes for the slow function ('': fast only)")
+    ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = ap.parse_args()
 
     slow = f"{Path(__file__).resolve()}:sleep_reward"
@@ -161,6 +162,7 @@ def main() -> None:
           f"per row; {os.cpu_count()} CPU cores shared by server and load generator\n")
     print("| reward | pool threads | requests | requests/s | p50 ms | p99 ms | slowest /health ms | not 200 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    rows = []
     for label, spec, threads in configs:
         server = Server("--reward", spec, "--threads", str(threads), "--max-concurrent", str(args.clients))
         try:
@@ -170,7 +172,23 @@ def main() -> None:
         other = ", ".join(f"{k}: {v}" for k, v in sorted(r["other"].items())) or "-"  # e.g. 503 (full)
         print(f"| {label} | {threads} | {r['done']} | {r['rps']:.1f} | {r['p50'] * 1e3:.0f} | "
               f"{r['p99'] * 1e3:.0f} | {r['health'] * 1e3:.0f} | {other} |", flush=True)
+        ideal = min(threads, args.clients) / SLOW_S if spec != "exact_match" else None
+        rows.append([label, threads, r["done"], r["rps"], r["p50"] * 1e3, r["p99"] * 1e3, r["health"] * 1e3,
+                     other, 100 * r["rps"] / ideal if ideal else None])
     print(f"\nideal for the slow function: min(threads, clients) / {SLOW_S} s requests/s")
+    if args.json:
+        from _results import table, write_json
+
+        fast = rows[0]
+        headline = (f"fast function {fast[3]:.0f} requests/s, p50 {fast[4]:.0f} ms / p99 {fast[5]:.0f} ms with "
+                    f"{args.clients} clients")
+        if len(rows) > 1:
+            headline += f"; {SLOW_S} s function at {rows[-1][1]} threads: {rows[-1][8]:.0f}% of ideal"
+        write_json(args.json, "reward_server", headline,
+                   {"clients": args.clients, "seconds": args.seconds, "samples_per_request": args.samples},
+                   [table(f"{args.clients} concurrent clients; ideal for the slow function = min(threads, clients) / "
+                          f"{SLOW_S} s", ["reward", "pool threads", "requests", "requests/s", "p50 ms", "p99 ms",
+                                          "slowest /health ms", "not 200", "% of ideal"], rows)])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Run:  python benchmarks/bench_shared_prompt.py [--size tiny|small] [--n 16] [--r
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -165,8 +164,21 @@ def main() -> None:
     print("\nvision calls: forwards of the vision tower per forward+backward (a layout encodes all its images in one "
           "call); patch rows: the work those calls do. log-prob / gradient differences are packed vs grouped.")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"benchmark": "shared_prompt", "args": vars(args), "rows": rows}, f, indent=2)
+        from _results import table, write_json
+
+        img = next(r for r in rows if r["case"] == "image-heavy")
+        txt = next(r for r in rows if r["case"] == "text-only")
+        columns = ["case", "prompt tokens", "answers", "decoder tokens padded", "packed", "grouped",
+                   "vision patch rows per-sample", "grouped", "padded s", "packed s", "grouped s",
+                   "speed-up vs best per-sample", "max log-prob diff", "max grad rel diff"]
+        cells = [[r["case"], r["prompt_tokens"], r["answer_tokens"], r["padded_tokens"], r["packed_tokens"],
+                  r["grouped_tokens"], r["packed_patch_rows"], r["grouped_patch_rows"], r["padded_s"], r["packed_s"],
+                  r["grouped_s"], r["speedup"], r["max_logprob_diff"], r["max_grad_rel_diff"]] for r in rows]
+        write_json(args.json, "shared_prompt",
+                   f"shared prompt fwd+bwd {img['speedup']:.1f}x faster image-heavy, {txt['speedup']:.1f}x text-only "
+                   f"(n = {args.n}, {args.family} {args.size})",
+                   {k: v for k, v in vars(args).items() if k != "json"},
+                   [table("Forward + backward of one group, per layout", columns, cells)])
 
 
 if __name__ == "__main__":

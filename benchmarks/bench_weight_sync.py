@@ -1,0 +1,199 @@
+"""Weight-sync benchmark: time to push the actor's weights into the rollout engine (prints a table; not a test).
+
+For random Qwen2-VL models of growing size (``tiny`` and ``small`` from ``mmrlhf.testing.tiny_models``, and
+``larger``: the small model with more decoder layers, built here into a temporary folder), one float32 actor and
+one engine each; ``mmrlhf.trainer.weight_sync.sync_weights`` (what the trainer calls after every update) is timed
+after one warm-up sync. Reported per model: parameters, tensors and bytes moved, seconds per sync (fastest of
+``--repeats``), seconds per million parameters, and how time grows against parameters (ratios to the smallest
+model, measured in this run).
+
+Engines:
+- vLLM (in-process, ``rollout.dtype=auto``: float32 on the CPU). Its sync is split into the load itself (bucketing,
+  ``load_weights``), the CPU-only re-packing of the GEMM weights (``vllm_cpu_weights.repack_after_update``; GPU
+  vLLM has no such step) and the cache resets that follow every update;
+- transformers: the trainer's transformers engine generates with the actor's own module, so a sync copies nothing
+  (it only checks names); the column shows that cost.
+
+Run:  python benchmarks/bench_weight_sync.py [--sizes tiny small larger] [--larger-layers 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def larger_model_dir(out: Path, layers: int) -> Path:
+    """The small tiny model (tokenizer, processor, widths) with ``layers`` decoder layers and fresh random weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    small = tiny_model_dir("qwen2_vl", "small", 0)
+    shutil.copytree(small, out, dirs_exist_ok=True)
+    (out / "mmrlhf_tiny.json").unlink(missing_ok=True)  # not a factory build: no factory metadata
+    config = AutoConfig.from_pretrained(out)
+    text = config.text_config
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = [text.layer_types[0]] * layers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+class PhaseClock:
+    """Adds the time spent in the vLLM engine's re-packing and cache resets to named totals (wrapping, not editing)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {"repack": 0.0, "caches": 0.0}
+
+    def _timed(self, name: str, fn):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+        return wrapper
+
+    @contextlib.contextmanager
+    def installed(self, engine: Any) -> Iterator["PhaseClock"]:
+        from mmrlhf.rollout import vllm_cpu_weights
+
+        original = vllm_cpu_weights.repack_after_update
+        vllm_cpu_weights.repack_after_update = self._timed("repack", original)
+        engine._drop_caches = self._timed("caches", engine._drop_caches)
+        try:
+            yield self
+        finally:
+            vllm_cpu_weights.repack_after_update = original
+            del engine._drop_caches
+
+
+def measure(path: Path, repeats: int, engines: list[str]) -> dict[str, Any]:
+    import torch
+
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.trainer.weight_sync import sync_weights
+
+    adapter = get_adapter(str(path))
+    actor = ActorVL.from_pretrained(str(path), dtype=torch.float32)
+    model = actor.model
+    row: dict[str, Any] = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    if "vllm" in engines:
+        from mmrlhf.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(str(path), adapter, max_model_len=256, dtype="auto")
+        try:
+            first = sync_weights(model, engine)  # warm-up (first-touch allocations)
+            runs = []
+            for _ in range(repeats):
+                clock = PhaseClock()
+                with clock.installed(engine):
+                    m = sync_weights(model, engine)
+                runs.append((m["sync/seconds"], clock.seconds["repack"], clock.seconds["caches"]))
+            best = min(runs)
+            row.update(tensors=int(first["sync/tensors"]), mb=first["sync/megabytes"], vllm_s=best[0],
+                       vllm_repack_s=best[1], vllm_caches_s=best[2])
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+    if "transformers" in engines:
+        from mmrlhf.rollout.hf_engine import HFGenerateEngine
+
+        tok_cfg = model.config.text_config
+        hf = HFGenerateEngine(model, adapter, eos_token_id=tok_cfg.eos_token_id, pad_token_id=tok_cfg.pad_token_id)
+        sync_weights(model, hf)
+        row["hf_s"] = min(sync_weights(model, hf)["sync/seconds"] for _ in range(repeats))
+        row.setdefault("tensors", len(list(model.parameters())))
+        row.setdefault("mb", sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20)
+    return row
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "small", "larger"], choices=["tiny", "small", "larger"])
+    ap.add_argument("--larger-layers", type=int, default=32, help="decoder layers of the 'larger' model")
+    ap.add_argument("--repeats", type=int, default=3, help="timed syncs per model; the fastest is reported")
+    ap.add_argument("--engines", nargs="+", default=["vllm", "transformers"], choices=["vllm", "transformers"])
+    ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
+    args = ap.parse_args()
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="mmrlhf-sync-bench-") as tmp:
+        for size in args.sizes:
+            path = (larger_model_dir(Path(tmp) / "larger", args.larger_layers) if size == "larger"
+                    else tiny_model_dir("qwen2_vl", size, 0))
+            rows[size] = measure(path, args.repeats, args.engines)
+            print(f"{size}: {json.dumps({k: round(v, 4) for k, v in rows[size].items()})}", flush=True)
+
+    base = rows[args.sizes[0]]
+    vllm = "vllm" in args.engines
+    head = ["model", "params M", "tensors", "MB moved", "param ratio"]
+    if vllm:
+        head += ["vLLM s / sync", "vLLM s / M params", "vLLM MB/s", "time ratio", "load %", "repack %", "caches %"]
+    if "transformers" in args.engines:
+        head += ["transformers s / sync"]
+    table_rows = []
+    for size, r in rows.items():
+        cells: list[Any] = [size, r["params_m"], r["tensors"], r["mb"], r["params_m"] / base["params_m"]]
+        if vllm:
+            s = r["vllm_s"]
+            load = s - r["vllm_repack_s"] - r["vllm_caches_s"]
+            cells += [s, s / r["params_m"], r["mb"] / s, s / base["vllm_s"], 100 * load / s,
+                      100 * r["vllm_repack_s"] / s, 100 * r["vllm_caches_s"] / s]
+        if "transformers" in args.engines:
+            cells += [r["hf_s"]]
+        table_rows.append(cells)
+
+    print(f"\nsync_weights, float32 actor -> engine (vLLM dtype auto), qwen2_vl random models; fastest of "
+          f"{args.repeats} syncs after a warm-up; torch threads {torch.get_num_threads()}")
+    print("| " + " | ".join(head) + " |")
+    print("| " + " | ".join(["---"] + ["---:"] * (len(head) - 1)) + " |")
+    for cells in table_rows:
+        print("| " + " | ".join(c if isinstance(c, str) else (str(c) if isinstance(c, int) else f"{c:.4g}")
+                                for c in cells) + " |")
+    last = rows[args.sizes[-1]]
+    if vllm and len(rows) > 1:
+        headline = (f"vLLM sync {last['vllm_s'] / last['params_m']:.3g} s per M params at "
+                    f"{last['params_m']:.0f} M; {last['params_m'] / base['params_m']:.0f}x the parameters took "
+                    f"{last['vllm_s'] / base['vllm_s']:.1f}x the time; CPU re-pack "
+                    f"{100 * last['vllm_repack_s'] / last['vllm_s']:.0f}% of it")
+    elif vllm:
+        headline = f"vLLM sync {last['vllm_s'] / last['params_m']:.3g} s per M params at {last['params_m']:.0f} M"
+    else:
+        headline = f"transformers sync {last['hf_s']:.3g} s (shared module: nothing copied)"
+    print(headline)
+    if args.json:
+        from _results import table, write_json
+
+        write_json(args.json, "weight_sync", headline,
+                   {"sizes": " ".join(args.sizes), "larger_layers": args.larger_layers, "repeats": args.repeats,
+                    "actor_dtype": "float32", "vllm_dtype": "auto", "torch_threads": torch.get_num_threads()},
+                   [table("sync_weights per model (time columns: fastest sync; ratios against the first model)",
+                          head, table_rows)])
+
+
+if __name__ == "__main__":
+    main()
