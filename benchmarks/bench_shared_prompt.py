@@ -1,9 +1,12 @@
 """Shared-prompt (grouped) vs per-sample packed forward + backward (prints a Markdown table; not a test).
 
 One GRPO group: a prompt sampled ``--n`` times with answers of ``--min-answer``..``--max-answer`` tokens, scored
-by ``ActorVL`` as a training micro-batch would be (forward, PPO-style loss, backward through the whole model,
-vision tower included) in the packed layout (every sample carries its prompt and image) and in the grouped
-layout (the prompt and its image once per row). Cases:
+by ``ActorVL`` as the policy update does (forward, PPO-style loss, backward through the whole model, vision tower
+included): in the per-sample layouts, padded and packed (every sample carries its prompt and image), in
+micro-batches of ``--micro`` samples with accumulated gradients; and in the grouped layout (the prompt and its
+image once, the whole group as one row, which holds fewer tokens than one 4-sample packed micro-batch). On the CPU
+the packed layout pays a dense [T, T] mask (transformers' sdpa path has no variable-length kernel there), so the
+speed-up is quoted against the FASTER per-sample layout. Cases:
 
 - image-heavy: one image of ``--image-px`` square pixels (896 px = 1,024 vision tokens with 14-px patches merged
   2x2), n = 16, 32-128-token answers;
@@ -63,27 +66,40 @@ class VisionCounter:
         self.calls = self.rows = 0
 
 
-def _step(actor, built, model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Forward, a PPO-style surrogate over all response tokens, backward. Returns (log-probs, grads)."""
+def _step(actor, micros, model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Forward, a PPO-style surrogate over all response tokens, backward, per micro-batch (gradients accumulate, as
+    in the trainer). Returns (log-probs [B, A] of the whole group, grads)."""
     model.zero_grad(set_to_none=True)
-    out = actor(built.samples, vision_extra=built.vision_extra, return_entropy=True)
-    adv = torch.linspace(-1, 1, out.log_probs.shape[0])[:, None]  # [B, 1]
-    mask = out.action_mask.float()
-    ratio = (out.log_probs - out.log_probs.detach()).exp()
-    loss = -((ratio * adv * mask).sum() / mask.sum()) - 0.01 * (out.entropy * mask).sum() / mask.sum()
-    loss.backward()
-    return out.log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    outs = []
+    total = sum(int(b.samples.response_length.sum()) for b in micros)  # the group's response tokens
+    first = 0
+    for built in micros:
+        out = actor(built.samples, vision_extra=built.vision_extra, return_entropy=True)
+        b = out.log_probs.shape[0]
+        adv = torch.linspace(-1, 1, 64)[first: first + b, None]  # [b, 1] fixed per sample, whatever the split
+        mask = out.action_mask.float()
+        ratio = (out.log_probs - out.log_probs.detach()).exp()
+        loss = -((ratio * adv * mask).sum() + 0.01 * (out.entropy * mask).sum()) / total
+        loss.backward()
+        outs.append(out.log_probs.detach())
+        first += b
+    width = max(o.shape[1] for o in outs)
+    logp = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) for o in outs])
+    return logp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def run_case(name, actor, model, counter, pieces, repeats, pad_id, eos, adapter) -> dict:
+def run_case(name, actor, model, counter, pieces, repeats, pad_id, eos, adapter, micro: int) -> dict:
     from mmrlhf.experience.grouped import build_grouped_samples
     from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 
     prompts, responses, vision = pieces
     kw = dict(pad_id=pad_id, eos_id=eos, adapter=adapter, vision=vision)
-    layouts = {"padded": build_padded_samples(prompts, responses, **kw),
-               "packed": build_packed_samples(prompts, responses, **kw),
-               "grouped": build_grouped_samples(prompts, responses, **kw)}
+    def split(build):  # the trainer's micro-batches of `micro` samples
+        return [build(prompts[i: i + micro], responses[i: i + micro], **{**kw, "vision": vision[i: i + micro]})
+                for i in range(0, len(prompts), micro)]
+
+    layouts = {"padded": split(build_padded_samples), "packed": split(build_packed_samples),
+               "grouped": [build_grouped_samples(prompts, responses, **kw)]}
     row: dict = {"case": name, "n": len(prompts), "prompt_tokens": len(prompts[0]),
                  "answer_tokens": f"{min(map(len, responses))}-{max(map(len, responses))}"}
     outs = {}
@@ -94,8 +110,8 @@ def run_case(name, actor, model, counter, pieces, repeats, pad_id, eos, adapter)
             t0 = time.perf_counter()
             outs[layout] = _step(actor, built, model)
             times.append(time.perf_counter() - t0)
-        seg = getattr(built.samples, "segment_ids", None)
-        row[f"{layout}_tokens"] = int((seg != -1).sum()) if seg is not None else int(built.samples.sequences.numel())
+        row[f"{layout}_tokens"] = sum(int((b.samples.segment_ids != -1).sum()) if layout == "grouped"
+                                      else int(b.samples.sequences.numel()) for b in built)
         row[f"{layout}_vision_calls"], row[f"{layout}_patch_rows"] = counter.calls, counter.rows
         row[f"{layout}_s"] = min(times)
     row["best_per_sample"] = min(("padded", "packed"), key=lambda k: row[f"{k}_s"])
@@ -122,6 +138,9 @@ def main() -> None:
     ap.add_argument("--min-answer", type=int, default=32)
     ap.add_argument("--max-answer", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--micro", type=int, default=4,
+                    help="samples per forward+backward of the per-sample layouts (trainer.micro_train_batch_size; "
+                         "the grouped layout runs the whole group as one row, in less memory than 4 packed samples)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 1 repeat (a smoke run)")
     ap.add_argument("--json", help="also write the rows as JSON here")
     args = ap.parse_args()
@@ -145,12 +164,13 @@ def main() -> None:
         "image-heavy": _pieces(processor, adapter, image_px=args.image_px, text_tokens=0, **common),
         "text-only": _pieces(processor, adapter, image_px=None, text_tokens=args.text_tokens, **common),
     }
-    rows = [run_case(name, actor, model, counter, pieces, args.repeats, pad_id, eos, adapter)
+    rows = [run_case(name, actor, model, counter, pieces, args.repeats, pad_id, eos, adapter, args.micro)
             for name, pieces in cases.items()]
 
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"Shared-prompt vs packed forward+backward: {args.family} {args.size} ({params:.0f} M params, float32, "
-          f"{torch.get_num_threads()} threads); one group of n = {args.n}; best of {args.repeats}\n")
+    print(f"Shared-prompt vs per-sample forward+backward: {args.family} {args.size} ({params:.0f} M params, float32, "
+          f"{torch.get_num_threads()} threads); one group of n = {args.n}; per-sample layouts in micro-batches of "
+          f"{args.micro}, grouped as one row; best of {args.repeats}\n")
     print("| case | prompt tok | answers | decoder tokens (padded / packed / grouped) | vision calls per step "
           "(per-sample / grouped) | patch rows encoded (per-sample / grouped) | padded s | packed s | grouped s "
           "| speed-up vs best per-sample | max log-prob diff | max grad rel diff |")

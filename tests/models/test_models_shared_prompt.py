@@ -212,3 +212,13 @@ def test_a_response_with_vision_tokens_is_refused(bundles):
     with pytest.raises(ValueError, match="sample 2: its response holds image / video tokens"):
         build_grouped_samples(prompts, responses, pad_id=0, eos_id=bundle.eos_id, adapter=bundle.adapter,
                               vision=vision)
+
+
+def test_auto_turns_on_only_where_it_is_exact_and_saves_work():
+    resolve = shared_prompt.resolve_shared_prompt
+    assert resolve("auto", "sdpa", 8) and resolve("auto", "eager", 2)
+    assert not resolve("auto", "sdpa", 1)  # one sample per prompt: nothing to share
+    assert not resolve("auto", "flash_attention_2", 8)  # the kernel reads no mask: per-sample layouts
+    assert not resolve(False, "sdpa", 8) and resolve(True, "sdpa", 1)
+    with pytest.raises(ValueError, match="trainer.shared_prompt=true needs model.attn_implementation"):
+        resolve(True, "flash_attention_2", 8)
