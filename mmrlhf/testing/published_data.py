@@ -24,7 +24,7 @@ def png_bytes(seed: int, size: tuple[int, int] = (56, 56)) -> bytes:
 
 
 def write_video(path: Path, frames: int = 8, size: tuple[int, int] = (56, 56), fps: int = 4, seed: int = 0) -> Path:
-    """A small mpeg4 clip of random frames (PyAV)."""
+    """A small mpeg4 clip of random frames (PyAV); ``frames=0`` writes a valid file with no frame."""
     import av
 
     rng = np.random.default_rng(seed)
@@ -32,6 +32,7 @@ def write_video(path: Path, frames: int = 8, size: tuple[int, int] = (56, 56), f
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"
+        container.start_encoding()  # writes the header even when no frame follows (the zero-frame case)
         for _ in range(frames):
             array = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
             for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):

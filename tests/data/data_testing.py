@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
 
@@ -14,18 +16,6 @@ def solid_image(size=(56, 56), seed=0) -> Image.Image:
 
 def write_video(path, frames=6, size=(56, 56), fps=4, seed=0) -> str:
     """Write a small mpeg4 video with PyAV; returns its path as a string."""
-    import av
+    from mmrlhf.testing.published_data import write_video as write
 
-    rng = np.random.default_rng(seed)
-    with av.open(str(path), mode="w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height = size
-        stream.pix_fmt = "yuv420p"
-        container.start_encoding()  # writes the header even when no frame follows (the zero-frame case)
-        for _ in range(frames):
-            array = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return str(path)
+    return str(write(Path(path), frames=frames, size=size, fps=fps, seed=seed))
