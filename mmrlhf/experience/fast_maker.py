@@ -33,8 +33,8 @@ from mmrlhf.algorithms.shaping import (
     whiten_advantages,
 )
 from mmrlhf.experience.base import ExperienceMaker
-from mmrlhf.experience.rollout import Rollout, ScoredRollout
 from mmrlhf.experience.grouped import build_grouped_samples
+from mmrlhf.experience.rollout import Rollout, ScoredRollout
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.timing import PhaseTimer
