@@ -105,3 +105,18 @@ def test_every_knob_is_documented_and_the_reference_is_current():
     assert missing_descriptions() == []
     committed = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
     assert committed.read_text() == render_reference(), "regenerate: mmrlhf config docs > docs/configuration.md"
+
+
+def test_overrides_may_follow_the_options():
+    """``mmrlhf train x.yaml --resume trainer.max_steps=200`` keeps the override (argparse alone rejects it);
+    anything unknown after the options is still an error."""
+    from mmrlhf.cli import build_parser, parse_args
+
+    parser = build_parser()
+    args = parse_args(parser, ["train", "x.yaml", "trainer.lr=1e-6", "--resume", "trainer.max_steps=200"])
+    assert args.resume and args.overrides == ["trainer.lr=1e-6", "trainer.max_steps=200"]
+    with pytest.raises(SystemExit) as exc:
+        parse_args(parser, ["train", "x.yaml", "--resume", "--not-an-option"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["smoke", "trainer.lr=1"])  # a command without overrides takes none

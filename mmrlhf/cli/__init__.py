@@ -29,9 +29,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; dotted overrides may also come after the options (``train x.yaml --resume key=value``):
+    argparse stops filling a positional list at the first option, so such trailing ``key=value`` words are
+    appended to the command's overrides. Anything else unknown is still an error."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
