@@ -72,11 +72,12 @@ def _step(actor, micros, model) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
     outs = []
     total = sum(int(b.samples.response_length.sum()) for b in micros)  # the group's response tokens
+    advantages = torch.linspace(-1, 1, sum(b.samples.batch_size for b in micros))  # [B] fixed per sample
     first = 0
     for built in micros:
         out = actor(built.samples, vision_extra=built.vision_extra, return_entropy=True)
         b = out.log_probs.shape[0]
-        adv = torch.linspace(-1, 1, 64)[first: first + b, None]  # [b, 1] fixed per sample, whatever the split
+        adv = advantages[first: first + b, None]  # [b, 1] the same per sample, whatever the split
         mask = out.action_mask.float()
         ratio = (out.log_probs - out.log_probs.detach()).exp()
         loss = -((ratio * adv * mask).sum() + 0.01 * (out.entropy * mask).sum()) / total

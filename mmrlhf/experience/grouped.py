@@ -55,9 +55,6 @@ class GroupedSamples(_TensorContainer):
     image_num: list[int] = field(default_factory=list)  # G images per row
     video_num: list[int] = field(default_factory=list)  # G videos per row
 
-    packed = False  # the forwards dispatch on the type; these keep layout checks elsewhere honest
-    grouped = True
-
     @property
     def batch_size(self) -> int:
         return int(self.response_length.shape[0])
@@ -135,10 +132,6 @@ def build_grouped_samples(
     vision = list(vision) if vision is not None else [{} for _ in range(batch)]
     if len(vision) != batch:
         raise ValueError(f"{len(vision)} vision dicts for {batch} samples")
-    for i, r in enumerate(responses):
-        if r and bool(mm_token_type_ids(torch.tensor([r]), adapter).any()):
-            raise ValueError(f"sample {i}: its response holds image / video tokens; the grouped layout (shared "
-                             "prompt) needs text-only responses")
     p_len, r_len = [len(p) for p in prompts], [len(r) for r in responses]
     rows = _rows(group_by_prompt(prompts, vision), p_len, r_len, max_row_tokens)
     width = max(p_len[row[0]] + sum(r_len[i] for i in row) for row in rows)
@@ -156,7 +149,14 @@ def build_grouped_samples(
             segments[g, col: col + r_len[i]] = k
             sample_row[i], sample_start[i] = g, col
             col += r_len[i]
-    types = mm_token_type_ids(sequences, adapter) * (segments == PROMPT)  # [G, L]; responses and padding are text
+    types = mm_token_type_ids(sequences, adapter)  # [G, L]
+    vision_in_response = (types != 0) & (segments > PROMPT)  # [G, L]
+    if bool(vision_in_response.any()):
+        g, col = (int(x) for x in torch.nonzero(vision_in_response)[0])
+        i = rows[g][int(segments[g, col]) - 1]
+        raise ValueError(f"sample {i}: its response holds image / video tokens; the grouped layout (shared "
+                         "prompt) needs text-only responses")
+    types = types * (segments == PROMPT)  # responses and padding are text
     fields, extra = _concat_vision([vision[row[0]] for row in rows], len(rows), adapter,
                                    [prompts[row[0]] for row in rows])
     samples = GroupedSamples(

@@ -123,8 +123,8 @@ class Trainer:
         engine = p.maker.engine
         # A sleeping engine (vLLM sleep mode, rollout.enable_sleep on CUDA) hands its GPU memory to the forwards and
         # the updates; it wakes (weights back, KV cache re-allocated) before the sync, even if the update fails.
-        asleep = bool(getattr(engine, "supports_sleep", False))
-        if asleep:
+        sleeps = bool(getattr(engine, "supports_sleep", False))
+        if sleeps:
             with _timed(seconds, "engine_sleep"):
                 engine.sleep()
         try:
@@ -141,7 +141,7 @@ class Trainer:
                 with _timed(seconds, "critic_update"):
                     metrics.update(p.critic.update(items, generator=p.shuffle))
         finally:
-            if asleep:
+            if sleeps:
                 with _timed(seconds, "engine_wake"):
                     engine.wake_up()
         with _timed(seconds, "sync"):
