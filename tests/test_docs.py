@@ -75,7 +75,7 @@ def key_exists(dotted: str) -> bool:
         if _dict_valued(ann):
             return True  # free-form below (generator_options, label_map, recipe, ...)
         return i == len(parts) - 1  # a leaf: nothing may follow it
-    return False  # the path ended on a section, which is not a key
+    return len(parts) > 1  # a nested section (``model.lora``) is a key; a top-level section alone is not
 
 
 def config_keys_in(text: str) -> set[str]:

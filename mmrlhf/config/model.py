@@ -4,7 +4,32 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from mmrlhf.config.base import Section
+
+
+class LoraConfig(Section):
+    """LoRA (peft) adapters on the policy's language model; ``rank: 0`` trains the full model."""
+
+    rank: int = Field(default=0, ge=0)
+    """Adapter rank r; 0 disables LoRA (full fine-tuning)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scaling numerator: the adapter's update is multiplied by ``alpha / rank``."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input (training forwards only)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Linear layers (by module name suffix) that get adapters, in the language model only unless
+    ``include_vision`` is set."""
+    include_vision: bool = False
+    """Also put adapters on matching layers of the vision tower (off: the tower keeps its weights, trained or frozen
+    per ``trainer.freeze_vision_tower``)."""
+    sync: Literal["merged", "vllm_lora"] = "merged"
+    """How the engine generates with the current adapter: ``merged`` pushes W + (alpha/r) B A of the adapted layers
+    into the engine (plain weights, works with every engine); ``vllm_lora`` loads the adapter into vLLM's own LoRA
+    support (only the A/B matrices travel)."""
+    adapter: str = ""
+    """A saved peft adapter folder to start from (empty: fresh adapters, B = 0, so the first policy is the base)."""
 
 
 class ModelConfig(Section):
@@ -25,3 +50,5 @@ class ModelConfig(Section):
     critic: str = ""
     """Path of the model whose decoder initialises the PPO critic (a zero-initialised value head is added); empty
     means ``pretrain``. Only read when the advantage estimator needs values (``gae``)."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``lora.rank > 0``)."""

@@ -74,11 +74,19 @@ def render_reference() -> str:
         if doc and not doc.startswith("!!!") and "Usage docs" not in doc:
             lines += [doc, ""]
         lines += ["| key | type | default | constraint | description |", "| --- | --- | --- | --- | --- |"]
-        for name, field in section.model_fields.items():
-            desc = " ".join((field.description or "").split()).replace("|", "\\|")
-            lines.append(
-                f"| `{section_name}.{name}` | {_type_name(field.annotation)} | {_default(field)} | "
-                f"{_constraints(field)} | {desc} |"
-            )
+        lines += _rows(section, section_name)
         lines.append("")
     return "\n".join(lines)
+
+
+def _rows(section: type[BaseModel], prefix: str) -> list[str]:
+    """One table row per key; a nested section (e.g. ``model.lora``) gets its row, then one row per sub-key."""
+    rows = []
+    for name, field in section.model_fields.items():
+        desc = " ".join((field.description or "").split()).replace("|", "\\|")
+        rows.append(f"| `{prefix}.{name}` | {_type_name(field.annotation)} | {_default(field)} | "
+                    f"{_constraints(field)} | {desc} |")
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            rows += _rows(sub, f"{prefix}.{name}")
+    return rows

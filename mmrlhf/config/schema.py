@@ -8,6 +8,7 @@ from pydantic import Field
 from mmrlhf.config.algorithm import AlgorithmConfig
 from mmrlhf.config.base import Section
 from mmrlhf.config.data import DataConfig
+from mmrlhf.config.distributed import DistributedConfig
 from mmrlhf.config.model import ModelConfig
 from mmrlhf.config.reward import RewardConfig
 from mmrlhf.config.rollout import RolloutConfig
@@ -27,3 +28,5 @@ class MMRLHFConfig(Section):
     """Advantages, KL, losses."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     """Training loop."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Launch mode (single process, torchrun + FSDP2, Ray) and asynchronous training."""

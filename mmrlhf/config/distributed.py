@@ -1,0 +1,71 @@
+"""``distributed``: how a run is spread over processes (single process, ``torchrun`` + FSDP2, or Ray actors) and how
+the rollout side and the training side are coupled (synchronous or with bounded staleness)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from mmrlhf.config.base import Section
+
+
+class DistributedConfig(Section):
+    """Read by ``mmrlhf train`` before anything is built (``mmrlhf.distributed``). Three launch modes:
+
+    * one process: ``mmrlhf train CONFIG`` (the default, ``backend: auto`` outside torchrun);
+    * ``torchrun --nproc-per-node N -m mmrlhf train CONFIG``: every rank trains an FSDP2 shard of the actor (and
+      critic) and generates its share of the prompts with its own engine (``backend: auto`` picks this when
+      ``WORLD_SIZE`` > 1);
+    * ``mmrlhf train CONFIG distributed.backend=ray``: rollout actors (``ExperienceMakerHolder``) generate and score
+      experiences and send them to trainer actors, which push the new weights back.
+    """
+
+    backend: Literal["auto", "single", "torchrun", "ray"] = "auto"
+    """``auto``: ``torchrun`` when launched by torchrun (``WORLD_SIZE`` > 1), else ``single``. ``ray`` runs the rollout
+    and training sides as Ray actors (see ``ray_address`` and the ``*_actors`` keys)."""
+    process_group: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend of the training ranks: ``auto`` is ``nccl`` on CUDA, ``gloo`` on the CPU."""
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    """FSDP2 mixed precision: parameters are cast to this dtype for the forward and backward, gradients are reduced
+    and the optimiser steps in the parameters' own dtype (``model.dtype``, normally float32 with this switch).
+    ``none``: compute in ``model.dtype``."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward instead of keeping them (less memory, about a
+    third more compute). Applies to the policy and the critic in every launch mode."""
+
+    # ---- Ray -----------------------------------------------------------------------------------------------------
+    ray_address: Optional[str] = None
+    """Ray cluster to join (``ray://host:10001`` or ``auto``); None: ``RAY_ADDRESS`` if set, else a local Ray
+    instance is started for the run (and stopped at its end)."""
+    num_rollout_actors: int = Field(default=1, ge=1)
+    """Rollout actors (``ExperienceMakerHolder``): each owns an engine, the scoring models and the rewards, takes its
+    share of the prompts and sends finished experiences round-robin to the trainer actors."""
+    rollout_actor_cpus: float = Field(default=1.0, gt=0)
+    """CPUs reserved for each rollout actor."""
+    rollout_actor_gpus: float = Field(default=0.0, ge=0)
+    """GPUs reserved for each rollout actor (fractions share a GPU)."""
+    num_trainer_actors: int = Field(default=1, ge=1)
+    """Trainer actors: together one data-parallel FSDP2 group; the first pushes the new weights to every rollout
+    actor after each update."""
+    trainer_actor_cpus: float = Field(default=1.0, gt=0)
+    """CPUs reserved for each trainer actor."""
+    trainer_actor_gpus: float = Field(default=0.0, ge=0)
+    """GPUs reserved for each trainer actor."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Asynchronous training: how many policy versions an experience may lag behind the policy that trains on it.
+    0 is synchronous (generation waits for every update); k >= 1 lets rollout actors generate the next batches while
+    the trainer updates, with the importance-sampling rollout correction (``algorithm.rollout_correction``) on the
+    engine's log-probs covering the gap. Ray mode only."""
+    on_rollout_failure: Literal["stop", "restart"] = "stop"
+    """A rollout actor that dies: ``stop`` reports it by name and ends the run cleanly (checkpoint saved); ``restart``
+    starts a new one (up to ``max_actor_restarts`` times) and regenerates its unfinished batch."""
+    max_actor_restarts: int = Field(default=1, ge=0)
+    """Restarts allowed per rollout actor with ``on_rollout_failure: restart``."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "DistributedConfig":
+        if self.max_staleness and self.backend not in ("ray",):
+            raise ValueError(f"distributed.max_staleness={self.max_staleness} needs distributed.backend=ray "
+                             f"(got {self.backend!r}); the other launch modes train synchronously")
+        return self
