@@ -84,10 +84,8 @@ def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, 
 
 def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
     """Models, engine, maker, updaters, data stream, evaluation, tracker, checkpoints and reports of a run."""
-    from mmrlhf.data.datasets import PromptDataset
-    from mmrlhf.data.stream import GeneratedPrompts, PromptStream
+    from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
-    from mmrlhf.trainer.evaluation import Evaluator
     from mmrlhf.trainer.tracking import MetricsTracker, WandbSettings
 
     t, a, d = config.trainer, config.algorithm, config.data
@@ -100,54 +98,15 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
         counts = freeze_vision(actor.model, actor.adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
         logger.info("policy parameters: %d trainable, %d frozen", counts["trainable"], counts["frozen"])
 
-    critic = _build_critic(config) if a.advantage_estimator == "gae" else None
+    critic = build_critic(config) if a.advantage_estimator == "gae" else None
     stack = build_experience_maker(config, critic=critic, before_engine=freeze,
                                    policy_path=str(resume_from / "model") if resume_from else None)
     device = next(stack.actor.parameters()).device
-    samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
-    total_opt_steps = t.max_steps * t.ppo_epochs * math.ceil(samples_per_step / t.train_batch_size)
+    policy, critic_updater = build_updaters(config, stack.actor, critic, pad_id=stack.tokenizer.pad_token_id,
+                                            device=device)
 
-    def stepper(model: torch.nn.Module, lr: float, name: str) -> GuardedStepper:
-        opt = build_optimizer(model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=t.adam_betas,
-                              eps=t.adam_eps)
-        sched = build_scheduler(opt, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps,
-                                total_steps=total_opt_steps, min_ratio=t.min_lr_ratio)
-        return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
-                              max_consecutive=t.max_consecutive_nonfinite, name=name)
-
-    correction = resolve_rollout_correction(a, _engine_dtype(config), config.model.dtype)
-    logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
-                "on" if _layout(config)["shared_prompt"] else "off")
-    pad_id = stack.tokenizer.pad_token_id
-    policy = PolicyUpdater(stack.actor, stepper(stack.actor, t.lr, "policy"),
-                           policy_update_settings(config, correction), pad_id=pad_id, device=device)
-    critic_updater = None
-    if critic is not None:
-        critic_updater = CriticUpdater(
-            critic, stepper(critic, t.critic_lr, "critic"),
-            CriticUpdateSettings(train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
-                                 ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
-                                 agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples,
-                                 **_layout(config)),
-            pad_id=pad_id, adapter=stack.actor.adapter, device=device)
-
-    if d.prompt_data:
-        source: Any = PromptDataset(d.prompt_data, d)
-    elif d.generator:
-        source = GeneratedPrompts(d.generator, d, split="train", options=d.generator_options)
-    else:
-        raise ValueError("no prompts: set data.prompt_data (files) or data.generator (prompts made on the fly)")
-    evaluator = None
-    if t.eval_steps:
-        if d.eval_data:
-            eval_records = list(PromptDataset(d.eval_data, d))[: d.eval_size]
-        elif d.generator:
-            gen = GeneratedPrompts(d.generator, d, split="eval", options=d.generator_options)
-            eval_records = [gen[i] for i in range(d.eval_size)]
-        else:
-            raise ValueError("trainer.eval_steps > 0 needs held-out prompts: data.eval_data or data.generator")
-        evaluator = Evaluator(stack.maker, eval_records, greedy=t.eval_greedy, n_samples=t.eval_samples_per_prompt,
-                              seed=config.rollout.seed)
+    source = build_prompt_source(config)
+    evaluator = build_evaluator(config, stack.maker) if t.eval_steps else None
 
     wandb = None
     if t.wandb_project:
@@ -174,7 +133,71 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
     return trainer
 
 
-def _build_critic(config: MMRLHFConfig) -> Any:
+def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_id: int,
+                   device: torch.device) -> tuple[PolicyUpdater, CriticUpdater | None]:
+    """The policy updater (and the critic's, when ``critic`` is given) with their optimisers and schedules; the
+    training half of a run, shared by every launch mode."""
+    t, a = config.trainer, config.algorithm
+    samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
+    total_opt_steps = t.max_steps * t.ppo_epochs * math.ceil(samples_per_step / t.train_batch_size)
+
+    def stepper(model: torch.nn.Module, lr: float, name: str) -> GuardedStepper:
+        opt = build_optimizer(model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=t.adam_betas,
+                              eps=t.adam_eps)
+        sched = build_scheduler(opt, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps,
+                                total_steps=total_opt_steps, min_ratio=t.min_lr_ratio)
+        return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
+                              max_consecutive=t.max_consecutive_nonfinite, name=name)
+
+    correction = resolve_rollout_correction(a, _engine_dtype(config), config.model.dtype)
+    logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
+                "on" if _layout(config)["shared_prompt"] else "off")
+    policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),
+                           pad_id=pad_id, device=device)
+    if critic is None:
+        return policy, None
+    critic_updater = CriticUpdater(
+        critic, stepper(critic, t.critic_lr, "critic"),
+        CriticUpdateSettings(train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
+                             ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
+                             agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples,
+                             **_layout(config)),
+        pad_id=pad_id, adapter=actor.adapter, device=device)
+    return policy, critic_updater
+
+
+def build_prompt_source(config: MMRLHFConfig) -> Any:
+    """The training prompts: files (``data.prompt_data``) or a generator (``data.generator``)."""
+    from mmrlhf.data.datasets import PromptDataset
+    from mmrlhf.data.stream import GeneratedPrompts
+
+    d = config.data
+    if d.prompt_data:
+        return PromptDataset(d.prompt_data, d)
+    if d.generator:
+        return GeneratedPrompts(d.generator, d, split="train", options=d.generator_options)
+    raise ValueError("no prompts: set data.prompt_data (files) or data.generator (prompts made on the fly)")
+
+
+def build_evaluator(config: MMRLHFConfig, maker: Any) -> Any:
+    """Held-out evaluation through ``maker`` (``data.eval_data``, or the generator's eval split)."""
+    from mmrlhf.data.datasets import PromptDataset
+    from mmrlhf.data.stream import GeneratedPrompts
+    from mmrlhf.trainer.evaluation import Evaluator
+
+    d, t = config.data, config.trainer
+    if d.eval_data:
+        eval_records = list(PromptDataset(d.eval_data, d))[: d.eval_size]
+    elif d.generator:
+        gen = GeneratedPrompts(d.generator, d, split="eval", options=d.generator_options)
+        eval_records = [gen[i] for i in range(d.eval_size)]
+    else:
+        raise ValueError("trainer.eval_steps > 0 needs held-out prompts: data.eval_data or data.generator")
+    return Evaluator(maker, eval_records, greedy=t.eval_greedy, n_samples=t.eval_samples_per_prompt,
+                     seed=config.rollout.seed)
+
+
+def build_critic(config: MMRLHFConfig) -> Any:
     """A CriticVL on the configured device (vision tower frozen like the policy's)."""
     from mmrlhf.devices import resolve_device
     from mmrlhf.experience.builder import _DTYPES
