@@ -36,6 +36,21 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from mmrlhf.distributed.launch import resolve_backend
+
+    try:
+        backend = resolve_backend(config.distributed.backend)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if backend == "ray":
+        from mmrlhf.distributed.ray.driver import run_ray
+
+        return run_ray(config, resume=args.resume)
+    if backend == "torchrun":
+        from mmrlhf.distributed.torchrun import run_torchrun
+
+        return run_torchrun(config, resume=args.resume)
     from mmrlhf.trainer.builder import build_trainer
 
     try:
