@@ -1,0 +1,181 @@
+"""``ExperienceMakerHolder``: a rollout actor. It owns an experience maker (engine, scoring copy of the policy,
+reference, critic copy, reward engine), generates its share of each step's prompts and returns finished experiences
+(CPU tensors) through Ray's object store; trainers push new weights back with :meth:`update_experience_maker`.
+
+Why a lock: the actor runs with two threads so that weight chunks can be received while a batch is generated, but
+the weights it generates and scores with change only between batches: chunks are staged, and the last one applies
+the whole update (engine, scoring actor copy and critic copy together, then the version bump) under the same lock a
+generation holds from its first prompt to its last experience.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HOLDER_NAME = "ExperienceMakerHolder"
+WEIGHT_KINDS = ("full",)  # named tensors replacing the current ones; LoRA deltas will arrive as another kind
+
+
+def holder_name(index: int) -> str:
+    """The Ray actor name of rollout actor ``index``."""
+    return f"{HOLDER_NAME}-{index}"
+
+
+def share_of(records: Sequence[Any], index: int, count: int) -> list[Any]:
+    """The prompts of one step that rollout actor ``index`` of ``count`` generates (whole prompts: GRPO groups
+    never straddle two actors)."""
+    return list(records[index::count])
+
+
+class ExperienceMakerHolder:
+    """Rollout actor ``index`` of ``count`` (wrapped with ``ray.remote`` by the driver).
+
+    Args:
+        config: the run's config as a dict (``model_dump``); rebuilt and validated here.
+        index, count: this actor's place among the rollout actors (its share of every step's prompts).
+        threads: torch threads (the actor's CPU reservation).
+    """
+
+    def __init__(self, config: dict[str, Any], index: int, count: int, threads: int) -> None:
+        from mmrlhf.config import build_config
+        from mmrlhf.data.stream import PromptStream
+        from mmrlhf.experience.builder import build_experience_maker
+        from mmrlhf.trainer.builder import build_critic, build_evaluator, build_prompt_source
+        from mmrlhf.trainer.optim import freeze_vision
+        from mmrlhf.trainer.state import seed_everything
+
+        torch.set_num_threads(threads)
+        self.config = cfg = build_config(config)
+        self.index, self.count = index, count
+        t = cfg.trainer
+        seed_everything(t.seed)
+        critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
+        if critic is not None:
+            critic.requires_grad_(False)
+
+        def freeze(actor: Any) -> None:
+            freeze_vision(actor.model, actor.adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
+
+        self.stack = build_experience_maker(cfg, critic=critic, before_engine=freeze)
+        self.maker = self.stack.maker
+        self.stream = PromptStream(build_prompt_source(cfg), seed=t.seed, shuffle=cfg.data.shuffle)
+        self.evaluator = build_evaluator(cfg, self.maker) if (t.eval_steps and index == 0) else None
+        self.version = 0
+        self._lock = threading.Lock()  # held by a generation and by the application of an update
+        self._stage_lock = threading.Lock()
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        self._staged_version: int | None = None
+        self._last_end: float | None = None
+
+    # ---- rollout ---------------------------------------------------------------------------------------------------
+    def generate(self, step: int, min_version: int) -> dict[str, Any]:
+        """The experiences of this actor's share of ``step``'s prompts, generated with policy version >=
+        ``min_version`` (the staleness gate; the driver only asks once that version was pushed)."""
+        from mmrlhf.data.stream import record_columns
+        from mmrlhf.distributed.ray.ledger import StaleExperienceError
+
+        with self._lock:
+            start = time.perf_counter()
+            waited = 0.0 if self._last_end is None else start - self._last_end
+            if self.version < min_version:
+                raise StaleExperienceError(f"{holder_name(self.index)}: asked for step {step} with version >= "
+                                           f"{min_version} while holding version {self.version}")
+            version = self.version
+            records = share_of(self._records(step), self.index, self.count)
+            # Sampling seeds follow (step, actor), not this process's call count: a restarted actor regenerates a
+            # lost batch with the same seeds.
+            self.maker.load_state_dict({"calls": step * self.count + self.index})
+            rollout = self.maker.generate_rollout(**record_columns(records))
+            experiences = self.maker.experiences_from(rollout)
+            for exp in experiences:
+                exp.to_device("cpu")
+            metrics = dict(rollout.metrics)
+            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
+            self._last_end = time.perf_counter()
+        from mmrlhf.experience.fast_maker import scoring_temperature
+
+        return {"step": step, "share": self.index, "version": version, "experiences": experiences,
+                "samples": len(rollout), "temperature": scoring_temperature(rollout.sampling), "metrics": metrics,
+                "rollout_wait_s": waited, "generate_s": self._last_end - start}
+
+    def _records(self, step: int) -> list[Any]:
+        """All of ``step``'s prompts (every actor reads the same stream and keeps its share); positioned by step, so
+        a restarted actor picks up where the run is."""
+        size = self.config.trainer.rollout_batch_size
+        first = step * size
+        if self.stream.size is None:
+            state = {"epoch": 0, "position": first}
+        else:
+            state = {"epoch": first // self.stream.size, "position": first % self.stream.size}
+        self.stream.load_state_dict({**state, "seed": self.stream.seed})
+        return self.stream.next_batch(size)
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation with the current weights (rollout actor 0 only)."""
+        if self.evaluator is None:
+            raise RuntimeError(f"{holder_name(self.index)} has no evaluator (trainer.eval_steps=0 or not actor 0)")
+        with self._lock:
+            return self.evaluator.run()
+
+    # ---- weights ---------------------------------------------------------------------------------------------------
+    def update_experience_maker(self, chunk: list[tuple[str, torch.Tensor]], *, version: int, last: bool,
+                                kind: str = "full") -> int | None:
+        """Receive one chunk of the policy version ``version`` (names prefixed ``policy.`` / ``critic.``, tensors in
+        transformers naming); the ``last`` chunk applies the whole update atomically and returns the new version.
+
+        ``kind="full"``: the tensors replace the current ones. LoRA deltas are the path left open: a kind whose
+        application merges named adapter tensors into the same three places under the same lock."""
+        if kind not in WEIGHT_KINDS:
+            raise ValueError(f"update_experience_maker: unknown weight kind {kind!r}; supported: {WEIGHT_KINDS}")
+        with self._stage_lock:
+            if self._staged_version not in (None, version):
+                raise RuntimeError(f"{holder_name(self.index)}: chunks of versions {self._staged_version} and "
+                                   f"{version} interleaved")
+            self._staged_version = version
+            self._staged.extend(chunk)
+            if not last:
+                return None
+            staged, self._staged, self._staged_version = self._staged, [], None
+        with self._lock:
+            self._apply(staged)
+            self.version = version
+        return version
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock)."""
+        policy = [(n[len("policy."):], t) for n, t in named if n.startswith("policy.")]
+        critic = [(n[len("critic."):], t) for n, t in named if n.startswith("critic.")]
+        other = [n for n, _ in named if not n.startswith(("policy.", "critic."))]
+        if other:
+            raise ValueError(f"update_experience_maker: tensors outside policy./critic.: {other[:5]}")
+        if critic and self.maker.critic is None:
+            raise ValueError("update_experience_maker: critic tensors sent to a rollout actor without a critic")
+        with torch.no_grad():
+            _copy_into(self.stack.actor.model, policy, "policy")
+            if critic:
+                _copy_into(self.maker.critic, critic, "critic")
+        self.stack.engine.update_weights(iter(policy))
+
+    def state(self) -> dict[str, Any]:
+        """Version and identity (the driver's health check)."""
+        return {"name": holder_name(self.index), "version": self.version}
+
+    def scoring_weights(self) -> dict[str, torch.Tensor]:
+        """The scoring actor copy's trainable tensors (tests compare them with the trainer's)."""
+        return {n: p.detach().clone() for n, p in self.stack.actor.model.named_parameters() if p.requires_grad}
+
+
+def _copy_into(module: torch.nn.Module, named: list[tuple[str, torch.Tensor]], what: str) -> None:
+    params = dict(module.named_parameters())
+    missing = [n for n, _ in named if n not in params]
+    if missing:
+        raise ValueError(f"update_experience_maker: the {what} copy has no parameter(s) {missing[:5]}")
+    for name, tensor in named:
+        params[name].copy_(tensor.to(params[name].device, params[name].dtype))
