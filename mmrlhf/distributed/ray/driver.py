@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mmrlhf.distributed.ray.holder import ExperienceMakerHolder, holder_name
 from mmrlhf.distributed.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
@@ -221,8 +221,9 @@ class RayRun:
                 logger.debug("kill %s: %s", actor, exc)
 
 
-def run_ray(config: Any, resume: bool = False) -> int:
-    """The Ray launch mode of ``mmrlhf train``; returns the process exit code."""
+def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dict], None] | None = None) -> int:
+    """The Ray launch mode of ``mmrlhf train``; returns the process exit code (0 done, 1 stopped by a failure,
+    2 misconfigured). ``on_step(run, metrics)`` is called after every step (tools and tests observe the run)."""
     import ray
 
     from mmrlhf.config import dump_config
@@ -255,7 +256,7 @@ def run_ray(config: Any, resume: bool = False) -> int:
                                  overwrite=t.overwrite_output_dir)
         with tracker:
             try:
-                metrics = run.fit(t.max_steps, tracker)
+                metrics = run.fit(t.max_steps, tracker, on_step)
             except RolloutActorFailure as exc:
                 path = run.save()
                 print(f"error: {exc}\n  stopped after step {run.step}; checkpoint saved to {path}", file=sys.stderr)

@@ -75,9 +75,11 @@ class ExperienceMakerHolder:
         self._last_end: float | None = None
 
     # ---- rollout ---------------------------------------------------------------------------------------------------
-    def generate(self, step: int, min_version: int) -> dict[str, Any]:
+    def generate(self, step: int, min_version: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """The experiences of this actor's share of ``step``'s prompts, generated with policy version >=
-        ``min_version`` (the staleness gate; the driver only asks once that version was pushed)."""
+        ``min_version`` (the staleness gate; the driver only asks once that version was pushed). Two objects (called
+        with ``num_returns=2``): the small metadata the driver reads, and the same plus the experiences, which only
+        the trainer reads."""
         from mmrlhf.data.stream import record_columns
         from mmrlhf.distributed.ray.ledger import StaleExperienceError
 
@@ -101,9 +103,10 @@ class ExperienceMakerHolder:
             self._last_end = time.perf_counter()
         from mmrlhf.experience.fast_maker import scoring_temperature
 
-        return {"step": step, "share": self.index, "version": version, "experiences": experiences,
-                "samples": len(rollout), "temperature": scoring_temperature(rollout.sampling), "metrics": metrics,
-                "rollout_wait_s": waited, "generate_s": self._last_end - start}
+        meta = {"step": step, "share": self.index, "version": version, "samples": len(rollout),
+                "temperature": scoring_temperature(rollout.sampling), "metrics": metrics, "rollout_wait_s": waited,
+                "generate_s": self._last_end - start}
+        return meta, {**meta, "experiences": experiences}
 
     def _records(self, step: int) -> list[Any]:
         """All of ``step``'s prompts (every actor reads the same stream and keeps its share); positioned by step, so
