@@ -6,12 +6,13 @@ or is restarted and its batch regenerated."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +113,8 @@ def test_sync_check_control_without_weight_push(cluster, tmp_path):
     print(f"\nengine-vs-trainer max |diff| per step: synced {diffs[True]}, not synced {diffs[False]}")
     assert diffs[False][0] < 1e-3  # the first step trains on version 0 either way
     assert max(diffs[True]) < 1e-3
-    assert min(diffs[False][1:]) > 100 * max(diffs[True]) and min(diffs[False][1:]) > 1e-2
+    # (an all-zero-reward first step may leave the policy unchanged: by the last step it has moved)
+    assert diffs[False][-1] > 100 * max(diffs[True]) and diffs[False][-1] > 1e-2
 
 
 def kill_rollout_actor_at(step: int):
@@ -130,9 +132,11 @@ def test_killed_rollout_actor_stops_cleanly_with_checkpoint(cluster, tmp_path, c
     err = capfd.readouterr().err
     assert rc == 1
     assert "rollout actor 'ExperienceMakerHolder-0' died" in err and "on_rollout_failure=stop" in err
-    assert "stopped after step 2" in err
-    assert (tmp_path / "checkpoints/step-00000002/model/config.json").exists()
-    assert len(rows(tmp_path)) == 2
+    # step 3's batch may already have been generated before the kill (k=1): it still trains; nothing after it
+    stopped = int(re.search(r"stopped after step (\d+)", err).group(1))
+    assert stopped in (2, 3)
+    assert (tmp_path / f"checkpoints/step-{stopped:08d}/model/config.json").exists()
+    assert len(rows(tmp_path)) == stopped
 
 
 def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, capfd):

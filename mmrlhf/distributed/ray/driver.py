@@ -167,7 +167,7 @@ class RayRun:
             try:
                 return ray.get(self.pending[(step, share)][0])
             except ray.exceptions.RayActorError as exc:
-                self._on_failure(share, str(exc).splitlines()[0])
+                self._on_failure(share, _describe(exc))
 
     def _on_failure(self, share: int, error: str) -> None:
         import ray
@@ -275,3 +275,9 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dic
             run.shutdown()
         if started:
             ray.shutdown()
+
+
+def _describe(exc: BaseException) -> str:
+    """Ray's error on one line (its class, the actor and why it died), bounded in length."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if len(text) <= 600 else text[:600] + " ..."

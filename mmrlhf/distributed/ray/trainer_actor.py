@@ -28,7 +28,9 @@ def trainer_name(index: int) -> str:
 
 
 class RayPolicyTrainer:
-    """Trainer actor ``index`` (wrapped with ``ray.remote`` by the driver); only one is supported for now."""
+    """Trainer actor ``index`` (wrapped with ``ray.remote`` by the driver); only one is supported for now.
+    ``push_weights=False`` bumps the rollout actors' version without sending any tensor: the control run of the
+    sync check, never a user setting."""
 
     def __init__(self, config: dict[str, Any], index: int, threads: int, *, push_weights: bool = True) -> None:
         from transformers import AutoProcessor
@@ -112,11 +114,9 @@ class RayPolicyTrainer:
             metrics.update(self.critic.update(items, generator=self.shuffle))
         self.version += 1
         metrics["time/update"] = time.perf_counter() - t0
-        failed: dict[int, str] = {}
-        if self.push_enabled:
-            sync = self.push_weights()
-            failed = sync.pop("failed")
-            metrics.update(sync)
+        sync = self.push_weights()
+        failed = sync.pop("failed")
+        metrics.update(sync)
         return {"metrics": metrics, "consumed": consumed, "staleness": staleness, "version": self.version,
                 "failed": failed}
 
@@ -159,8 +159,9 @@ class RayPolicyTrainer:
 
         t0 = time.perf_counter()
         targets = range(len(self.holders)) if holders is None else list(holders)
-        named = self.named_weights()
-        buckets = list(iter_buckets(iter(named), self.bucket_bytes))
+        # The control of the sync check (push_weights=False) announces the new version with no tensors at all.
+        named = self.named_weights() if self.push_enabled else []
+        buckets = list(iter_buckets(iter(named), self.bucket_bytes)) or [[]]
         pending: dict[int, list[Any]] = {i: [] for i in targets}
         for b, bucket in enumerate(buckets):
             ref = ray.put(bucket)
@@ -173,7 +174,7 @@ class RayPolicyTrainer:
             try:
                 ray.get(refs)
             except ray.exceptions.RayActorError as exc:
-                failed[i] = str(exc).splitlines()[0]
+                failed[i] = _describe(exc)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"sync/seconds": time.perf_counter() - t0, "sync/megabytes": nbytes / 2**20,
                 "sync/buckets": float(len(buckets)), "failed": failed}
@@ -215,3 +216,9 @@ def _sync_check(items: Sequence[Any], current: Sequence[torch.Tensor], fresh: Se
     if not d.numel():
         return {}
     return {"engine_logprob_diff/trainer_mean": float(d.mean()), "engine_logprob_diff/trainer_max": float(d.max())}
+
+
+def _describe(exc: BaseException) -> str:
+    """Ray's error on one line (its class, the actor and why it died), bounded in length."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if len(text) <= 600 else text[:600] + " ..."
