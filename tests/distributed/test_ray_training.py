@@ -17,10 +17,14 @@ import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray m
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 70
-# Measured on this 2-core machine (see docs/distributed.md): the async run's last-20 reward mean sat within this
-# distance of the synchronous run's (same seeds, same number of steps).
-ASYNC_MARGIN = 0.15
+STEPS = 80
+LEVEL = 0.04  # a reward the synchronous run reaches (10-step mean) around step 60
+# Measured on this 2-core machine (docs/distributed.md, "Asynchronous training"): with the same seeds the k=1 run's
+# reward curve follows the synchronous one closely (its samples differ only where the one-version-older policy moved
+# a token across a sampling boundary). Margins: last-20 means within 0.02 (measured: 0.000 at 70 steps), and the
+# first step at which the 10-step mean reaches LEVEL within 8 steps (measured: see the printed summary).
+ASYNC_REWARD_MARGIN = 0.02
+ASYNC_STEP_MARGIN = 8
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +53,13 @@ def reward_means(history: list[dict]) -> tuple[float, float]:
     return statistics.mean(r[:20]), statistics.mean(r[-20:])
 
 
+def first_step_reaching(history: list[dict], level: float, window: int = 10) -> int | None:
+    """The first step whose trailing ``window``-step reward mean is >= ``level`` (None: never)."""
+    r = [h["reward/mean"] for h in history]
+    return next((i + 1 for i in range(window - 1, len(r)) if statistics.mean(r[i - window + 1: i + 1]) >= level),
+                None)
+
+
 @pytest.fixture(scope="module")
 def learning_runs(cluster, tmp_path_factory):
     """The synchronous and the k=1 run, same config and seeds, STEPS steps each."""
@@ -60,7 +71,10 @@ def learning_runs(cluster, tmp_path_factory):
         assert run_ray(toy(path, f"trainer.max_steps={STEPS}", f"distributed.max_staleness={k}")) == 0
         out[name] = rows(path)
         first, last = reward_means(out[name])
-        print(f"\n{name}: reward first-20 {first:.3f} last-20 {last:.3f}; wait shares trainer "
+        print(f"\n{name}: reward first-20 {first:.3f} last-20 {last:.3f}; reaches {LEVEL} at step "
+              f"{first_step_reaching(out[name], LEVEL)}; 20-step means "
+              f"{[round(statistics.mean(h['reward/mean'] for h in out[name][i:i + 20]), 3) for i in (0, 20, 40, 60)]}"
+              f"; wait shares trainer "
               f"{out[name][-1]['async/trainer_wait_share']:.2f} rollout {out[name][-1]['async/rollout_wait_share']:.2f}"
               f"; wall {out[name][-1]['time/wall']:.1f}s; staleness counts "
               f"{ {k: v for k, v in out[name][-1].items() if 'staleness_count' in k} }")
@@ -71,7 +85,7 @@ def test_sync_run_learns_with_verified_weight_sync(learning_runs):
     history = learning_runs["sync"]
     assert len(history) == STEPS
     first, last = reward_means(history)
-    assert last > first + 0.05 and last > 2 * first, (first, last)
+    assert last > first + 0.03 and last > 3 * first, (first, last)
     for h in history:
         assert h["ledger/produced"] == h["ledger/consumed"] == 256
         assert h["async/staleness_max"] == 0
@@ -91,8 +105,13 @@ def test_async_run_bounded_staleness_and_reward(learning_runs):
     assert all(h["ledger/produced"] == h["ledger/consumed"] == 256 for h in history)
     assert all("async/trainer_wait_share" in h and "async/rollout_wait_share" in h for h in history)
     first, last = reward_means(history)
-    assert last > first + 0.05, (first, last)
-    assert last >= reward_means(sync)[1] - ASYNC_MARGIN, (last, reward_means(sync)[1])
+    assert last > first + 0.03 and last > 3 * first, (first, last)
+    assert last >= reward_means(sync)[1] - ASYNC_REWARD_MARGIN, (last, reward_means(sync)[1])
+    reach_sync, reach_async = first_step_reaching(sync, LEVEL), first_step_reaching(history, LEVEL)
+    assert reach_sync is not None and reach_async is not None, (reach_sync, reach_async)
+    assert reach_async <= reach_sync + ASYNC_STEP_MARGIN, (reach_async, reach_sync)
+    # the importance weights of the stale samples were really applied (not all 1)
+    assert max(h["rollout_is/ratio_max"] for h in history) > 1.0 + 1e-3
 
 
 def test_sync_check_control_without_weight_push(cluster, tmp_path):
