@@ -137,8 +137,13 @@ class RayRun:
             for meta, s in zip(metas, out["staleness"]):
                 self.stats.add(s, meta["samples"])
             self.step += 1
-            for share, error in out["failed"].items():  # died while receiving the new weights
-                self._on_failure(share, error)
+            try:
+                for share, error in out["failed"].items():  # died while receiving the new weights
+                    self._on_failure(share, error)
+            except RolloutActorFailure:
+                if tracker is not None:  # this step was trained (and will be checkpointed): keep its record
+                    tracker.log(self.step, metrics)
+                raise
             if eval_steps and (self.step % eval_steps == 0 or self.step == max_steps):
                 metrics.update(ray.get(self.holders[0].evaluate.remote()))
             rollout_wait += sum(m["rollout_wait_s"] for m in metas) / self.n
