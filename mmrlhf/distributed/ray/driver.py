@@ -156,6 +156,9 @@ class RayRun:
                             "time/step": time.perf_counter() - step_t0, "time/wall": wall,
                             "train/samples_trained": float(sum(n for _, n in out["consumed"]))})
             last = metrics
+            save_steps = self.config.trainer.save_steps
+            if save_steps and self.step % save_steps == 0 and self.step < max_steps:  # the last one: run_ray
+                metrics["time/save"] = _timed_save(self)
             if tracker is not None:
                 tracker.log(self.step, metrics)
             if on_step is not None:
@@ -280,6 +283,12 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dic
             run.shutdown()
         if started:
             ray.shutdown()
+
+
+def _timed_save(run: RayRun) -> float:
+    t0 = time.perf_counter()
+    run.save()
+    return time.perf_counter() - t0
 
 
 def _describe(exc: BaseException) -> str:
