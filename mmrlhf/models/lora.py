@@ -192,8 +192,8 @@ def resume_adapter_path(policy_path: str | None) -> Path | None:
         return None
     folder = Path(policy_path).parent / "adapter"
     if not (folder / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"resuming a LoRA run (model.lora.rank > 0) needs the checkpoint's adapter at {folder}, "
-                                "which is missing: was the checkpoint written without LoRA?")
+        raise FileNotFoundError(f"resuming a LoRA run (model.lora.rank > 0) needs the checkpoint's adapter at "
+                                f"{folder}, which is missing: was the checkpoint written without LoRA?")
     return folder
 
 

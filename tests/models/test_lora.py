@@ -199,7 +199,11 @@ def test_lora_trainer_run_trains_adapters_only(tmp_path):
     assert changed and all(".lora_B." in n or ".lora_A." in n for n in changed)
     assert any(".lora_B." in n for n in changed)
     rows = metrics_rows(tmp_path / "run")
-    assert rows and all(torch.isfinite(torch.tensor(r["policy/loss"])) for r in rows if "policy/loss" in r)
+    assert len(rows) == 2
+    for row in rows:
+        assert torch.isfinite(torch.tensor([row["policy/pg_loss"], row["policy/kl_loss"]])).all()
+        assert row["policy/grad_norm"] > 0
+    assert rows[1]["policy/kl_loss"] > 0  # after one update the actor moved away from its adapters-off reference
     ckpt = trainer.p.checkpoints.latest()
     assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and (ckpt / "model" / "config.json").is_file()
     resumed = build_trainer(config, resume=True)  # the resume path loads the adapter, not the merged model
