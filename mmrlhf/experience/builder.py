@@ -106,6 +106,9 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
 def check_lora_settings(config: MMRLHFConfig) -> None:
     """Refuse LoRA combinations that cannot work, naming the keys."""
     lora = config.model.lora
+    if lora.rank and not config.trainer.freeze_vision_tower:
+        raise ValueError("trainer.freeze_vision_tower=false with model.lora.rank > 0: with LoRA only the adapters "
+                         "train; to adapt the vision tower set model.lora.include_vision=true instead")
     if not lora.rank or lora.sync != "vllm_lora":
         return
     if config.rollout.engine != "vllm":

@@ -19,6 +19,7 @@ transformers name (what every engine loads), one layer at a time, plus any other
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from mmrlhf.config.model import LoraConfig
+
+logger = logging.getLogger(__name__)
 
 ADAPTER_NAME = "default"  # peft's adapter name; one adapter per policy
 _PEFT_ATTR = "_lora_peft_model"  # where the PeftModel lives on the actor (outside the module tree)
@@ -98,6 +101,10 @@ def apply_lora(actor: Any, cfg: LoraConfig, *, adapter_path: str | Path | None =
         raise RuntimeError("peft did not adapt the actor's model in place")
     actor.__dict__[_PEFT_ATTR] = peft_model
     actor.model.__dict__[_PEFT_ATTR] = peft_model  # the trainer's sync and checkpoint see only the HF model
+    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in actor.model.parameters())
+    logger.info("LoRA r=%d on %d layers%s: %d trainable parameters (%.2f%% of %d), everything else frozen",
+                cfg.rank, len(targets), f" from {path}" if path else "", trainable, 100 * trainable / total, total)
     return peft_model
 
 

@@ -136,6 +136,8 @@ def test_vllm_lora_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="include_vision"):
         check_lora_settings(toy_config(tmp_path, engine="vllm",
                                        model={"lora": {"rank": 4, "sync": "vllm_lora", "include_vision": True}}))
+    with pytest.raises(ValueError, match="trainer.freeze_vision_tower=false"):
+        check_lora_settings(toy_config(tmp_path, model={"lora": {"rank": 4}}, trainer={"freeze_vision_tower": False}))
 
 
 # ---- merged weights, reference, save / reload ---------------------------------------------------------------------
