@@ -270,3 +270,28 @@ def test_engine_matches_adapted_policy_after_sync(sync):
     print(f"{sync}: synced {synced:.2e}, stale {stale:.2e}, re-synced {resynced:.2e}, {metrics}")
     assert synced < TOLERANCE and resynced < TOLERANCE
     assert stale > CAUGHT
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_builder_starts_engine_at_the_loaded_adapter(tmp_path):
+    """``model.lora.adapter``: the actor loads it and the engine (built from the base model) is synced to it before
+    the first rollout."""
+    pytest.importorskip("vllm")
+    from mmrlhf.experience.builder import build_experience_maker
+    from tests.trainer.trainer_helpers import toy_config
+
+    trained = _actor(rank=4)
+    _perturb(trained, 4)
+    save_adapter(trained, tmp_path / "adapter")
+    lora = {"rank": 4, "adapter": str(tmp_path / "adapter")}
+    config = toy_config(tmp_path / "run", engine="vllm", model={"lora": lora}, rollout={"dtype": "float32"})
+    stack = build_experience_maker(config)
+    try:
+        diff = _engine_vs_actor(stack.engine, stack.actor, stack.processor)
+        base = _engine_vs_actor(stack.engine, _actor(), stack.processor)  # control: the base model is far off
+    finally:
+        stack.engine.close()
+        gc.collect()
+    print(f"loaded adapter: engine vs actor {diff:.2e}, engine vs base {base:.2e}")
+    assert diff < TOLERANCE and base > CAUGHT
