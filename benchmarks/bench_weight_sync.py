@@ -21,6 +21,7 @@ Sync modes (second table, vLLM only, ``--modes``), side by side on the same mode
   of the adapted layers only, under the base names, same bucket bound;
 - ``vllm_lora``: the same adapter through vLLM's own LoRA support (``model.lora.sync=vllm_lora``): only A and B
   travel, as a peft folder (saved, then loaded by the engine); its own engine, built with LoRA on.
+The last column times one generation after each sync (``--gen``): what the choice costs the rollout.
 "MB held" is the largest bucket the sync streamed (the full tensors a sharded trainer must gather at once; for the
 adapter: the adapter's size). After each LoRA sync the engine's log-probs of a short generation are compared with the
 adapted actor's (fp32), so a row that is fast because it is wrong cannot pass unnoticed.
@@ -169,8 +170,26 @@ def _check_logprobs(engine: Any, actor: Any, tokenizer: Any) -> float:
                for i, c in enumerate(out.completions))
 
 
-def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lora_rank: int) -> dict[str, Any]:
-    """One row per sync mode: tensors, MB moved, MB held at once, seconds (fastest of ``repeats``), log-prob check."""
+def _generate_seconds(engine: Any, tokenizer: Any, prompts: int, tokens: int, repeats: int = 2) -> float:
+    """Wall time (fastest of ``repeats``) of one generation of ``prompts`` x ``tokens`` forced-length tokens (what the sync mode costs the
+    rollout: a vLLM LoRA adapter adds its A/B matmuls to every forward)."""
+    from mmrlhf.rollout.types import GenerationRequest, SamplingSettings
+
+    reqs = [GenerationRequest(prompt=f"Describe picture {i}.", prompt_token_ids=tokenizer(f"Describe picture {i}.")[
+        "input_ids"]) for i in range(prompts)]
+    settings = SamplingSettings(n=1, max_new_tokens=tokens, min_new_tokens=tokens, seed=0, logprobs=False)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.generate(reqs, settings)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lora_rank: int,
+                  gen: tuple[int, int]) -> dict[str, Any]:
+    """One row per sync mode: tensors, MB moved, MB held at once, seconds (fastest of ``repeats``), log-prob check,
+    and the time of one ``gen`` = (prompts, tokens) generation after the sync."""
     import torch
     from transformers import AutoTokenizer
 
@@ -197,7 +216,8 @@ def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lo
                 engine.bucket_bytes = bucket
                 first, best = timed(engine)
                 rows[mode] = dict(tensors=int(first["sync/tensors"]), mb=first["sync/megabytes"],
-                                  held_mb=_held_mb(full_state, bucket), s=best, check=None)
+                                  held_mb=_held_mb(full_state, bucket), s=best, check=None,
+                                  gen_s=_generate_seconds(engine, tokenizer, *gen))
         engine.bucket_bytes = bucket_mb << 20
         apply_lora(actor, LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank))
         g = torch.Generator().manual_seed(0)
@@ -209,7 +229,8 @@ def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lo
             first, best = timed(engine)
             rows["lora_merged"] = dict(tensors=int(first["sync/tensors"]), mb=first["sync/megabytes"],
                                        held_mb=_held_mb(list(merged_weights(actor.model)), bucket_mb << 20), s=best,
-                                       check=_check_logprobs(engine, actor, tokenizer))
+                                       check=_check_logprobs(engine, actor, tokenizer),
+                                       gen_s=_generate_seconds(engine, tokenizer, *gen))
     finally:
         engine.close()
         del engine
@@ -221,7 +242,8 @@ def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lo
             ab = adapter_weights(actor.model)
             rows["vllm_lora"] = dict(tensors=int(first["sync/tensors"]), mb=first["sync/megabytes"],
                                      held_mb=sum(t.numel() * t.element_size() for _, t in ab) / 2**20, s=best,
-                                     check=_check_logprobs(engine, actor, tokenizer))
+                                     check=_check_logprobs(engine, actor, tokenizer),
+                                     gen_s=_generate_seconds(engine, tokenizer, *gen))
         finally:
             engine.close()
             del engine
@@ -241,6 +263,8 @@ def main() -> None:
                     help="sync modes compared in the second table (vLLM; none: skip it)")
     ap.add_argument("--bucket-mb", type=int, default=16, help="bucket bound of the bucketed and LoRA rows")
     ap.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the LoRA rows (alpha = 2 x rank)")
+    ap.add_argument("--gen", nargs=2, type=int, default=[16, 64], metavar=("PROMPTS", "TOKENS"),
+                    help="generation timed after each mode's sync (prompts x forced-length tokens)")
     ap.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = ap.parse_args()
 
@@ -254,7 +278,8 @@ def main() -> None:
             rows[size] = measure(path, args.repeats, args.engines)
             print(f"{size}: {json.dumps({k: round(v, 4) for k, v in rows[size].items()})}", flush=True)
             if args.modes and "vllm" in args.engines:
-                mode_rows[size] = measure_modes(path, args.repeats, args.modes, args.bucket_mb, args.lora_rank)
+                mode_rows[size] = measure_modes(path, args.repeats, args.modes, args.bucket_mb, args.lora_rank,
+                                               tuple(args.gen))
                 print(f"{size} modes: {json.dumps(mode_rows[size], default=float)}", flush=True)
 
     base = rows[args.sizes[0]]
@@ -295,16 +320,17 @@ def main() -> None:
         headline = f"transformers sync {last['hf_s']:.3g} s (shared module: nothing copied)"
     print(headline)
     mode_head = ["model", "mode", "tensors", "MB moved", "MB held at once", "s / sync", "MB moved vs full",
-                 "time vs full", "max |engine - actor| log-prob"]
+                 "time vs full", "max |engine - actor| log-prob", "generate s"]
     mode_table = []
     for size, modes in mode_rows.items():
         ref = modes.get("full") or next(iter(modes.values()))
         for mode, r in modes.items():
             mode_table.append([size, mode, r["tensors"], r["mb"], r["held_mb"], r["s"], r["mb"] / ref["mb"],
-                               r["s"] / ref["s"], "-" if r["check"] is None else f"{r['check']:.1e}"])
+                               r["s"] / ref["s"], "-" if r["check"] is None else f"{r['check']:.1e}", r["gen_s"]])
     if mode_table:
         print(f"\nsync modes, float32 actor -> float32 vLLM engine; bucket {args.bucket_mb} MB, LoRA rank "
-              f"{args.lora_rank} (alpha {2 * args.lora_rank}) on the default targets; fastest of {args.repeats}")
+              f"{args.lora_rank} (alpha {2 * args.lora_rank}) on the default targets; fastest of {args.repeats}; "
+              f"generate: {args.gen[0]} prompts x {args.gen[1]} tokens after the sync")
         print("| " + " | ".join(mode_head) + " |")
         print("| " + " | ".join(["---", "---"] + ["---:"] * (len(mode_head) - 2)) + " |")
         for cells in mode_table:
@@ -321,6 +347,7 @@ def main() -> None:
         write_json(args.json, "weight_sync", headline,
                    {"sizes": " ".join(args.sizes), "larger_layers": args.larger_layers, "repeats": args.repeats,
                     "modes": " ".join(args.modes), "bucket_mb": args.bucket_mb, "lora_rank": args.lora_rank,
+                    "generate": f"{args.gen[0]}x{args.gen[1]}",
                     "actor_dtype": "float32", "vllm_dtype": "auto", "torch_threads": torch.get_num_threads()},
                    [table("sync_weights per model (time columns: fastest sync; ratios against the first model)",
                           head, table_rows)]
