@@ -152,8 +152,9 @@ def merged_weights(model: nn.Module, *, only_trainable: bool = True) -> Iterator
         w = _full(base.weight)  # [out, in]
         a = _full(layer.lora_A[ADAPTER_NAME].weight).float()  # [r, in]
         b = _full(layer.lora_B[ADAPTER_NAME].weight).float()  # [out, r]
-        merged = torch.addmm(w.float(), b, a, alpha=layer.scaling[ADAPTER_NAME])  # [out, in], one fused pass
-        yield f"{name}.weight", merged.to(w.dtype).detach()
+        with torch.no_grad():  # per layer, never around the yield (it would leak into the consumer)
+            merged = torch.addmm(w.float(), b, a, alpha=layer.scaling[ADAPTER_NAME])  # [out, in], one fused pass
+        yield f"{name}.weight", merged.to(w.dtype)
     for name, p in model.named_parameters():
         if ".lora_" in name:
             continue
