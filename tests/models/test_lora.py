@@ -182,6 +182,24 @@ def test_adapter_and_checkpoint_reload(batch, tmp_path):
 
 
 # ---- a LoRA run trains ---------------------------------------------------------------------------------------------
+def test_adapters_move_the_policy(batch):
+    """Gradients reach the adapters through the actor's own forward: 20 Adam steps on fixed responses raise their
+    mean log-prob by over a nat (measured -6.42 -> -3.80; full fine-tuning at lr 3e-4: -3.34), base untouched."""
+    actor = _actor(rank=16, alpha=32)
+    base = {n: p.detach().clone() for n, p in actor.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
+    first = None
+    for _ in range(20):
+        out = actor(batch.samples, vision_extra=batch.vision_extra)
+        mean_lp = (out.log_probs * out.action_mask).sum() / out.action_mask.sum()
+        first = float(mean_lp) if first is None else first
+        opt.zero_grad()
+        (-mean_lp).backward()
+        opt.step()
+    assert float(mean_lp) > first + 1.0, (first, float(mean_lp))
+    assert all(torch.equal(p, base[n]) for n, p in actor.named_parameters() if n in base)
+
+
 def test_lora_trainer_run_trains_adapters_only(tmp_path):
     from mmrlhf.trainer.builder import build_trainer
     from tests.trainer.trainer_helpers import metrics_rows, toy_config
