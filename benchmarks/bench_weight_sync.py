@@ -171,8 +171,8 @@ def _check_logprobs(engine: Any, actor: Any, tokenizer: Any) -> float:
 
 
 def _generate_seconds(engine: Any, tokenizer: Any, prompts: int, tokens: int, repeats: int = 2) -> float:
-    """Wall time (fastest of ``repeats``) of one generation of ``prompts`` x ``tokens`` forced-length tokens (what the sync mode costs the
-    rollout: a vLLM LoRA adapter adds its A/B matmuls to every forward)."""
+    """Wall time (fastest of ``repeats``) of one generation of ``prompts`` x ``tokens`` forced-length tokens: what
+    the sync mode costs the rollout (a vLLM LoRA adapter adds its A/B matmuls to every forward)."""
     from mmrlhf.rollout.types import GenerationRequest, SamplingSettings
 
     reqs = [GenerationRequest(prompt=f"Describe picture {i}.", prompt_token_ids=tokenizer(f"Describe picture {i}.")[
