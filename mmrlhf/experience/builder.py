@@ -56,22 +56,42 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
     load = dict(dtype=dtype, attn_implementation=model_cfg.attn_implementation,
                 trust_remote_code=model_cfg.trust_remote_code)
+    lora = model_cfg.lora
+    check_lora_settings(config)
+    resumed_from = policy_path
     policy_path = policy_path or model_cfg.pretrain
     adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
-    actor = ActorVL.from_pretrained(policy_path, adapter=adapter, **load).to(target)
+    # LoRA: the actor is always the base model plus adapters (a resumed run's adapter sits beside its model/)
+    actor = ActorVL.from_pretrained(model_cfg.pretrain if lora.rank else policy_path, adapter=adapter,
+                                    **load).to(target)
     if before_engine is not None:
         before_engine(actor)
+    adapter_path = None
+    if lora.rank:
+        from mmrlhf.models.lora import apply_lora, resume_adapter_path
+
+        adapter_path = resume_adapter_path(resumed_from) or lora.adapter or None
+        apply_lora(actor, lora, adapter_path=adapter_path)  # after the freeze: only the adapters train
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
                                    attn_implementation=model_cfg.attn_implementation)
     reference = None
-    if settings.need_reference:
+    if settings.need_reference and lora.rank and not model_cfg.reference:
+        from mmrlhf.models.lora import AdapterOffScorer
+
+        reference = AdapterOffScorer(actor)  # the base model: the actor's own module with its adapters off
+    elif settings.need_reference:
         reference = ActorVL.from_pretrained(model_cfg.reference or model_cfg.pretrain, adapter=adapter,
                                             **load).to(target).eval()
         reference.requires_grad_(False)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
-    engine = build_engine(config.rollout, policy_path, family=model_cfg.family,
-                          hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code)
+    engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
+                          hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code,
+                          lora_rank=lora.rank if lora.sync == "vllm_lora" else 0)
+    if adapter_path:
+        from mmrlhf.trainer.weight_sync import sync_weights
+
+        sync_weights(actor.model, engine)  # the engine loaded the base model: bring it to the loaded adapter
     data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)
     rewards = RewardComputationEngine.from_config(config.reward)
     algo = config.algorithm
@@ -81,3 +101,20 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                                 sampling_settings(config.rollout), initial_model=reference, critic=critic,
                                 kl_controller=controller)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+
+
+def check_lora_settings(config: MMRLHFConfig) -> None:
+    """Refuse LoRA combinations that cannot work, naming the keys."""
+    lora = config.model.lora
+    if lora.rank and not config.trainer.freeze_vision_tower:
+        raise ValueError("trainer.freeze_vision_tower=false with model.lora.rank > 0: with LoRA only the adapters "
+                         "train; to adapt the vision tower set model.lora.include_vision=true instead")
+    if not lora.rank or lora.sync != "vllm_lora":
+        return
+    if config.rollout.engine != "vllm":
+        raise ValueError(f"model.lora.sync=vllm_lora needs rollout.engine=vllm (got {config.rollout.engine!r}); "
+                         "use model.lora.sync=merged")
+    if lora.include_vision:
+        raise ValueError("model.lora.sync=vllm_lora with model.lora.include_vision=true: vLLM's LoRA support skips "
+                         "vision-tower layers, so the engine would generate without those adapters; use "
+                         "model.lora.sync=merged")

@@ -21,12 +21,13 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
 
 
 def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", hf_model: Any = None,
-                 tokenizer: Any = None, trust_remote_code: bool = False) -> RolloutEngine:
+                 tokenizer: Any = None, trust_remote_code: bool = False, lora_rank: int = 0) -> RolloutEngine:
     """Build the configured engine. The transformers engine needs the (actor) model and tokenizer.
 
     The vLLM engine's precision is ``cfg.dtype`` (never the trainer's ``model.dtype``: an fp32 trainer must not
     make the engine fp32 on a GPU). The transformers engine shares the actor's module and so its dtype; a
-    ``cfg.dtype`` that says otherwise is an error rather than silently ignored.
+    ``cfg.dtype`` that says otherwise is an error rather than silently ignored. ``lora_rank`` > 0 builds the vLLM
+    engine with its LoRA support on (``model.lora.sync=vllm_lora``).
     """
     adapter = get_adapter(model_path, family)
     if cfg.engine == "vllm":
@@ -39,7 +40,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
             limit_mm_per_prompt=limits or None, trust_remote_code=trust_remote_code,
             weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=cfg.dtype, seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep,
+            enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep, lora_rank=lora_rank,
         )
     if hf_model is None or tokenizer is None:
         raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")

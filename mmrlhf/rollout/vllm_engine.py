@@ -86,6 +86,8 @@ class VLLMEngine(RolloutEngine):
         weight_sync_bucket_mb: bound on one weight-update bucket.
         limit_mm_per_prompt: most images / videos one prompt may carry (None: vLLM's default).
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (:func:`~mmrlhf.rollout.vllm_setup.engine_dtype`).
+        lora_rank: > 0 turns on vLLM's LoRA support for adapters up to this rank (``model.lora.sync=vllm_lora``):
+            the policy then travels as a peft adapter (:meth:`load_lora_adapter`) instead of weights.
         Other arguments go to :func:`mmrlhf.rollout.vllm_setup.make_llm` (GPU-only ones are dropped on CPU).
     """
 
@@ -105,6 +107,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = True,
         enable_sleep: bool = False,
         trust_remote_code: bool = False,
+        lora_rank: int = 0,
     ) -> None:
         super().__init__(max_model_len, prompt_too_long)
         import_vllm()
@@ -122,8 +125,11 @@ class VLLMEngine(RolloutEngine):
             limit_mm_per_prompt=limit_mm_per_prompt,
             trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, enable_sleep_mode=self.supports_sleep,
+            enforce_eager=enforce_eager, enable_sleep_mode=self.supports_sleep, lora_rank=lora_rank,
         )
+        self._lora_request: Any = None  # the current policy's adapter (None: the base model)
+        self._lora_version = 0
+        self.lora_enabled = bool(lora_rank)  # weight_sync sends this engine adapters instead of merged weights
 
     # ---- generation ---------------------------------------------------------------------------------------
     def _sampling_params(self, settings: SamplingSettings, index: int) -> Any:
@@ -174,7 +180,7 @@ class VLLMEngine(RolloutEngine):
         inputs = [self._vllm_input(requests[i]) for i in keep]
         params = [self._sampling_params(settings, i) for i in keep]
         try:
-            raw = self.llm.generate(inputs, params, use_tqdm=False)
+            raw = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._lora_request)
         except _validation_errors() as exc:
             if len(keep) > 1:
                 # vLLM validates the whole batch up front: one bad prompt must neither lose the others nor hide
@@ -235,6 +241,28 @@ class VLLMEngine(RolloutEngine):
             self.llm.apply_model(repack_after_update)
         self._drop_caches()
         return loaded
+
+    def load_lora_adapter(self, folder: str) -> None:
+        """Generate from now on with the peft adapter saved in ``folder`` (``model.lora.sync=vllm_lora``).
+
+        Each call is a new adapter version (a new LoRA id: vLLM caches adapters by id, so re-using one would keep
+        the old A/B); the adapter is loaded eagerly (``add_lora``, so a bad folder fails here, not in the next
+        rollout) and the previous version is removed."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_enabled:
+            raise RuntimeError("load_lora_adapter: this engine was built without LoRA support (lora_rank=0)")
+        if self._is_sleeping():
+            raise RuntimeError("load_lora_adapter while the vLLM engine sleeps: call wake_up() first")
+        self._lora_version += 1
+        request = LoRARequest(f"policy-v{self._lora_version}", self._lora_version, str(folder))
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter in {folder}")
+        if self._lora_request is not None:
+            engine.remove_lora(self._lora_request.lora_int_id)
+        self._lora_request = request
+        self._drop_caches()
 
     def _is_sleeping(self) -> bool:
         """Our own record, and the engine's where it keeps one (a sleep started outside this class counts)."""

@@ -77,6 +77,7 @@ def make_llm(
     enforce_eager: bool = True,
     enable_sleep_mode: bool = False,
     trust_remote_code: bool = False,
+    lora_rank: int = 0,
 ) -> Any:
     """An in-process ``vllm.LLM`` for ``model_path``.
 
@@ -109,6 +110,8 @@ def make_llm(
                       max_num_batched_tokens=max(max_model_len, CPU_MAX_BATCHED_TOKENS))
     if limit_mm_per_prompt:
         kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(lora_rank))
     if _engine_arg_exists(vllm, "mm_device_do_normalize") and not processors_normalise_alike(
             model_path, trust_remote_code=trust_remote_code):
         # vLLM normalises pixels on the device for some families with ONE mean/std; when the checkpoint's image
@@ -123,6 +126,18 @@ def make_llm(
             enable_sleep_mode=enable_sleep_mode,
         )
     return vllm.LLM(**kwargs)
+
+
+LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA config accepts (LoRAConfig)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest rank slot vLLM accepts that holds an adapter of ``rank``."""
+    for slot in LORA_RANK_SLOTS:
+        if slot >= rank:
+            return slot
+    raise ValueError(f"model.lora.rank={rank} is above vLLM's largest LoRA rank ({LORA_RANK_SLOTS[-1]}): "
+                     "use model.lora.sync=merged or a smaller rank")
 
 
 def _engine_arg_exists(vllm: Any, name: str) -> bool:

@@ -24,6 +24,7 @@ from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
+from mmrlhf.models.lora import save_lora_checkpoint
 from mmrlhf.trainer.checkpoint import CheckpointManager
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
@@ -204,7 +205,8 @@ class Trainer:
         vLLM), the critic, optimiser and scheduler states, RNG states, data position and running statistics."""
         p = self.p
         actor = p.policy.actor.model
-        actor.save_pretrained(folder / "model", safe_serialization=True)
+        if not save_lora_checkpoint(actor, folder):  # LoRA: merged model/ plus the peft adapter/
+            actor.save_pretrained(folder / "model", safe_serialization=True)
         p.processor.save_pretrained(folder / "model")
         optim = {"policy": p.policy.stepper.state_dict()}
         if p.critic is not None:

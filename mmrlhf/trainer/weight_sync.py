@@ -21,8 +21,43 @@ def policy_weights(model: torch.nn.Module, *, only_trainable: bool = True) -> li
 
 def sync_weights(model: torch.nn.Module, engine: Any, *, only_trainable: bool = True) -> dict[str, float]:
     """Load the policy's current weights into ``engine``; returns ``sync/*`` metrics (seconds, tensors, MB)."""
+    from mmrlhf.models.lora import lora_model
+
+    if lora_model(model) is not None:
+        return sync_lora(model, engine)
     t0 = time.perf_counter()
     weights = policy_weights(model, only_trainable=only_trainable)
     loaded = engine.update_weights(iter(weights))
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    return {"sync/seconds": time.perf_counter() - t0, "sync/tensors": float(loaded), "sync/megabytes": nbytes / 2**20}
+
+
+def sync_lora(model: torch.nn.Module, engine: Any) -> dict[str, float]:
+    """The LoRA branch (``model.lora.rank > 0``). An engine built for adapters (``vllm_lora``: it has
+    ``lora_enabled``) gets the peft adapter saved to a temporary folder (only A and B travel); any other engine
+    gets the merged weights of the adapted layers (``merged``). A transformers engine that generates with the
+    actor's own module (adapters included) needs nothing."""
+    import tempfile
+
+    from mmrlhf.models.lora import adapter_weights, merged_weights, save_adapter
+
+    t0 = time.perf_counter()
+    if getattr(engine, "model", None) is model:
+        return {"sync/seconds": time.perf_counter() - t0, "sync/tensors": 0.0, "sync/megabytes": 0.0}
+    if getattr(engine, "lora_enabled", False):
+        with tempfile.TemporaryDirectory(prefix="mmrlhf-lora-sync-") as folder:
+            save_adapter(model, folder)
+            engine.load_lora_adapter(folder)
+        sent = adapter_weights(model)
+        nbytes, loaded = sum(t.numel() * t.element_size() for _, t in sent), len(sent)
+    else:
+        nbytes = 0
+
+        def counted():
+            nonlocal nbytes
+            for name, t in merged_weights(model):
+                nbytes += t.numel() * t.element_size()
+                yield name, t
+
+        loaded = engine.update_weights(counted())
     return {"sync/seconds": time.perf_counter() - t0, "sync/tensors": float(loaded), "sync/megabytes": nbytes / 2**20}
