@@ -209,7 +209,7 @@ def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lo
 
     engine = VLLMEngine(str(path), actor.adapter, max_model_len=256, dtype="float32")
     try:
-        full_state = policy_weights(actor.model, only_trainable=False)
+        full_state = list(policy_weights(actor.model, only_trainable=False))
         total = sum(t.numel() * t.element_size() for _, t in full_state)
         for mode, bucket in (("full", total + 1), ("bucketed", bucket_mb << 20)):
             if mode in modes:

@@ -93,3 +93,26 @@ def shard_for_training(wrapper: nn.Module, *, block_classes: Iterable[str] | Non
     if isinstance(wrapper, ActorVL):
         register_fsdp_forward_method(wrapper, "hidden_states")
     return wrapper
+
+
+def checkpoint_blocks(wrapper: nn.Module, *, block_classes: Iterable[str] | None = None) -> int:
+    """Activation checkpointing (``distributed.activation_checkpointing``) on every transformer block of an
+    :class:`ActorVL` / :class:`CriticVL`: a block keeps only its inputs in the forward and recomputes its activations
+    in the backward. Applied with torch's composable ``checkpoint``, which leaves parameter names unchanged (the
+    weight sync and the Hugging Face checkpoints keep working) and composes with ``fully_shard`` (apply it first).
+
+    Why not transformers' gradient checkpointing: it only acts in training mode, and the trainer keeps the policy in
+    eval mode (no dropout, so the PPO ratio compares like with like). Returns the number of blocks."""
+    from torch.distributed._composable import checkpoint
+
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.critic import CriticVL
+
+    if isinstance(wrapper, CriticVL):
+        wrapper = wrapper.body
+    if not isinstance(wrapper, ActorVL):
+        raise TypeError(f"expected an ActorVL or a CriticVL, got {type(wrapper).__name__}")
+    blocks = block_modules(wrapper.model, block_classes)
+    for block in blocks:
+        checkpoint(block)
+    return len(blocks)

@@ -82,16 +82,25 @@ def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, 
     return None
 
 
-def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
-    """Models, engine, maker, updaters, data stream, evaluation, tracker, checkpoints and reports of a run."""
+def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = None) -> Trainer:
+    """Models, engine, maker, updaters, data stream, evaluation, tracker, checkpoints and reports of a run.
+
+    ``dist``: this rank's :class:`~mmrlhf.distributed.context.DistContext` under torchrun (None: one process). Each
+    rank then builds its own engine (generating its share of every step's prompts, with its own sampling seed), the
+    actor and critic are sharded with FSDP2, and only rank 0 writes metrics, reports and the progress bar."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
     from mmrlhf.trainer.tracking import MetricsTracker, WandbSettings
 
+    if dist is not None:
+        config = _rank_config(config, dist)
     t, a, d = config.trainer, config.algorithm, config.data
     out = Path(t.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", t.keep_last)
-    resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
+    if dist is None or dist.is_main:
+        resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
+    if dist is not None:  # rank 0 alone cleans the folder; the others learn what it decided
+        resume_from = dist.broadcast_object(None if dist.rank else resume_from)
     seed_everything(t.seed)
 
     def freeze(actor: Any) -> None:
@@ -102,8 +111,18 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
     stack = build_experience_maker(config, critic=critic, before_engine=freeze,
                                    policy_path=str(resume_from / "model") if resume_from else None)
     device = next(stack.actor.parameters()).device
+    if dist is not None:
+        from mmrlhf.distributed.fsdp import shard_models
+
+        shard_models(stack.actor, critic, config.distributed)
+    elif config.distributed.activation_checkpointing:
+        from mmrlhf.models.sharding import checkpoint_blocks
+
+        checkpoint_blocks(stack.actor)
+        if critic is not None:
+            checkpoint_blocks(critic)
     policy, critic_updater = build_updaters(config, stack.actor, critic, pad_id=stack.tokenizer.pad_token_id,
-                                            device=device)
+                                            device=device, dist=dist)
 
     source = build_prompt_source(config)
     evaluator = build_evaluator(config, stack.maker) if t.eval_steps else None
@@ -112,19 +131,25 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
     if t.wandb_project:
         wandb = WandbSettings(project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
                               mode=t.wandb_mode)
-    tracker = MetricsTracker(out, tensorboard=t.tensorboard, wandb=wandb, run_config=config.model_dump(mode="json"),
-                             resume=resume_from is not None, overwrite=t.overwrite_output_dir)
+    if dist is None or dist.is_main:
+        tracker: Any = MetricsTracker(out, tensorboard=t.tensorboard, wandb=wandb,
+                                      run_config=config.model_dump(mode="json"), resume=resume_from is not None,
+                                      overwrite=t.overwrite_output_dir)
+    else:
+        from mmrlhf.distributed.torchrun import SilentTracker
+
+        tracker = SilentTracker()
     parts = TrainerParts(
         maker=stack.maker, policy=policy, critic=critic_updater, stream=PromptStream(source, seed=t.seed,
                                                                                      shuffle=d.shuffle),
         evaluator=evaluator, tracker=tracker, checkpoints=checkpoints,
         reporter=StepReporter(out, stack.tokenizer, groups=t.report_groups, title=out.name),
-        processor=stack.processor, shuffle=torch.Generator().manual_seed(t.seed))
+        processor=stack.processor, shuffle=torch.Generator().manual_seed(t.seed), dist=dist)
     settings = LoopSettings(
         max_steps=t.max_steps, rollout_batch_size=t.rollout_batch_size, output_dir=str(out), save_steps=t.save_steps,
         log_steps=t.log_steps, eval_steps=t.eval_steps, report_steps=t.report_steps,
         dynamic_sampling=a.dynamic_sampling, dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
-        dynamic_sampling_tol=a.dynamic_sampling_tol, progress_bar=t.progress_bar,
+        dynamic_sampling_tol=a.dynamic_sampling_tol, progress_bar=t.progress_bar and (dist is None or dist.is_main),
         config=config.model_dump(mode="json"))
     trainer = Trainer(parts, settings)
     if resume_from is not None:
@@ -134,9 +159,10 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False) -> Trainer:
 
 
 def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_id: int,
-                   device: torch.device) -> tuple[PolicyUpdater, CriticUpdater | None]:
+                   device: torch.device, dist: Any = None) -> tuple[PolicyUpdater, CriticUpdater | None]:
     """The policy updater (and the critic's, when ``critic`` is given) with their optimisers and schedules; the
-    training half of a run, shared by every launch mode."""
+    training half of a run, shared by every launch mode. ``dist``: the torchrun context (the models are already
+    sharded; the update loop normalises over all ranks)."""
     t, a = config.trainer, config.algorithm
     samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
     total_opt_steps = t.max_steps * t.ppo_epochs * math.ceil(samples_per_step / t.train_batch_size)
@@ -147,7 +173,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
         sched = build_scheduler(opt, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps,
                                 total_steps=total_opt_steps, min_ratio=t.min_lr_ratio)
         return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
-                              max_consecutive=t.max_consecutive_nonfinite, name=name)
+                              max_consecutive=t.max_consecutive_nonfinite, name=name, dist=dist)
 
     correction = resolve_rollout_correction(a, _engine_dtype(config), config.model.dtype)
     logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
@@ -164,6 +190,29 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
                              **_layout(config)),
         pad_id=pad_id, adapter=actor.adapter, device=device)
     return policy, critic_updater
+
+
+def _rank_config(config: MMRLHFConfig, dist: Any) -> MMRLHFConfig:
+    """What differs per rank under torchrun, checked first: every rank samples with its own seed (its prompts are
+    its own already), and what cannot run data-parallel is refused by key."""
+    from mmrlhf.distributed.context import local_share
+
+    t, r, a = config.trainer, config.rollout, config.algorithm
+    local_share(t.rollout_batch_size, dist, "trainer.rollout_batch_size")
+    local_share(t.train_batch_size, dist, "trainer.train_batch_size")
+    if a.dynamic_sampling:
+        raise ValueError("algorithm.dynamic_sampling under torchrun: ranks would keep different numbers of samples "
+                         "and their sharded updates would stop matching; set algorithm.dynamic_sampling=false")
+    if r.engine == "transformers":
+        raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
+                         "policy itself, and ranks stopping at different lengths would wait on each other forever; "
+                         "use rollout.engine=vllm")
+    if config.model.lora.rank:
+        raise ValueError("model.lora.rank > 0 under torchrun: LoRA with FSDP2 sharding is not supported yet; train "
+                         "LoRA in one process (or the Ray mode), or set model.lora.rank=0")
+    if r.seed is None:
+        return config
+    return config.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + dist.rank})})
 
 
 def build_prompt_source(config: MMRLHFConfig) -> Any:

@@ -68,6 +68,7 @@ class TrainerParts:
     reporter: StepReporter
     processor: Any  # saved beside the model in checkpoints (tokenizer, chat template, image processor)
     shuffle: torch.Generator  # mini-batch order (checkpointed)
+    dist: Any = None  # DistContext under torchrun: this rank's share of the prompts, sharded models, rank-0 output
 
 
 class Trainer:
@@ -89,9 +90,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = self.train_step()
                 self.state.step += 1
+                if p.dist is not None:  # a Ctrl-C seen by any rank stops every rank after the same step
+                    stop.requested = not p.dist.all_true(not stop.requested)
                 metrics["time/step"] = time.perf_counter() - t0
                 step, last = self.state.step, self.state.step == s.max_steps
-                if p.evaluator is not None and s.eval_steps and (step % s.eval_steps == 0 or last):
+                if p.evaluator is not None and s.eval_steps and (step % s.eval_steps == 0 or last) and self.main:
                     t_eval = time.perf_counter()
                     metrics.update(self.evaluate())
                     metrics["time/eval"] = time.perf_counter() - t_eval
@@ -101,20 +104,36 @@ class Trainer:
                 bar.update(metrics, self.state.last_eval)
                 if step % s.save_steps == 0 or last or stop.requested:
                     self.save()
-                if (s.report_steps and step % s.report_steps == 0) or last or stop.requested:
+                if ((s.report_steps and step % s.report_steps == 0) or last or stop.requested) and self.main:
                     self.report()
         if stop.requested and self.state.step < s.max_steps:
             latest = p.checkpoints.latest()
             if latest is None or p.checkpoints.step_of(latest) != self.state.step:
                 latest = self.save()  # the signal came between the step's save check and the loop test
-            print(f"\ninterrupted at step {self.state.step}: checkpoint saved to {latest}; continue with --resume")
+            if self.main:
+                print(f"\ninterrupted at step {self.state.step}: checkpoint saved to {latest}; continue with --resume")
         return self.last_metrics
 
+    @property
+    def main(self) -> bool:
+        """Whether this process writes the run's output (always, except ranks > 0 under torchrun)."""
+        return self.p.dist is None or self.p.dist.is_main
+
     def train_step(self) -> dict[str, float]:
-        p = self.p
         seconds: dict[str, float] = {}
         with _timed(seconds, "rollout"):
             rollout, metrics = self.collect_rollout()
+        metrics = self.train_on(rollout, metrics, seconds)
+        if self.p.dist is not None:
+            metrics = _mean_over_ranks(self.p.dist, metrics)
+        return metrics
+
+    def train_on(self, rollout: ScoredRollout | None, metrics: dict[str, float],
+                 seconds: dict[str, float] | None = None) -> dict[str, float]:
+        """Experiences, policy and critic updates and the weight sync for one rollout (this rank's share under
+        torchrun); ``metrics`` (the rollout's) are extended and returned."""
+        p = self.p
+        seconds = {} if seconds is None else seconds
         if rollout is None:  # dynamic sampling found no group with reward variance
             self.state.empty_steps += 1
             logger.warning("step %d: every sampled group had the same reward for all its samples; no update",
@@ -182,7 +201,9 @@ class Trainer:
         return kept, metrics
 
     def _sample(self, n_prompts: int) -> ScoredRollout:
-        records = self.p.stream.next_batch(n_prompts)
+        records = self.p.stream.next_batch(n_prompts)  # every rank draws the same global batch (same seed) ...
+        if self.p.dist is not None:  # ... and generates its own share of whole prompts
+            records = records[self.p.dist.rank::self.p.dist.world_size]
         return self.p.maker.generate_rollout(**record_columns(records))
 
     def evaluate(self) -> dict[str, float]:
@@ -196,7 +217,12 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def save(self) -> Path:
-        path = self.p.checkpoints.save(self.state.step, self.write_checkpoint)
+        if self.p.dist is not None:
+            from mmrlhf.distributed.checkpoint import save_collective
+
+            path = save_collective(self.p.dist, self.p.checkpoints, self.state.step, self.write_checkpoint)
+        else:
+            path = self.p.checkpoints.save(self.state.step, self.write_checkpoint)
         logger.info("checkpoint saved: %s", path)
         return path
 
@@ -204,6 +230,11 @@ class Trainer:
         """Everything a resume needs: the policy in Hugging Face format (``model/``, loadable by transformers and
         vLLM), the critic, optimiser and scheduler states, RNG states, data position and running statistics."""
         p = self.p
+        if p.dist is not None:
+            from mmrlhf.distributed.checkpoint import write_sharded
+
+            write_sharded(self, folder)
+            return
         actor = p.policy.actor.model
         if not save_lora_checkpoint(actor, folder):  # LoRA: merged model/ plus the peft adapter/
             actor.save_pretrained(folder / "model", safe_serialization=True)
@@ -224,6 +255,11 @@ class Trainer:
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore everything but the policy weights (the builder loads those from ``folder/model``)."""
         folder, p = Path(folder), self.p
+        if p.dist is not None:
+            from mmrlhf.distributed.checkpoint import load_sharded
+
+            load_sharded(self, folder)
+            return
         state = json.loads((folder / "trainer_state.json").read_text())
         self.state = TrainerState.from_json(state["trainer"])
         p.stream.load_state_dict(state["stream"])
@@ -248,6 +284,23 @@ def _group_rewards(rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor]:
     groups = rollout.group_ids
     alone = groups.max() + 1 + torch.arange(len(groups))
     return r.rewards.float(), torch.where(r.valid, groups, alone)
+
+
+def _mean_over_ranks(dist: Any, metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric averaged over the ranks that report it (their rollouts are equal-sized shares); counters that
+    add up (``samples``, ``train/samples_trained``, ``groups/sampled``) are summed."""
+    import torch.distributed as tdist
+
+    gathered: list[Any] = [None] * dist.world_size
+    tdist.all_gather_object(gathered, metrics)
+    out: dict[str, float] = {}
+    for key in sorted({k for m in gathered for k in m}):
+        values = [float(m[key]) for m in gathered if key in m]
+        out[key] = sum(values) if key in _SUMMED else sum(values) / len(values)
+    return out
+
+
+_SUMMED = {"samples", "train/samples_trained", "groups/sampled"}
 
 
 def _variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, float]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -69,6 +69,15 @@ class MetricSums:
             self.sums[k] = self.sums.get(k, 0.0) + float(v) * weight
             self.weights[k] = self.weights.get(k, 0.0) + weight
 
+    def all_reduced(self, dist: Any) -> "MetricSums":
+        """Sums and weights added over ranks (every rank reports the same metric names)."""
+        keys = sorted(self.sums)
+        names = dist.broadcast_object(keys)
+        if names != keys:
+            raise RuntimeError(f"ranks report different update metrics: {keys} vs rank 0's {names}")
+        totals = dist.all_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
+        return MetricSums(dict(zip(keys, totals[: len(keys)])), dict(zip(keys, totals[len(keys):])))
+
     def means(self, prefix: str) -> dict[str, float]:
         return {f"{prefix}{k}": self.sums[k] / self.weights[k] for k in self.sums if self.weights[k] > 0}
 
@@ -78,8 +87,9 @@ class GuardedStepper:
 
     def __init__(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, *, max_grad_norm: float,
-                 max_consecutive: int, name: str) -> None:
+                 max_consecutive: int, name: str, dist: Any = None) -> None:
         self.params = [p for p in params if p.requires_grad]
+        self.dist = dist  # a DistContext under torchrun (the update loop normalises over all ranks), else None
         self.optimizer, self.scheduler = optimizer, scheduler
         self.max_grad_norm, self.max_consecutive, self.name = max_grad_norm, max_consecutive, name
         self.skipped_total = 0
@@ -88,7 +98,8 @@ class GuardedStepper:
 
     def step(self, loss_finite: bool) -> tuple[float, bool]:
         """(gradient norm before clipping, whether the step was taken). Gradients are zeroed either way."""
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # sharded: the global norm
         ok = loss_finite and math.isfinite(grad_norm)
         if ok:
             self.optimizer.step()
@@ -136,23 +147,41 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
     response). ``micro_loss(micro, denominator)`` returns the micro-batch's share of its mini-batch loss (divided by
     ``denominator``, the mini-batch's total count) and its metrics. Returns ``prefix``-ed metrics: count-weighted
     means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped, the LR.
-    ``groups``: per-item group keys that shuffling keeps together (see :func:`epoch_order`)."""
+    ``groups``: per-item group keys that shuffling keeps together (see :func:`epoch_order`).
+
+    Under torchrun (``stepper.dist``) every rank holds its own share of the items and ``batch_size`` is the GLOBAL
+    mini-batch: each rank takes ``batch_size / world_size`` of its items per optimiser step, the denominator is the
+    count summed over ranks, and the loss is scaled by ``world_size`` because FSDP averages the gradients over ranks,
+    so the step equals the one a single process would take on the whole mini-batch."""
+    dist = stepper.dist
+    world = dist.world_size if dist is not None else 1
+    if batch_size % world:
+        raise ValueError(f"trainer.train_batch_size={batch_size} must be a multiple of the number of ranks ({world})")
     sums, norms, skipped = MetricSums(), [], 0
-    for _, micros in minibatches(len(counts), batch_size, micro_size, epochs, generator, groups):
+    for _, micros in minibatches(len(counts), batch_size // world, micro_size, epochs, generator, groups):
         denominator = sum(counts[i] for m in micros for i in m)
+        if dist is not None:
+            denominator = dist.all_sum([denominator])[0]
         finite = True
         for micro in micros:
             loss, metrics = micro_loss(micro, denominator)
             if not torch.isfinite(loss.detach()).all():
                 finite = False  # no backward: a NaN would poison every gradient of the mini-batch
-                break
-            loss.backward()
+                if dist is None:
+                    break
+                # Sharded: every rank must run the same backwards (they reduce-scatter); the agreed flag below
+                # skips the step on every rank.
+            (loss * world if dist is not None else loss).backward()
             sums.add(metrics, sum(counts[i] for i in micro))
+        if dist is not None:
+            finite = dist.all_true(finite)
         grad_norm, ok = stepper.step(finite)
         if ok:
             norms.append(grad_norm)
         else:
             skipped += 1
+    if dist is not None:
+        sums = sums.all_reduced(dist)
     out = sums.means(prefix)
     out.update({f"{prefix}grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                 f"{prefix}optimizer_steps": float(len(norms)), f"{prefix}skipped_steps": float(skipped),

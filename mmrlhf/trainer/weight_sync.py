@@ -9,14 +9,20 @@ trainer's (``engine_logprob_diff/*``), which is the real check.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 
-def policy_weights(model: torch.nn.Module, *, only_trainable: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs in transformers naming (detached; no copies)."""
-    return [(name, p.detach()) for name, p in model.named_parameters() if p.requires_grad or not only_trainable]
+def policy_weights(model: torch.nn.Module, *, only_trainable: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs in transformers naming (detached; no copies), lazily: a parameter sharded by FSDP2 is
+    gathered to its full value only when the consumer (the engine's bucketing) reaches it, so a sync never holds
+    more than one bucket of gathered tensors. Sharded: every rank must consume the whole iterator, in order (each
+    gather is a collective)."""
+    for name, p in model.named_parameters():
+        if p.requires_grad or not only_trainable:
+            t = p.detach()
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
 def sync_weights(model: torch.nn.Module, engine: Any, *, only_trainable: bool = True) -> dict[str, float]:
@@ -26,9 +32,15 @@ def sync_weights(model: torch.nn.Module, engine: Any, *, only_trainable: bool = 
     if lora_model(model) is not None:
         return sync_lora(model, engine)
     t0 = time.perf_counter()
-    weights = policy_weights(model, only_trainable=only_trainable)
-    loaded = engine.update_weights(iter(weights))
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    nbytes = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal nbytes
+        for name, t in policy_weights(model, only_trainable=only_trainable):
+            nbytes += t.numel() * t.element_size()
+            yield name, t
+
+    loaded = engine.update_weights(counted())
     return {"sync/seconds": time.perf_counter() - t0, "sync/tensors": float(loaded), "sync/megabytes": nbytes / 2**20}
 
 

@@ -1,0 +1,74 @@
+"""``torchrun --nproc-per-node N -m mmrlhf train CONFIG``: data-parallel training with FSDP2.
+
+Every rank builds the whole run (its own rollout engine, colocated with its shard of the policy), generates its
+share of each step's prompts, scores and trains on its own samples; FSDP2 all-gathers the parameters for each
+forward and reduce-scatters the gradients, and the update loop normalises the loss over all ranks, so a step equals
+what one process would compute on the whole batch. Rank 0 alone writes metrics, reports and the progress bar; every
+rank takes part in checkpoints (:mod:`mmrlhf.distributed.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping
+
+
+class SilentTracker:
+    """The metrics tracker of ranks > 0: rank 0 writes the run's metrics (already averaged over ranks)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:  # noqa: ARG002
+        return None
+
+    def truncate_after(self, step: int) -> int:  # noqa: ARG002
+        return 0
+
+    def history(self) -> list[dict]:
+        return []
+
+    def close(self, *, failed: bool = False) -> None:  # noqa: ARG002
+        return None
+
+    def __enter__(self) -> "SilentTracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def run_torchrun(config: Any, *, resume: bool = False) -> int:
+    """Join the process group, build this rank's trainer, train; the exit code of ``mmrlhf train``."""
+    from mmrlhf.distributed.context import destroy, init_from_env
+    from mmrlhf.trainer.builder import build_trainer
+    from mmrlhf.trainer.minibatch import NonFiniteError
+
+    try:
+        dist = init_from_env(config.distributed.process_group)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        print(f"error: torchrun process group: {exc}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            trainer = build_trainer(config, resume=resume, dist=dist)
+        except (FileExistsError, FileNotFoundError, ValueError) as exc:
+            print(f"error (rank {dist.rank}): {exc}", file=sys.stderr)
+            return 2
+        if dist.is_main:
+            from mmrlhf.config import dump_config
+
+            with open(f"{trainer.s.output_dir}/config.yaml", "w") as f:
+                f.write(dump_config(config))
+        try:
+            with trainer.p.tracker:
+                metrics = trainer.fit()
+        except NonFiniteError as exc:
+            print(f"error (rank {dist.rank}): {exc}", file=sys.stderr)
+            return 1
+        if dist.is_main:
+            reward = metrics.get("eval/reward/mean", metrics.get("reward/mean"))
+            print(f"done: step {trainer.state.step} on {dist.world_size} ranks"
+                  + (f", reward {reward:.3f}" if reward is not None else ""))
+            print(f"  checkpoint: {trainer.p.checkpoints.latest()}")
+            print(f"  metrics:    {trainer.s.output_dir}/metrics.jsonl")
+        return 0
+    finally:
+        destroy()

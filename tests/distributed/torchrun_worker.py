@@ -1,0 +1,94 @@
+"""One process of the torchrun acceptance test (``test_torchrun.py``): the toy task's first training step.
+
+Run plainly it is the one-process reference; under ``torchrun --nproc-per-node 2`` each rank is one FSDP2 shard.
+Either way the SAME global first rollout trains: the process (or rank 0) generates it from the seeded prompt
+stream and engine (rank 0 samples with the one-process seed), rank 0 broadcasts it, and each rank keeps the prompts
+``rank::world`` (the split the trainer's own ``_sample`` uses). The worker records the full gradients the
+optimiser receives (all-gathered from the shards), the update metrics and the updated parameters.
+
+``--control same-share``: every rank trains on rank 0's share (a wrong split), which must NOT match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def varied_reward(responses, prompts, labels, references):  # noqa: ARG001
+    """A reward that varies inside every group (the toy's own is almost always 0 on the first step, which would
+    leave no gradient to compare): the response's character count, scaled."""
+    return [len(r) / 10.0 for r in responses]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--control", default="")
+    args = ap.parse_args()
+
+    from mmrlhf.config import load_config
+    from mmrlhf.data.stream import record_columns
+    from mmrlhf.distributed.context import destroy, full, init_from_env
+    from mmrlhf.distributed.launch import launched_by_torchrun
+    from mmrlhf.trainer.builder import build_trainer
+
+    dist = init_from_env("gloo") if launched_by_torchrun() else None
+    out = Path(args.out)
+    config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
+        f"model.pretrain={args.model}", f"trainer.output_dir={out / 'run'}", "trainer.overwrite_output_dir=true",
+        "trainer.eval_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
+        "trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=32",
+        "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05", "algorithm.entropy_coef=0.01",
+        "reward.label_map={first_word: {type: function, function: \"torchrun_worker:varied_reward\"}}"])
+    trainer = build_trainer(config, dist=dist)
+    rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
+
+    rollout = None
+    if rank == 0:
+        records = trainer.p.stream.next_batch(config.trainer.rollout_batch_size)
+        rollout = trainer.p.maker.generate_rollout(**record_columns(records))
+    if dist is not None:
+        rollout = dist.broadcast_object(rollout)
+    share_rank = 0 if args.control == "same-share" else rank
+    groups = rollout.group_ids.tolist()
+    rows = [i for i, g in enumerate(groups) if g % world == share_rank]
+    share = rollout.select(rows)
+
+    captured: dict[str, torch.Tensor] = {}
+    stepper = trainer.p.policy.stepper
+    original_step = stepper.step
+
+    def recording_step(loss_finite: bool):
+        for name, p in trainer.p.policy.actor.named_parameters():
+            if p.grad is not None:
+                captured[f"grad.{name}"] = full(p.grad).detach().clone()
+        return original_step(loss_finite)
+
+    stepper.step = recording_step
+    metrics = trainer.train_on(share, dict(share.metrics))
+    params = {f"param.{n}": full(p.detach()).clone() for n, p in trainer.p.policy.actor.named_parameters()
+              if p.requires_grad}
+    if rank == 0:
+        torch.save({**captured, **params}, out / "tensors.pt")
+        keep = {k: float(v) for k, v in metrics.items() if k.startswith(("policy/", "engine_logprob_diff/"))}
+        keep["samples_per_rank"] = float(len(share))
+        keep["rewards_sum"] = float(rollout.rewards.rewards.sum())
+        (out / "metrics.json").write_text(json.dumps(keep))
+    trainer.p.maker.engine.close()
+    if dist is not None:
+        destroy()
+
+
+if __name__ == "__main__":
+    main()
