@@ -23,8 +23,9 @@ class LoraConfig(Section):
     ``include_vision`` is set."""
     include_vision: bool = False
     """Also put adapters on matching layers of the vision tower (off: the tower keeps its weights). With LoRA only the
-    adapters train: the base weights, vision tower and merger included, stay frozen whatever ``trainer.freeze_*``
-    say (``trainer.freeze_vision_tower=false`` is refused; adapt the tower with this key instead)."""
+    adapters train: the base weights, vision tower and merger included, stay frozen whatever
+    ``trainer.freeze_vision_tower`` and ``trainer.freeze_merger`` say (``trainer.freeze_vision_tower=false`` is
+    refused; adapt the tower with this key instead)."""
     sync: Literal["merged", "vllm_lora"] = "merged"
     """How the engine generates with the current adapter: ``merged`` pushes W + (alpha/r) B A of the adapted layers
     into the engine (plain weights, works with every engine); ``vllm_lora`` loads the adapter into vLLM's own LoRA

@@ -203,6 +203,11 @@ def _rank_config(config: MMRLHFConfig, dist: Any) -> MMRLHFConfig:
     if a.dynamic_sampling:
         raise ValueError("algorithm.dynamic_sampling under torchrun: ranks would keep different numbers of samples "
                          "and their sharded updates would stop matching; set algorithm.dynamic_sampling=false")
+    per_rank = "under torchrun: its statistics would be taken over each rank's share instead of the whole step"
+    if a.advantage_whitening != "none":
+        raise ValueError(f"algorithm.advantage_whitening={a.advantage_whitening} {per_rank}; set it to none")
+    if a.high_entropy_top_p < 1.0:
+        raise ValueError(f"algorithm.high_entropy_top_p={a.high_entropy_top_p} {per_rank}; set it to 1.0")
     if r.engine == "transformers":
         raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
                          "policy itself, and ranks stopping at different lengths would wait on each other forever; "

@@ -169,3 +169,31 @@ def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, capfd)
     assert all(h["ledger/produced"] == h["ledger/consumed"] == 256 for h in history)
     # the new actor received the trainer's weights: fresh experiences match the trainer again
     assert all(h.get("engine_logprob_diff/trainer_max", 0.0) < 1e-3 for h in history)
+
+
+def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
+    """LoRA in the Ray mode: the trainer actor trains the adapters and ships only them (kind "lora"); the rollout
+    actor's copy takes them and its engine is synced as in one process (merged layers). Checked by the same
+    engine-vs-trainer log-probs, with a reward that gives a gradient from the first step so the adapters move."""
+    import torch
+
+    from mmrlhf.distributed.ray.driver import RayRun
+
+    run = RayRun(toy(tmp_path, "trainer.max_steps=3", "trainer.lr=1e-2", "model.lora.rank=8",
+                     "reward.label_map={first_word: {type: function, "
+                     "function: 'mmrlhf.testing.rewards:response_length_reward'}}"))
+    try:
+        seen = []
+        run.fit(3, on_step=lambda r, m: seen.append((m["engine_logprob_diff/trainer_max"], m["sync/megabytes"])))
+        trainer_state = ray.get(run.trainer.policy_state.remote())
+        holder_state = ray.get(run.holders[0].scoring_weights.remote())
+    finally:
+        run.shutdown()
+    assert trainer_state and all("lora_" in name for name in trainer_state)  # only adapter tensors train and travel
+    assert holder_state.keys() == trainer_state.keys()
+    for name, tensor in trainer_state.items():
+        torch.testing.assert_close(holder_state[name], tensor, rtol=0, atol=0)
+    assert max(float(t.abs().max()) for n, t in trainer_state.items() if "lora_B" in n) > 1e-3  # they moved
+    print(f"\nLoRA in Ray: engine-vs-trainer max |diff| and MB pushed per step: {seen}")
+    assert all(diff < 1e-3 for diff, _ in seen)
+    assert all(mb < 1.0 for _, mb in seen)  # the adapters, not the 2 MB model

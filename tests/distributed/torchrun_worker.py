@@ -6,28 +6,20 @@ stream and engine (rank 0 samples with the one-process seed), rank 0 broadcasts 
 ``rank::world`` (the split the trainer's own ``_sample`` uses). The worker records the full gradients the
 optimiser receives (all-gathered from the shards), the update metrics and the updated parameters.
 
-``--control same-share``: every rank trains on rank 0's share (a wrong split), which must NOT match.
+The reward leaves about a third of the samples out of the loss, so the ranks train on different numbers of
+tokens. ``--control per-rank-norm``: each rank normalises its loss by its OWN token count (as if the denominator
+were not summed over ranks); that must NOT match.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def varied_reward(responses, prompts, labels, references):  # noqa: ARG001
-    """A reward that varies inside every group (the toy's own is almost always 0 on the first step, which would
-    leave no gradient to compare): the response's character count, scaled."""
-    return [len(r) / 10.0 for r in responses]
 
 
 def main() -> None:
@@ -50,7 +42,7 @@ def main() -> None:
         "trainer.eval_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
         "trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=32",
         "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05", "algorithm.entropy_coef=0.01",
-        "reward.label_map={first_word: {type: function, function: \"torchrun_worker:varied_reward\"}}"])
+        "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}"])
     trainer = build_trainer(config, dist=dist)
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
 
@@ -60,9 +52,11 @@ def main() -> None:
         rollout = trainer.p.maker.generate_rollout(**record_columns(records))
     if dist is not None:
         rollout = dist.broadcast_object(rollout)
-    share_rank = 0 if args.control == "same-share" else rank
+    if args.control == "per-rank-norm":  # single-number sums are the loss denominators (and the finite flags)
+        all_sum = dist.all_sum
+        object.__setattr__(dist, "all_sum", lambda v: [x * world for x in v] if len(v) == 1 else all_sum(v))
     groups = rollout.group_ids.tolist()
-    rows = [i for i, g in enumerate(groups) if g % world == share_rank]
+    rows = [i for i, g in enumerate(groups) if g % world == rank]
     share = rollout.select(rows)
 
     captured: dict[str, torch.Tensor] = {}
@@ -83,7 +77,8 @@ def main() -> None:
         torch.save({**captured, **params}, out / "tensors.pt")
         keep = {k: float(v) for k, v in metrics.items() if k.startswith(("policy/", "engine_logprob_diff/"))}
         keep["samples_per_rank"] = float(len(share))
-        keep["rewards_sum"] = float(rollout.rewards.rewards.sum())
+        keep["valid_rewards"] = float(rollout.rewards.valid.sum())
+        keep["rewards_sum"] = float(rollout.rewards.rewards[rollout.rewards.valid].sum())
         (out / "metrics.json").write_text(json.dumps(keep))
     trainer.p.maker.engine.close()
     if dist is not None:

@@ -20,7 +20,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 HOLDER_NAME = "ExperienceMakerHolder"
-WEIGHT_KINDS = ("full",)  # named tensors replacing the current ones; LoRA deltas will arrive as another kind
+# "full": the policy's trainable tensors; "lora": only its LoRA adapter tensors (A, B), which the rollout actor's own
+# adapted copy takes, and the engine then gets through the one-process sync (merged weights or vLLM's LoRA).
+WEIGHT_KINDS = ("full", "lora")
 
 
 def holder_name(index: int) -> str:
@@ -133,8 +135,10 @@ class ExperienceMakerHolder:
         """Receive one chunk of the policy version ``version`` (names prefixed ``policy.`` / ``critic.``, tensors in
         transformers naming); the ``last`` chunk applies the whole update atomically and returns the new version.
 
-        ``kind="full"``: the tensors replace the current ones. LoRA deltas are the path left open: a kind whose
-        application merges named adapter tensors into the same three places under the same lock."""
+        ``kind="full"``: the tensors replace the current trainable ones; ``kind="lora"``: they are the adapter tensors
+        of a LoRA policy (the rollout actor's copy carries the same adapters). Either way the engine is then synced
+        from the updated copy exactly as in one process (:func:`~mmrlhf.trainer.weight_sync.sync_weights`: the
+        tensors themselves, or for LoRA the merged layers / the adapter loaded into vLLM)."""
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"update_experience_maker: unknown weight kind {kind!r}; supported: {WEIGHT_KINDS}")
         with self._stage_lock:
@@ -147,11 +151,11 @@ class ExperienceMakerHolder:
                 return None
             staged, self._staged, self._staged_version = self._staged, [], None
         with self._lock:
-            self._apply(staged)
+            self._apply(staged, kind)
             self.version = version
         return version
 
-    def _apply(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _apply(self, named: list[tuple[str, torch.Tensor]], kind: str) -> None:
         """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock)."""
         policy = [(n[len("policy."):], t) for n, t in named if n.startswith("policy.")]
         critic = [(n[len("critic."):], t) for n, t in named if n.startswith("critic.")]
@@ -160,11 +164,18 @@ class ExperienceMakerHolder:
             raise ValueError(f"update_experience_maker: tensors outside policy./critic.: {other[:5]}")
         if critic and self.maker.critic is None:
             raise ValueError("update_experience_maker: critic tensors sent to a rollout actor without a critic")
+        from mmrlhf.models.lora import lora_model
+        from mmrlhf.trainer.weight_sync import sync_weights
+
+        if (kind == "lora") != (lora_model(self.stack.actor.model) is not None):
+            raise ValueError(f"update_experience_maker: {kind!r} weights for a rollout actor whose policy "
+                             f"{'has' if kind != 'lora' else 'has no'} LoRA adapters (model.lora differs)")
         with torch.no_grad():
             _copy_into(self.stack.actor.model, policy, "policy")
             if critic:
                 _copy_into(self.maker.critic, critic, "critic")
-        self.stack.engine.update_weights(iter(policy))
+        if policy:
+            sync_weights(self.stack.actor.model, self.stack.engine)
 
     def state(self) -> dict[str, Any]:
         """Version and identity (the driver's health check)."""

@@ -58,6 +58,13 @@ class RayPolicyTrainer:
                                         attn_implementation=m.attn_implementation,
                                         trust_remote_code=m.trust_remote_code).to(device)
         freeze_vision(actor.model, adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
+        if m.lora.rank:  # the adapters train here; only they travel to the rollout actors (kind "lora")
+            from mmrlhf.experience.builder import check_lora_settings
+            from mmrlhf.models.lora import apply_lora
+
+            check_lora_settings(cfg)
+            apply_lora(actor, m.lora)
+        self.weight_kind = "lora" if m.lora.rank else "full"
         # Score the distribution the engine samples from (the maker does the same to its own actor).
         actor.excluded_token_ids = forbidden_token_ids(adapter, sampling_settings(cfg.rollout))
         critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
@@ -168,7 +175,7 @@ class RayPolicyTrainer:
             last = b == len(buckets) - 1
             for i in targets:
                 pending[i].append(self.holders[i].update_experience_maker.remote(ref, version=self.version,
-                                                                                  last=last))
+                                                                                  last=last, kind=self.weight_kind))
         failed: dict[int, str] = {}
         for i, refs in pending.items():
             try:
