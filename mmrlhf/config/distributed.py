@@ -29,7 +29,8 @@ class DistributedConfig(Section):
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     """FSDP2 mixed precision: parameters are cast to this dtype for the forward and backward, gradients are reduced
     and the optimiser steps in the parameters' own dtype (``model.dtype``, normally float32 with this switch).
-    ``none``: compute in ``model.dtype``."""
+    ``none``: compute in ``model.dtype``. torchrun only (the one-process trainer computes in ``model.dtype``);
+    ``algorithm.rollout_correction: auto`` counts it as the trainer's precision."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them (less memory, about a
     third more compute). Applies to the policy and the critic in every launch mode."""

@@ -66,6 +66,14 @@ def _engine_dtype(config: MMRLHFConfig) -> str:
     return engine_dtype(config.rollout.dtype)
 
 
+def _train_dtype(config: MMRLHFConfig, dist: Any) -> str:
+    """The precision the policy computes in: ``model.dtype``, or FSDP2's mixed precision under torchrun."""
+    mp = config.distributed.mixed_precision
+    if dist is None or mp == "none":
+        return config.model.dtype
+    return {"bf16": "bfloat16", "fp16": "float16"}[mp]
+
+
 def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool) -> Path | None:
     """The checkpoint to resume from (None: a fresh run); refuses to mix a fresh run into an old one."""
     if resume:
@@ -175,7 +183,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
         return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
                               max_consecutive=t.max_consecutive_nonfinite, name=name, dist=dist)
 
-    correction = resolve_rollout_correction(a, _engine_dtype(config), config.model.dtype)
+    correction = resolve_rollout_correction(a, _engine_dtype(config), _train_dtype(config, dist))
     logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
                 "on" if _layout(config)["shared_prompt"] else "off")
     policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),

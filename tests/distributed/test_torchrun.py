@@ -228,3 +228,19 @@ def test_two_rank_run_raises_the_reward_and_resumes(tmp_path, toy_model):
     assert [r["step"] for r in rows][-2:] == [80, 81]
     steppers = torch.load(out / "checkpoints" / "step-00000081" / "steppers.pt", weights_only=True)
     assert steppers["policy"]["steps"] == 81  # the optimiser's step count went on from the checkpoint
+
+
+def test_mixed_precision_counts_as_the_trainer_precision_for_the_rollout_correction():
+    """bf16 compute over fp32 weights against an fp32 engine: ``rollout_correction: auto`` must turn the correction
+    on under torchrun (where the switch applies), and leave it off in one process (where it does not)."""
+    from mmrlhf.config import load_config
+    from mmrlhf.trainer.builder import _engine_dtype, _train_dtype, resolve_rollout_correction
+
+    class Rank0:
+        rank, world_size, is_main = 0, 2, True
+
+    config = load_config(TOY, ["distributed.mixed_precision=bf16"])
+    assert config.algorithm.rollout_correction == "auto"
+    engine = _engine_dtype(config)
+    assert resolve_rollout_correction(config.algorithm, engine, _train_dtype(config, Rank0())) == "tis"
+    assert resolve_rollout_correction(config.algorithm, engine, _train_dtype(config, None)) == "none"
