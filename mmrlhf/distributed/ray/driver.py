@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from mmrlhf.distributed.ray.holder import ExperienceMakerHolder, holder_name
 from mmrlhf.distributed.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
-from mmrlhf.distributed.ray.runtime import actor_options, actor_threads, connect
+from mmrlhf.distributed.ray.runtime import actor_options, actor_threads, connect, describe_actor_error
 from mmrlhf.distributed.ray.trainer_actor import RayPolicyTrainer, trainer_name
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class RayRun:
             try:
                 return ray.get(self.pending[(step, share)][0])
             except ray.exceptions.RayActorError as exc:
-                self._on_failure(share, _describe(exc))
+                self._on_failure(share, describe_actor_error(exc))
 
     def _on_failure(self, share: int, error: str) -> None:
         import ray
@@ -290,8 +290,3 @@ def _timed_save(run: RayRun) -> float:
     run.save()
     return time.perf_counter() - t0
 
-
-def _describe(exc: BaseException) -> str:
-    """Ray's error on one line (its class, the actor and why it died), bounded in length."""
-    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    return text if len(text) <= 600 else text[:600] + " ..."

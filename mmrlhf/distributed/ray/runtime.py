@@ -47,3 +47,9 @@ def connect(address: str | None, *, num_cpus: float) -> bool:
         return True  # the connection is ours to close; the cluster stays up
     ray.init(num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False, log_to_driver=True)
     return True
+
+
+def describe_actor_error(exc: BaseException) -> str:
+    """Ray's error on one line (its class, the actor and why it died), bounded in length."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    return text if len(text) <= 600 else text[:600] + " ..."

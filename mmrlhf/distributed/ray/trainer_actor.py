@@ -162,6 +162,7 @@ class RayPolicyTrainer:
         driver reports them and applies ``distributed.on_rollout_failure``)."""
         import ray
 
+        from mmrlhf.distributed.ray.runtime import describe_actor_error
         from mmrlhf.rollout.base import iter_buckets
 
         t0 = time.perf_counter()
@@ -181,7 +182,7 @@ class RayPolicyTrainer:
             try:
                 ray.get(refs)
             except ray.exceptions.RayActorError as exc:
-                failed[i] = _describe(exc)
+                failed[i] = describe_actor_error(exc)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"sync/seconds": time.perf_counter() - t0, "sync/megabytes": nbytes / 2**20,
                 "sync/buckets": float(len(buckets)), "failed": failed}
@@ -224,8 +225,3 @@ def _sync_check(items: Sequence[Any], current: Sequence[torch.Tensor], fresh: Se
         return {}
     return {"engine_logprob_diff/trainer_mean": float(d.mean()), "engine_logprob_diff/trainer_max": float(d.max())}
 
-
-def _describe(exc: BaseException) -> str:
-    """Ray's error on one line (its class, the actor and why it died), bounded in length."""
-    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-    return text if len(text) <= 600 else text[:600] + " ..."
