@@ -21,9 +21,24 @@ def mixed_precision_policy(name: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=_DTYPES[name], reduce_dtype=torch.float32)
 
 
+def language_block_classes(actor: Any) -> list[str]:
+    """The block classes that get their own FSDP unit in a training run: the language model's, not the vision
+    tower's. Why: an FSDP unit gathers its parameters in a collective when its forward runs, so every rank must run
+    it the same number of times. Every forward runs the decoder, but the vision tower only runs on a micro-batch
+    that holds images or video: a text-only micro-batch on one rank next to an image one on another would leave the
+    ranks waiting on each other. The tower's blocks therefore stay in the root unit, gathered with the rest of it at
+    every forward of the actor."""
+    from mmrlhf.models.sharding import block_modules
+
+    tower, _ = actor.adapter.vision_parts(actor.model)
+    in_tower = {id(m) for m in tower.modules()}
+    return sorted({type(b).__name__ for b in block_modules(actor.model) if id(b) not in in_tower})
+
+
 def shard_models(actor: Any, critic: Any | None, settings: Any) -> None:
     """Shard the policy (and the critic) in place over the default process group; ``settings``: the
     ``distributed`` config section."""
+    from mmrlhf.models.critic import CriticVL
     from mmrlhf.models.sharding import checkpoint_blocks, shard_for_training
 
     kwargs = {}
@@ -33,6 +48,7 @@ def shard_models(actor: Any, critic: Any | None, settings: Any) -> None:
     for model in (actor, critic):
         if model is None:
             continue
+        blocks = language_block_classes(model.body if isinstance(model, CriticVL) else model)
         if settings.activation_checkpointing:
             checkpoint_blocks(model)
-        shard_for_training(model, **kwargs)
+        shard_for_training(model, block_classes=blocks, **kwargs)

@@ -244,3 +244,23 @@ def test_mixed_precision_counts_as_the_trainer_precision_for_the_rollout_correct
     engine = _engine_dtype(config)
     assert resolve_rollout_correction(config.algorithm, engine, _train_dtype(config, Rank0())) == "tis"
     assert resolve_rollout_correction(config.algorithm, engine, _train_dtype(config, None)) == "none"
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_blocks_stay_in_the_root_unit(family):
+    """Only the language model's blocks get FSDP units of their own under torchrun: a rank whose micro-batch is
+    text-only never runs the vision tower, and a vision unit would then wait for a gather that never comes."""
+    from mmrlhf.distributed.fsdp import language_block_classes
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.models.sharding import block_modules
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir(family)
+    actor = ActorVL.from_pretrained(path, adapter=get_adapter(path))
+    chosen = language_block_classes(actor)
+    every = {type(b).__name__ for b in block_modules(actor.model)}
+    tower, _ = actor.adapter.vision_parts(actor.model)
+    vision = {type(m).__name__ for m in tower.modules()} & every
+    assert chosen and vision  # both kinds exist in every family
+    assert set(chosen) == every - vision
