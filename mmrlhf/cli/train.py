@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mmrlhf.config import ConfigError, dump_config, load_config
+    from mmrlhf.config import ConfigError, load_config
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("vllm").propagate = False  # vLLM logs through its own handler (VLLM_LOGGING_LEVEL)
@@ -51,27 +52,40 @@ def _run(args: argparse.Namespace) -> int:
         from mmrlhf.distributed.torchrun import run_torchrun
 
         return run_torchrun(config, resume=args.resume)
-    from mmrlhf.trainer.builder import build_trainer
+    return train_and_report(config, resume=args.resume)
 
-    try:
-        trainer = build_trainer(config, resume=args.resume)
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    out = trainer.s.output_dir
-    with open(f"{out}/config.yaml", "w") as f:
-        f.write(dump_config(config))
+
+def train_and_report(config: Any, *, resume: bool, dist: Any = None) -> int:
+    """Build the trainer, train, print where the results are; the exit code of ``mmrlhf train`` (0 done, 1 stopped
+    by non-finite updates, 2 misconfigured). ``dist``: this rank's context under torchrun (errors name the rank;
+    only rank 0 writes ``config.yaml`` and the summary, which also says how many ranks trained)."""
+    from mmrlhf.config import dump_config
+    from mmrlhf.trainer.builder import build_trainer
     from mmrlhf.trainer.minibatch import NonFiniteError
 
+    who = "" if dist is None else f" (rank {dist.rank})"
+    main = dist is None or dist.is_main
+    try:
+        trainer = build_trainer(config, resume=resume, dist=dist)
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"error{who}: {exc}", file=sys.stderr)
+        return 2
+    out = trainer.s.output_dir
+    if main:
+        with open(f"{out}/config.yaml", "w") as f:
+            f.write(dump_config(config))
     try:
         with trainer.p.tracker:
             metrics = trainer.fit()
     except NonFiniteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error{who}: {exc}", file=sys.stderr)
         return 1
+    if not main:
+        return 0
     latest = trainer.p.checkpoints.latest()
     reward = metrics.get("eval/reward/mean", metrics.get("reward/mean"))
-    print(f"done: step {trainer.state.step}" + (f", reward {reward:.3f}" if reward is not None else ""))
+    ranks = "" if dist is None else f" on {dist.world_size} ranks"
+    print(f"done: step {trainer.state.step}{ranks}" + (f", reward {reward:.3f}" if reward is not None else ""))
     print(f"  curves:     {trainer.p.reporter.curves_path}")
     print(f"  report:     {trainer.p.reporter.report_path}")
     print(f"  checkpoint: {latest}")

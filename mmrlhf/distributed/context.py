@@ -55,21 +55,23 @@ class DistContext:
 def init_from_env(process_group: str = "auto", environ: Mapping[str, str] = os.environ) -> DistContext:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR/PORT``).
 
-    ``process_group``: ``auto`` -> nccl when CUDA is available (each rank on ``cuda:LOCAL_RANK``), else gloo on the
-    CPU."""
+    ``process_group``: ``auto`` -> torch's default backend for the accelerator torch reports (nccl on CUDA), each rank
+    on device ``LOCAL_RANK`` of it; gloo on the CPU without one. ``gloo``: CPU tensors; ``nccl``: needs that
+    accelerator."""
     import torch.distributed as dist
 
+    from mmrlhf.devices import resolve_device
+
     rank, world, local = int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"])
-    backend = process_group
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ValueError("distributed.process_group=nccl needs CUDA; use gloo (or auto) on the CPU")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
+    accelerator = resolve_device("auto")  # the CPU when torch reports no accelerator
+    if process_group == "gloo" or (process_group == "auto" and accelerator.type == "cpu"):
+        backend, device = "gloo", torch.device("cpu")
     else:
-        device = torch.device("cpu")
+        if accelerator.type == "cpu":
+            raise ValueError("distributed.process_group=nccl needs a GPU; use gloo (or auto) on the CPU")
+        device = torch.device(accelerator.type, local)
+        torch.accelerator.set_device_index(local)
+        backend = process_group if process_group != "auto" else dist.get_default_backend_for_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world)
     return DistContext(rank=rank, world_size=world, local_rank=local, device=device)

@@ -37,9 +37,8 @@ class SilentTracker:
 
 def run_torchrun(config: Any, *, resume: bool = False) -> int:
     """Join the process group, build this rank's trainer, train; the exit code of ``mmrlhf train``."""
+    from mmrlhf.cli.train import train_and_report
     from mmrlhf.distributed.context import destroy, init_from_env
-    from mmrlhf.trainer.builder import build_trainer
-    from mmrlhf.trainer.minibatch import NonFiniteError
 
     try:
         dist = init_from_env(config.distributed.process_group)
@@ -47,28 +46,6 @@ def run_torchrun(config: Any, *, resume: bool = False) -> int:
         print(f"error: torchrun process group: {exc}", file=sys.stderr)
         return 2
     try:
-        try:
-            trainer = build_trainer(config, resume=resume, dist=dist)
-        except (FileExistsError, FileNotFoundError, ValueError) as exc:
-            print(f"error (rank {dist.rank}): {exc}", file=sys.stderr)
-            return 2
-        if dist.is_main:
-            from mmrlhf.config import dump_config
-
-            with open(f"{trainer.s.output_dir}/config.yaml", "w") as f:
-                f.write(dump_config(config))
-        try:
-            with trainer.p.tracker:
-                metrics = trainer.fit()
-        except NonFiniteError as exc:
-            print(f"error (rank {dist.rank}): {exc}", file=sys.stderr)
-            return 1
-        if dist.is_main:
-            reward = metrics.get("eval/reward/mean", metrics.get("reward/mean"))
-            print(f"done: step {trainer.state.step} on {dist.world_size} ranks"
-                  + (f", reward {reward:.3f}" if reward is not None else ""))
-            print(f"  checkpoint: {trainer.p.checkpoints.latest()}")
-            print(f"  metrics:    {trainer.s.output_dir}/metrics.jsonl")
-        return 0
+        return train_and_report(config, resume=resume, dist=dist)
     finally:
         destroy()

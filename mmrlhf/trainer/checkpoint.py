@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -125,3 +125,25 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
                 else:
                     p.unlink(missing_ok=True)
+
+
+def write_policy_and_updaters(folder: Path, policy: Any, critic: Any | None, processor: Any) -> None:
+    """The model half of a one-process checkpoint, shared by every launch mode that trains unsharded (one process,
+    the Ray trainer actor): the policy in Hugging Face format (``model/``; a LoRA policy merged, plus its peft
+    ``adapter/``), the processor beside it, the critic (``critic.safetensors``) and the optimiser / scheduler states
+    of both updaters (``optimizer.pt``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mmrlhf.models.lora import save_lora_checkpoint
+
+    model = policy.actor.model
+    if not save_lora_checkpoint(model, folder):  # LoRA: merged model/ plus the peft adapter/
+        model.save_pretrained(folder / "model", safe_serialization=True)
+    processor.save_pretrained(folder / "model")
+    optim = {"policy": policy.stepper.state_dict()}
+    if critic is not None:
+        save_file({k: v.contiguous() for k, v in critic.critic.state_dict().items()},
+                  str(folder / "critic.safetensors"))
+        optim["critic"] = critic.stepper.state_dict()
+    torch.save(optim, folder / "optimizer.pt")

@@ -24,8 +24,7 @@ from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
-from mmrlhf.models.lora import save_lora_checkpoint
-from mmrlhf.trainer.checkpoint import CheckpointManager
+from mmrlhf.trainer.checkpoint import CheckpointManager, write_policy_and_updaters
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
 from mmrlhf.trainer.reporting import StepReporter
@@ -235,18 +234,7 @@ class Trainer:
 
             write_sharded(self, folder)
             return
-        actor = p.policy.actor.model
-        if not save_lora_checkpoint(actor, folder):  # LoRA: merged model/ plus the peft adapter/
-            actor.save_pretrained(folder / "model", safe_serialization=True)
-        p.processor.save_pretrained(folder / "model")
-        optim = {"policy": p.policy.stepper.state_dict()}
-        if p.critic is not None:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in p.critic.critic.state_dict().items()},
-                      str(folder / "critic.safetensors"))
-            optim["critic"] = p.critic.stepper.state_dict()
-        torch.save(optim, folder / "optimizer.pt")
+        write_policy_and_updaters(folder, p.policy, p.critic, p.processor)
         torch.save(rng_state_tensors({"shuffle": p.shuffle}), folder / "rng.pt")
         state = {"trainer": self.state.to_json(), "stream": p.stream.state_dict(), "maker": p.maker.state_dict(),
                  "rng": rng_state_json(), "config": self.s.config}

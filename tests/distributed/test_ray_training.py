@@ -187,6 +187,7 @@ def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
         run.fit(3, on_step=lambda r, m: seen.append((m["engine_logprob_diff/trainer_max"], m["sync/megabytes"])))
         trainer_state = ray.get(run.trainer.policy_state.remote())
         holder_state = ray.get(run.holders[0].scoring_weights.remote())
+        saved = Path(run.save())
     finally:
         run.shutdown()
     assert trainer_state and all("lora_" in name for name in trainer_state)  # only adapter tensors train and travel
@@ -197,3 +198,10 @@ def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
     print(f"\nLoRA in Ray: engine-vs-trainer max |diff| and MB pushed per step: {seen}")
     assert all(diff < 1e-3 for diff, _ in seen)
     assert all(mb < 1.0 for _, mb in seen)  # the adapters, not the 2 MB model
+    # the checkpoint is written as one process writes it: the merged model in plain names, plus the peft adapter
+    from safetensors import safe_open
+
+    with safe_open(str(saved / "model" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and not any("lora_" in n or "base_layer" in n for n in names)
+    assert (saved / "adapter" / "adapter_config.json").is_file()

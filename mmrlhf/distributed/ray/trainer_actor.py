@@ -189,20 +189,14 @@ class RayPolicyTrainer:
 
     # ---- checkpoint --------------------------------------------------------------------------------------------
     def save(self, step: int) -> str:
-        """The policy in Hugging Face format (``model/``), the critic and the optimiser states."""
+        """The policy in Hugging Face format (``model/``; LoRA: merged, plus ``adapter/``), the critic and the
+        optimiser states, as one process writes them."""
         import json
 
-        def write(folder: Path) -> None:
-            self.policy.actor.model.save_pretrained(folder / "model", safe_serialization=True)
-            self.processor.save_pretrained(folder / "model")
-            optim = {"policy": self.policy.stepper.state_dict()}
-            if self.critic is not None:
-                from safetensors.torch import save_file
+        from mmrlhf.trainer.checkpoint import write_policy_and_updaters
 
-                save_file({k: v.contiguous() for k, v in self.critic.critic.state_dict().items()},
-                          str(folder / "critic.safetensors"))
-                optim["critic"] = self.critic.stepper.state_dict()
-            torch.save(optim, folder / "optimizer.pt")
+        def write(folder: Path) -> None:
+            write_policy_and_updaters(folder, self.policy, self.critic, self.processor)
             state = {"trainer": {"step": step}, "policy_version": self.version, "launch": "ray",
                      "config": self.config.model_dump(mode="json")}
             (folder / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
