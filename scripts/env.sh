@@ -4,7 +4,7 @@
 # The environment lives OUTSIDE the clone, under $MMRLHF_ENV_ROOT (default ~/.cache/mmrlhf/envs), in a folder
 # keyed by a hash of requirements/*.txt, so a fresh clone (CI) reuses it and a requirement change builds a new one.
 # A folder is only used once its `.ready` marker exists: an interrupted or failed install is wiped and redone.
-# The package itself is installed editable (no deps) and re-pointed at this clone when needed (a few seconds).
+# This clone is put first on PYTHONPATH (the shared install is never re-pointed at whichever clone ran last).
 # Being sourced, it never changes the caller's shell options; every failure returns non-zero with a message.
 
 _mm_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,11 +48,12 @@ _mm_setup() {
   ) || return 1
   # shellcheck disable=SC1091
   . "$_mm_env/bin/activate" || _mm_fail "activate" || return 1
-  # Point the editable install at this clone (skipped when it already does). The check runs from / so that a
-  # checkout in the current directory cannot answer for the installed package.
-  local here
-  here="$(cd / && python -c 'import mmrlhf, os; print(os.path.dirname(os.path.dirname(mmrlhf.__file__)))' 2>/dev/null)" || here=""  # not installed yet
-  if [ "$here" != "$_mm_repo" ]; then
+  # This clone's code comes first on the path, for this shell and every process it starts (torchrun ranks, Ray
+  # workers): two clones sharing the environment (a user's and a CI checkout) each import their own code, and
+  # neither re-points the shared install at itself. The package is installed (editable, no deps) only once, for
+  # its `mmrlhf` console script; which clone it points at does not matter, since this path wins.
+  export PYTHONPATH="$_mm_repo${PYTHONPATH:+:$PYTHONPATH}"
+  if ! command -v mmrlhf >/dev/null 2>&1; then
     local log
     log="$(python -m pip install -q --no-deps --no-build-isolation -e "$_mm_repo" 2>&1)" \
       || { echo "$log" >&2; _mm_fail "editable install of $_mm_repo"; return 1; }
