@@ -14,3 +14,36 @@ DEFAULT_TOLERANCE = 0.02
 # case: measured <= 1.4e-6. Exception until the actor's Qwen2.5-VL video positions follow vLLM's rule (hardening
 # issue, item 6): text after a Qwen2.5-VL video differs by ~1e-3.
 FP32_TOLERANCE = 1e-4
+
+
+# Float32 results of the same math summed in another order (two FSDP halves vs one batch, packed vs padded rows,
+# chunked vs whole): each entry's error is a few ulps of the LARGEST terms summed into it, not of the entry itself,
+# so an entry near zero can be off by far more than its own magnitude times rtol. The slack is therefore sized by the
+# tensor's scale (its largest magnitude), never an absolute constant: measured, one of 65,536 entries of a merger
+# gradient was off by 1.4e-6 (1.5e-3 of its own value) on an AVX-512 machine and not on an AVX2 one.
+SUMMATION_RTOL = 1e-4  # per entry, of its own magnitude
+SUMMATION_SCALE_TOL = 1e-5  # per entry, of the tensor's largest magnitude (measured worst: 6e-7, FSDP halves)
+
+
+def scale_atol(expected, scale_tol: float = SUMMATION_SCALE_TOL) -> float:
+    """An absolute tolerance for comparing with ``expected``: ``scale_tol`` of its largest magnitude (a tiny floor
+    for an all-zero tensor, so that zeros must stay exact zeros up to denormals)."""
+    return scale_tol * max(float(expected.detach().abs().max()) if expected.numel() else 0.0, 1e-30)
+
+
+def assert_close_at_scale(actual, expected, *, rtol: float = SUMMATION_RTOL,
+                          scale_tol: float = SUMMATION_SCALE_TOL, msg: str | None = None) -> None:
+    """``|actual - expected| <= rtol * |expected| + scale_tol * max|expected|`` element-wise (``torch.testing``'s
+    check with a scale-sized ``atol``), for float32 tensors computed in different summation orders."""
+    import torch
+
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=scale_atol(expected, scale_tol), msg=msg)
+
+
+def close_at_scale(actual, expected, *, rtol: float = SUMMATION_RTOL, scale_tol: float = SUMMATION_SCALE_TOL) -> bool:
+    """Whether :func:`assert_close_at_scale` would pass (for controls that must fail it)."""
+    try:
+        assert_close_at_scale(actual, expected, rtol=rtol, scale_tol=scale_tol)
+    except AssertionError:
+        return False
+    return True

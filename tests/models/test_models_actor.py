@@ -11,6 +11,7 @@ from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 from mmrlhf.models.actor import ActorVL, response_index
 from mmrlhf.models.logprobs import chunked_log_probs
 from mmrlhf.models.positions import packed_position_ids
+from mmrlhf.testing.tolerances import assert_close_at_scale
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 ATOL = 1e-5
@@ -131,7 +132,7 @@ def test_gradients_match_between_layouts(bundles, family):
     assert grads[0].keys() == grads[1].keys()
     assert any("visual" in n for n in grads[0]) and any("lm_head" in n for n in grads[0])  # grads reach both ends
     for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+        assert_close_at_scale(grads[1][name], grads[0][name], msg=name)  # fp32, another summation order
 
 
 def test_packed_matches_padded_with_eager_attention():

@@ -11,6 +11,7 @@ from models_testing import built_batches
 
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.sharding import block_modules, checkpoint_blocks
+from mmrlhf.testing.tolerances import assert_close_at_scale
 
 
 def _loss_and_grads(actor: ActorVL, built) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -46,7 +47,7 @@ def test_checkpointed_blocks_give_the_same_gradients(bundles, family):
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-6, atol=1e-6)
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name, g in grads_a.items():
-        torch.testing.assert_close(grads_b[name], g, rtol=1e-5, atol=1e-7, msg=name)
+        assert_close_at_scale(grads_b[name], g, rtol=1e-5, scale_tol=1e-6, msg=name)  # recomputed activations
 
 
 def test_mixed_precision_policy_from_the_config_key():
