@@ -129,7 +129,7 @@ def test_bad_rows_raise_naming_record_field_and_file(tmp_path):
 
     (tmp_path / "img.png").write_bytes(good)
     (tmp_path / "n.json").write_text(json.dumps([{"image": "img.png", "problem": "How many?", "solution": "many"}]))
-    with pytest.raises(DataError, match=r"record 0, field 'solution / answer'.*whole-number count, got 'many'"):
+    with pytest.raises(DataError, match=r"record 0, field 'solution / answer'.*whole-number count in ASCII digits, got 'many'"):
         prepare("clevr_count", [str(tmp_path / "n.json")], str(tmp_path / "n.jsonl"))
 
     video = published_data.write_video(tmp_path / "v.mp4")
@@ -163,6 +163,16 @@ def test_skip_mode_counts_and_logs_bad_rows(tmp_path, caplog):
     summary = prepare("clevr_count", [str(src)], str(tmp_path / "o.jsonl"), on_bad_record="skip",
                       media_root=str(tmp_path / "raw" / "images"))
     assert summary.written == 2 and summary.skips.counts == {"bad_record": 1}
+    # answers in other digits ("²" made int() crash; "٣" is no ASCII answer) are bad rows, named and skippable
+    for bad in ("²", "٣"):
+        rows = json.loads(src.read_text())
+        rows[1]["image"], rows[2]["solution"] = rows[0]["image"], f"<answer>{bad}</answer>"
+        src.write_text(json.dumps(rows))
+        with pytest.raises(DataError, match=r"record 2, field 'solution / answer'.*ASCII digits"):
+            prepare("clevr_count", [str(src)], str(tmp_path / "e.jsonl"), media_root=str(tmp_path / "raw" / "images"))
+        summary = prepare("clevr_count", [str(src)], str(tmp_path / "o2.jsonl"), on_bad_record="skip",
+                          media_root=str(tmp_path / "raw" / "images"))
+        assert summary.written == 2 and summary.skips.counts == {"bad_record": 1}
     assert "record 1" in caplog.text and "gone.png" in caplog.text
     assert [r.record_id for r in _load(tmp_path / "o.jsonl")] == ["clevr-0", "clevr-2"]
 

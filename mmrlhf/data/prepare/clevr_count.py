@@ -9,7 +9,7 @@ not a whole number is an error naming the row (a count reward against it would a
 
 from __future__ import annotations
 
-from mmrlhf.data.prepare.common import MediaStore, Row, place_items, record, unwrap_answer
+from mmrlhf.data.prepare.common import MediaStore, Row, is_ascii_whole_number, place_items, record, unwrap_answer
 
 
 def convert_row(row: Row, media: MediaStore) -> dict:
@@ -21,6 +21,6 @@ def convert_row(row: Row, media: MediaStore) -> dict:
     image = media.image(raw, row, "image")
     prompt = place_items(row.text("problem", "question"), 1, "<image>", row, "problem")
     count = unwrap_answer(row.text("solution", "answer"))
-    if not count.isdigit():
-        raise row.fail(f"expected a whole-number count, got {count!r}", "solution / answer")
+    if not is_ascii_whole_number(count):
+        raise row.fail(f"expected a whole-number count in ASCII digits, got {count!r}", "solution / answer")
     return record(row, "clevr", prompt, images=[image], label="count", reference=str(int(count)))

@@ -186,6 +186,12 @@ def option_lines(options: Any, row: Row, field: str) -> tuple[list[str], str]:
     return bare, "\n".join(f"{OPTION_LETTERS[k]}. {text}" for k, text in enumerate(bare))
 
 
+def is_ascii_whole_number(text: str) -> bool:
+    """``0-9`` digits only. ``str.isdigit`` also accepts superscripts (``"²"``: ``int`` then raises) and other
+    scripts' digits (``"٣"``), which a rule reward comparing the model's ASCII answer would never match."""
+    return bool(re.fullmatch(r"[0-9]+", text))
+
+
 def answer_letter(answer: str, options: list[str], row: Row, field: str) -> str:
     """The option letter the published answer means: a letter (``"B"``, ``"(B)"``, ``"B. dog"``), an option's
     index, or an option's text; anything else is an error (a reward would be computed against nothing)."""
@@ -194,7 +200,7 @@ def answer_letter(answer: str, options: list[str], row: Row, field: str) -> str:
     match = re.fullmatch(rf"\(?([{letters}])\)?(?:[.:]\s*.*)?", text, re.DOTALL)
     if match:
         return match.group(1)
-    if text.isdigit() and int(text) < len(options):
+    if is_ascii_whole_number(text) and int(text) < len(options):
         return letters[int(text)]
     folded = [o.casefold() for o in options]
     if text.casefold() in folded:
