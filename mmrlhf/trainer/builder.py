@@ -75,7 +75,11 @@ def _train_dtype(config: MMRLHFConfig, dist: Any) -> str:
 
 
 def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool) -> Path | None:
-    """The checkpoint to resume from (None: a fresh run); refuses to mix a fresh run into an old one."""
+    """The checkpoint to resume from (None: a fresh run); refuses to mix a fresh run into an old one, and a second
+    live process writing into the same folder (:func:`~mmrlhf.trainer.output_lock.lock_output_dir`)."""
+    from mmrlhf.trainer.output_lock import lock_output_dir
+
+    lock_output_dir(out)  # before anything is read or cleaned: the other run may be mid-save
     if resume:
         latest = checkpoints.latest()
         if latest is None:
