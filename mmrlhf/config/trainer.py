@@ -73,8 +73,9 @@ class TrainerConfig(Section):
     output_dir: str = "outputs/run"
     """Where metrics, reports and checkpoints go."""
     overwrite_output_dir: bool = False
-    """Start afresh in an ``output_dir`` that already holds a run (its metrics are replaced); without it such a
-    folder is refused unless ``--resume`` is given."""
+    """Start afresh in an ``output_dir`` that already holds a run: everything a run writes there goes first
+    (checkpoints, ``metrics.jsonl``, ``config.yaml``, TensorBoard events, curves and reports, the W&B run id; other
+    files stay). Without it such a folder is refused unless ``--resume`` is given."""
 
     # ---- checkpoints, logs, evaluation, reports ----------------------------------------------------------------
     save_steps: int = Field(default=100, ge=1)

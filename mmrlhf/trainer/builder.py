@@ -20,6 +20,7 @@ from mmrlhf.trainer.optim import build_optimizer, build_scheduler, freeze_vision
 from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings
 from mmrlhf.trainer.reporting import StepReporter
 from mmrlhf.trainer.state import seed_everything
+from mmrlhf.trainer.tracking import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +91,30 @@ def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, 
             raise FileExistsError(
                 f"{out} already holds a run (metrics or checkpoints): continue it with --resume, start over with "
                 "trainer.overwrite_output_dir=true, or choose another trainer.output_dir")
-        shutil.rmtree(checkpoints.root, ignore_errors=True)
+    if overwrite:
+        clear_run_outputs(out, checkpoints.root)
     return None
+
+
+# What a run writes into its output_dir (besides checkpoints/): an overwrite removes all of it, so that no old
+# TensorBoard event, per-step report or W&B run id mixes into the new run's record. Other files stay.
+RUN_OUTPUTS = (METRICS_FILE, "config.yaml", "curves.png", "report.html", "reports", TENSORBOARD_DIR, WANDB_ID_FILE)
+
+
+def clear_run_outputs(out: Path, checkpoint_root: Path) -> list[str]:
+    """Remove a previous run's outputs from ``out`` (``trainer.overwrite_output_dir``); returns what was removed."""
+    removed = []
+    for path in (checkpoint_root, *(out / name for name in RUN_OUTPUTS)):
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(path.name)
+    if removed:
+        logger.info("trainer.overwrite_output_dir: removed %s from %s", ", ".join(removed), out)
+    return removed
 
 
 def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = None) -> Trainer:

@@ -42,7 +42,7 @@ def lock_output_dir(out: str | os.PathLike[str]) -> Path:
         holder = handle.read().strip() or "an unknown process"
         handle.close()
         raise OutputDirInUseError(
-            f"{folder} is in use by another mmrlhf run ({holder}): wait for it to end or stop it, or choose another "
+            f"{folder} is in use by another run ({holder}): wait for it to end or stop it, or choose another "
             "trainer.output_dir") from None
     handle.seek(0)
     handle.truncate()
