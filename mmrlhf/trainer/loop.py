@@ -167,8 +167,9 @@ class Trainer:
             metrics.update(sync_weights(p.policy.actor.model, p.maker.engine,
                                         only_trainable=self.s.sync_only_trainable))
         self.state.samples_generated += int(metrics.get("samples", len(rollout)))
-        self.state.samples_trained += len(items)
-        metrics["train/samples_trained"] = float(len(items))
+        trained = sum(1 for it in items if bool(it.token["loss_mask"].any()))  # masked samples train nothing
+        self.state.samples_trained += trained
+        metrics["train/samples_trained"] = float(trained)
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
         self.last_rollout, self.last_items = rollout, items
         return metrics

@@ -146,7 +146,8 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
     """The update loop over ``len(counts)`` items; ``counts[i]`` is item ``i``'s aggregation count (tokens or 1 per
     response). ``micro_loss(micro, denominator)`` returns the micro-batch's share of its mini-batch loss (divided by
     ``denominator``, the mini-batch's total count) and its metrics. Returns ``prefix``-ed metrics: count-weighted
-    means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped, the LR.
+    means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped (non-finite),
+    mini-batches with nothing to train (count 0: no forward, no optimiser or schedule step), the LR.
     ``groups``: per-item group keys that shuffling keeps together (see :func:`epoch_order`).
 
     Under torchrun (``stepper.dist``) every rank holds its own share of the items and ``batch_size`` is the GLOBAL
@@ -157,11 +158,17 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
     world = dist.world_size if dist is not None else 1
     if batch_size % world:
         raise ValueError(f"trainer.train_batch_size={batch_size} must be a multiple of the number of ranks ({world})")
-    sums, norms, skipped = MetricSums(), [], 0
+    sums, norms, skipped, empty = MetricSums(), [], 0, 0
     for _, micros in minibatches(len(counts), batch_size // world, micro_size, epochs, generator, groups):
         denominator = sum(counts[i] for m in micros for i in m)
         if dist is not None:
             denominator = dist.all_sum([denominator])[0]
+        if denominator == 0:
+            # Nothing of this mini-batch trains (every sample masked by the reward engine or the correction): a
+            # step would still move the weights through Adam's momentum and advance the schedule. No forward, no
+            # step; the denominator is global, so every rank skips together.
+            empty += 1
+            continue
         finite = True
         for micro in micros:
             loss, metrics = micro_loss(micro, denominator)
@@ -185,5 +192,6 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
     out = sums.means(prefix)
     out.update({f"{prefix}grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                 f"{prefix}optimizer_steps": float(len(norms)), f"{prefix}skipped_steps": float(skipped),
+                f"{prefix}empty_minibatches": float(empty),
                 f"{prefix}skipped_steps_total": float(stepper.skipped_total), f"{prefix}lr": stepper.lr})
     return out
