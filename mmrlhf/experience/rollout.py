@@ -79,15 +79,20 @@ class ScoredRollout:
 
     @staticmethod
     def concat(parts: Sequence["ScoredRollout"]) -> "ScoredRollout":
-        """Rounds joined in order; group ids of later rounds are shifted so no two rounds share one. Metrics:
+        """Rounds joined in order (their sampling settings may differ in the seed only; the first round's are kept);
+        group ids of later rounds are shifted so no two rounds share one. Metrics:
         counts and seconds add up, other values are averaged weighted by each round's sampled count
         (``samples``)."""
         if not parts:
             raise ValueError("nothing to concatenate")
         if len(parts) == 1:
             return parts[0]
-        if any(p.sampling != parts[0].sampling for p in parts):
-            raise ValueError("rounds sampled with different settings cannot be trained on together")
+        # Each round draws from its own derived seed; rounds that differ only there are one setting (the seed
+        # says where the noise came from, not what distribution the samples follow or how they are scored).
+        settings = [dataclasses.replace(p.sampling, seed=None) for p in parts]
+        if any(s != settings[0] for s in settings):
+            raise ValueError("rounds sampled with different settings cannot be trained on together: "
+                             f"{parts[0].sampling} vs {next(p.sampling for p, s in zip(parts, settings) if s != settings[0])}")
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
         offset = 0
         for p in parts:

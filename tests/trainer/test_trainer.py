@@ -110,6 +110,22 @@ def test_dynamic_sampling_refills_and_an_all_flat_step_is_logged(tmp_path):
     assert trainer.state.step == 2 and trainer.state.samples_trained == 0
 
 
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=[pytest.mark.slow, pytest.mark.vllm])])
+def test_dynamic_sampling_trains_on_groups_of_several_rounds(tmp_path, engine):
+    """One group with reward variance per round: filling 4 groups takes 4 rounds (each with its own derived seed,
+    trained on together), and a budget of 3 rounds ends with the 3 groups found."""
+    reward = {"label_map": {"one": {"type": "function", "function": "trainer_helpers:one_varying_group_reward"}},
+              "default_recipe": [["one", 1.0]]}
+    for extra_rounds, kept in ((3, 4), (2, 3)):
+        out = tmp_path / f"{engine}-{extra_rounds}"
+        _fit(toy_config(out, engine=engine, reward=reward, algorithm={
+            "dynamic_sampling": True, "dynamic_sampling_max_extra_rounds": extra_rounds}, trainer={"max_steps": 1}))
+        (row,) = metrics_rows(out)
+        assert row["dynamic_sampling/rounds"] == extra_rounds + 1
+        assert row["train/samples_trained"] == 4 * kept  # groups of every round trained together
+        assert row["policy/optimizer_steps"] >= 1
+
+
 def test_reports_and_curves_show_the_last_rollout(tmp_path):
     import base64
     import io

@@ -46,6 +46,16 @@ def constant_reward(responses, prompts, labels, references):
     return [1.0] * len(responses)
 
 
+def one_varying_group_reward(responses, prompts, labels, references):
+    """Reward variance in exactly one group per call (the first prompt's samples score 1, 0, 0, ...; every other
+    group is flat): dynamic sampling then keeps one group per round and needs as many rounds as groups."""
+    first, out, seen = prompts[0], [], 0
+    for prompt in prompts:
+        out.append(float(prompt == first and seen == 0))
+        seen += prompt == first
+    return out
+
+
 def parity_reward(responses, prompts, labels, references):
     """1 when the response's characters sum to an even code: varies within groups of a random tiny model, so GRPO
     has advantages to learn from (the toy task's reward is ~0 everywhere for an untrained model)."""
