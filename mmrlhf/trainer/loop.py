@@ -80,7 +80,7 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Run until ``max_steps``; Ctrl-C finishes the current step, saves a checkpoint and returns. The last
+        """Run until ``max_steps``; Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and returns. The last
         step is always evaluated (when evaluation is on), saved and reported."""
         s, p = self.s, self.p
         bar = ProgressBar(s.max_steps, initial=self.state.step, enabled=s.progress_bar)
@@ -89,7 +89,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = self.train_step()
                 self.state.step += 1
-                if p.dist is not None:  # a Ctrl-C seen by any rank stops every rank after the same step
+                if p.dist is not None:  # a Ctrl-C / SIGTERM seen by any rank stops every rank after the same step
                     stop.requested = not p.dist.all_true(not stop.requested)
                 metrics["time/step"] = time.perf_counter() - t0
                 step, last = self.state.step, self.state.step == s.max_steps
@@ -332,31 +332,41 @@ class _StopFlag:
     requested = False
 
 
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: how schedulers preempt a job
+
+
 @contextmanager
 def _stop_on_interrupt() -> Iterator[_StopFlag]:
-    """The first Ctrl-C asks the loop to stop after the current step (and save); a second one aborts at once."""
+    """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (and save, then exit 0 saying how
+    to resume); a second one of either kind aborts at once."""
     flag = _StopFlag()
     try:
-        previous = signal.getsignal(signal.SIGINT)
+        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     except ValueError:  # not the main thread: no handler can be installed
         yield flag
         return
 
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
     def handler(signum, frame):  # noqa: ARG001
         if flag.requested:
-            signal.signal(signal.SIGINT, previous)
+            restore()
             raise KeyboardInterrupt
         flag.requested = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort without saving)",
+        name = STOP_SIGNALS.get(signum, f"signal {signum}")
+        print(f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort without saving)",
               flush=True)
 
     try:
-        signal.signal(signal.SIGINT, handler)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, handler)
     except ValueError:
         yield flag
         return
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        restore()
 

@@ -44,14 +44,15 @@ def _wait_for(predicate, proc, what: str, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, sig):
     out = tmp_path / "run"
     recipe = _recipe(tmp_path, out)
     proc = subprocess.Popen([sys.executable, "-m", "mmrlhf.cli", "train", str(recipe)], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: (out / "metrics.jsonl").exists() and len(metrics_rows(out)) >= 2, proc, "two steps")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)  # SIGTERM: how a scheduler preempts a job
         text, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -61,6 +62,8 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     latest = CheckpointManager(out / "checkpoints").latest()
     steps = [r["step"] for r in metrics_rows(out)]
     assert latest is not None and CheckpointManager.step_of(latest) == steps[-1] < 200
+    if sig != signal.SIGINT:
+        return  # resuming is the same after either signal
     resume = subprocess.run([sys.executable, "-m", "mmrlhf.cli", "train", str(recipe), "trainer.max_steps="
                              f"{steps[-1] + 1}", "--resume"], env=_env(), capture_output=True, text=True, timeout=600)
     assert resume.returncode == 0, resume.stdout[-2000:] + resume.stderr[-2000:]
