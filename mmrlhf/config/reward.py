@@ -22,6 +22,11 @@ class FunctionSourceConfig(Section):
     """Built-in name (``think_answer_format``, ``math_accuracy``, ...) or ``package.module:fn`` / ``file.py:fn``."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to every call (e.g. ``{rel_tol: 0.01}`` for ``numeric_match``)."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Bound on one call over a rollout's samples: past it the call's samples fail (``reward.on_failure``: an error
+    naming the source, or masked and counted) and the stuck thread is replaced in the pool (a thread cannot be
+    killed: its late result is dropped). Functions marked to run on the main thread (``math_accuracy``) are bounded
+    by their own alarm instead."""
 
 
 class ModelSourceConfig(Section):
@@ -41,6 +46,8 @@ class ModelSourceConfig(Section):
     """Where the model waits between calls, so it holds no accelerator memory during rollout and training."""
     micro_batch_size: int = Field(default=8, ge=1)
     """Samples per forward pass (bounds activation memory)."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Bound on scoring one rollout's samples: past it they fail (``reward.on_failure``)."""
 
 
 class RemoteSourceConfig(Section):

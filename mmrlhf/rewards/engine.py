@@ -25,13 +25,13 @@ import logging
 import math
 import numbers
 import threading
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Literal, Mapping, Sequence
 
 import torch
 
 from mmrlhf.rewards.plugins import WrongCountError, wait_all_or_first_error
-from mmrlhf.rewards.runners import run_loop_serving_main_thread
+from mmrlhf.rewards.runners import DaemonThreadPool, run_loop_serving_main_thread
 from mmrlhf.rewards.sources import RewardSource, build_source
 from mmrlhf.rewards.types import RewardBatch, RewardError, RewardResult, SourceScores
 
@@ -78,7 +78,7 @@ class RewardComputationEngine:
     @classmethod
     def from_config(cls, config) -> "RewardComputationEngine":
         """Build from a :class:`mmrlhf.config.reward.RewardConfig` (builds every source in ``label_map``)."""
-        pool = ThreadPoolExecutor(config.function_workers, thread_name_prefix="reward-fn")
+        pool = DaemonThreadPool(config.function_workers, thread_name_prefix="reward-fn")
         sources = {name: build_source(name, cfg, executor=pool) for name, cfg in config.label_map.items()}
         return cls(
             sources, config.recipe, default_recipe=config.default_recipe, on_failure=config.on_failure, executor=pool
@@ -124,8 +124,20 @@ class RewardComputationEngine:
         return self._combine(batch, recipes, rows, outputs)
 
     async def _run(self, name: str, sub: RewardBatch) -> SourceScores:
+        source = self.sources[name]
+        timeout = getattr(source, "timeout_s", None)
         try:
-            out = await self.sources[name].score(sub)
+            out = await asyncio.wait_for(source.score(sub), timeout)
+        except asyncio.TimeoutError:
+            replace = getattr(self.executor, "replace_stuck", None)
+            if replace is not None:  # the function's thread cannot be stopped: give the pool a fresh one instead
+                replace(0.5 * timeout)
+            message = (f"reward source {name!r} timed out after {timeout:g} s on {len(sub)} sample(s) "
+                       f"({sub.describe(0)} ..); raise reward.label_map.{name}.timeout_s if it is just slow")
+            if self.on_failure == "error":
+                raise RewardError(message) from None
+            logger.warning("%s: masked", message)
+            return SourceScores(scores=[None] * len(sub), errors=[message] * len(sub))
         except WrongCountError as exc:
             if self.on_failure == "error":
                 raise RewardError(f"reward source {name!r}: {exc}") from exc

@@ -22,7 +22,8 @@ import contextvars
 import functools
 import queue
 import threading
-from concurrent.futures import Executor, ThreadPoolExecutor
+import time
+from concurrent.futures import Executor
 from typing import Any, Callable, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -33,7 +34,7 @@ engine's own pool)."""
 
 MAIN_THREAD_ATTR = "__mmrlhf_main_thread__"
 
-_shared_pool: ThreadPoolExecutor | None = None
+_shared_pool: "DaemonThreadPool | None" = None
 _shared_pool_lock = threading.Lock()
 _runner: contextvars.ContextVar["MainThreadRunner | None"] = contextvars.ContextVar("reward_main_runner", default=None)
 
@@ -44,13 +45,90 @@ def main_thread(fn: F) -> F:
     return fn
 
 
-def shared_function_pool() -> ThreadPoolExecutor:
+def shared_function_pool() -> "DaemonThreadPool":
     """The process-wide bounded pool for synchronous reward functions given no executor of their own."""
     global _shared_pool
     with _shared_pool_lock:
         if _shared_pool is None:
-            _shared_pool = ThreadPoolExecutor(DEFAULT_FUNCTION_WORKERS, thread_name_prefix="reward-fn")
+            _shared_pool = DaemonThreadPool(DEFAULT_FUNCTION_WORKERS, thread_name_prefix="reward-fn")
         return _shared_pool
+
+
+class DaemonThreadPool(Executor):
+    """A bounded thread pool whose workers never keep the process alive, and whose stuck workers can be replaced.
+
+    Why not ``concurrent.futures.ThreadPoolExecutor``: at interpreter exit it joins its workers, so one reward
+    function that never returns kept the process alive after Ctrl-C (and a pool with all workers stuck would serve
+    nothing more). Here workers are daemon threads, and :meth:`replace_stuck` retires the workers whose current call
+    has run longer than a deadline (a reward source's ``timeout_s``): each gets a fresh replacement, so the pool
+    keeps ``max_workers`` usable threads, and the stuck thread ends on its own if its call ever returns. A Python
+    thread cannot be killed; its call's result is simply never used."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "pool") -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._prefix, self._count = thread_name_prefix, 0
+        self._started: dict[int, float | None] = {}  # worker id -> start time of its current call (None: idle)
+        self._retired: set[int] = set()
+        self._shutdown = False
+        for _ in range(max_workers):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self._count += 1
+        wid = self._count
+        self._started[wid] = None
+        threading.Thread(target=self._work, args=(wid,), name=f"{self._prefix}-{wid}", daemon=True).start()
+
+    def _work(self, wid: int) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._lock:
+                self._started[wid] = time.monotonic()
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller, which re-raises it
+                future.set_exception(exc)
+            with self._lock:
+                if wid in self._retired:  # replaced while stuck: a fresh worker already took its place
+                    self._retired.discard(wid)
+                    self._started.pop(wid, None)
+                    return
+                self._started[wid] = None
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        if self._shutdown:
+            raise RuntimeError("cannot submit to a pool that was shut down")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def replace_stuck(self, older_than_s: float) -> int:
+        """Retire and replace every worker whose current call started more than ``older_than_s`` seconds ago;
+        returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            stuck = [w for w, t in self._started.items()
+                     if t is not None and w not in self._retired and now - t > older_than_s]
+            for wid in stuck:
+                self._retired.add(wid)
+                self._spawn()
+        return len(stuck)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:  # noqa: ARG002
+        """Stop the idle workers (stuck ones end when their call returns); never waits for a running call."""
+        self._shutdown = True
+        with self._lock:
+            live = len(self._started)
+        for _ in range(live):
+            self._queue.put(None)
 
 
 class MainThreadRunner:

@@ -37,11 +37,13 @@ class FunctionSource:
         name: str | None = None,
         options: Mapping[str, Any] | None = None,
         executor: Executor | None = None,
+        timeout_s: float | None = None,
     ):
         self.fn = fn
         self.name = name or function_name(fn)
         self.options = dict(options or {})
         self.executor = executor
+        self.timeout_s = timeout_s  # the engine's bound on one call of score() (None: unbounded)
 
     async def score(self, batch: RewardBatch) -> SourceScores:
         if len(batch) == 0:
@@ -68,7 +70,8 @@ SOURCE_TYPES: Registry[Callable[..., RewardSource]] = Registry("reward source ty
 
 @SOURCE_TYPES.register("function")
 def _function_source(name: str, cfg: Any, executor: Executor | None = None) -> RewardSource:
-    return FunctionSource(load_reward_function(cfg.function), name=name, options=cfg.options, executor=executor)
+    return FunctionSource(load_reward_function(cfg.function), name=name, options=cfg.options, executor=executor,
+                          timeout_s=cfg.timeout_s)
 
 
 @SOURCE_TYPES.register("model")
@@ -76,9 +79,11 @@ def _model_source(name: str, cfg: Any, executor: Executor | None = None) -> Rewa
     from mmrlhf.rewards.local_model import LocalRewardModel, build_reward_model
 
     module = build_reward_model(cfg.model, path=cfg.path, dtype=cfg.dtype, **cfg.options)
-    return LocalRewardModel(
+    source = LocalRewardModel(
         module, name=name, device=cfg.device, offload_device=cfg.offload_device, micro_batch_size=cfg.micro_batch_size
     )
+    source.timeout_s = cfg.timeout_s  # the engine's bound on one call of score()
+    return source
 
 
 @SOURCE_TYPES.register("remote")

@@ -14,7 +14,7 @@ import pytest
 from mmrlhf.config import build_config
 from mmrlhf.rewards import FunctionSource, RemoteRewardClient, RewardBatch, RewardComputationEngine, RewardError
 from mmrlhf.rewards.math_accuracy import math_accuracy
-from mmrlhf.rewards.runners import MAIN_THREAD_ATTR, main_thread
+from mmrlhf.rewards.runners import MAIN_THREAD_ATTR, DaemonThreadPool, main_thread
 from mmrlhf.rewards.sources import ClientSource
 
 WAIT_S = 20.0  # only reached when the behaviour under test is broken
@@ -86,7 +86,8 @@ def test_function_workers_sizes_one_pool_shared_by_the_function_sources():
                     "function_workers": 3}}
     ).reward
     engine = RewardComputationEngine.from_config(cfg)
-    assert isinstance(engine.executor, ThreadPoolExecutor) and engine.executor._max_workers == 3
+    assert isinstance(engine.executor, DaemonThreadPool)
+    assert len([t for t in threading.enumerate() if t.name.startswith("reward-fn") and t.daemon]) >= 3
     assert all(source.executor is engine.executor for source in engine.sources.values())
 
 
@@ -112,3 +113,79 @@ def test_an_error_in_a_main_thread_function_reaches_the_caller():
     ok = RewardComputationEngine({"b": FunctionSource(main_thread(lambda r, p, l, x: [1.0] * len(r)), name="b")},
                                  {"a": [("b", 1.0)]})
     assert ok.compute(batch_of(2)).rewards.tolist() == [1.0, 1.0]
+
+
+# ---- a reward function that never returns ---------------------------------------------------------------------
+
+def _hang(responses, prompts, labels, references):
+    threading.Event().wait()  # never set
+    return [1.0] * len(responses)
+
+
+def _ok(responses, prompts, labels, references):
+    return [1.0] * len(responses)
+
+
+def _hang_engine(on_failure: str) -> RewardComputationEngine:
+    pool = DaemonThreadPool(1, thread_name_prefix="reward-fn")
+    sources = {"stuck": FunctionSource(_hang, name="stuck", executor=pool, timeout_s=0.5),
+               "fine": FunctionSource(_ok, name="fine", executor=pool, timeout_s=5.0)}
+    return RewardComputationEngine(sources, {"a": [("stuck", 1.0)], "b": [("fine", 1.0)]}, on_failure=on_failure,
+                                   executor=pool)
+
+
+def test_a_hung_function_times_out_and_is_masked_and_counted_or_raises():
+    engine = _hang_engine("mask")
+    batch = RewardBatch(responses=["1"] * 3, prompts=[""] * 3, labels=["a", "b", "a"], references=[None] * 3)
+    t0 = time.monotonic()
+    result = engine.compute(batch)
+    assert time.monotonic() - t0 < WAIT_S / 2
+    assert result.valid.tolist() == [False, True, False] and result.metrics["reward/failed_samples"] == 2
+    # the pool's one worker is stuck for good: it was replaced, so the next call is served
+    again = engine.compute(RewardBatch(responses=["1"], prompts=[""], labels=["b"], references=[None]))
+    assert again.rewards.tolist() == [1.0]
+    with pytest.raises(RewardError, match=r"'stuck' timed out after 0.5 s on 1 sample.*label_map.stuck.timeout_s"):
+        _hang_engine("error").compute(RewardBatch(responses=["1"], prompts=[""], labels=["a"], references=[None]))
+
+
+def test_the_config_key_bounds_function_sources():
+    cfg = build_config({"reward": {"label_map": {"f": {"type": "function", "function": "format", "timeout_s": 7}},
+                                   "recipe": {"a": [["f", 1]]}}}).reward
+    assert RewardComputationEngine.from_config(cfg).sources["f"].timeout_s == 7
+
+
+HUNG_RUN = """
+import sys, threading
+sys.path.insert(0, {here!r})
+from mmrlhf.config import build_config
+from mmrlhf.rewards import RewardBatch, RewardComputationEngine
+cfg = build_config({{"reward": {{"label_map": {{"h": {{"type": "function", "function": "test_reward_threads:_hang",
+                                                     "timeout_s": 3600}}}}, "recipe": {{"a": [["h", 1]]}}}}}}).reward
+engine = RewardComputationEngine.from_config(cfg)
+print("ready", flush=True)
+engine.compute(RewardBatch(responses=["1"], prompts=[""], labels=["a"], references=[None]))
+"""
+
+
+def test_ctrl_c_ends_a_process_whose_reward_function_hangs():
+    """KeyboardInterrupt reaches the main thread, and the hung worker thread does not keep the process alive
+    (a ThreadPoolExecutor's workers are joined at exit: the process then never ended)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = HUNG_RUN.format(here=str(Path(__file__).parent))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=Path(__file__).parents[2])
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # inside compute(), the function running in its thread
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            pytest.fail("the process did not end within 15 s of Ctrl-C")
+    assert proc.returncode != 0 and "KeyboardInterrupt" in out
