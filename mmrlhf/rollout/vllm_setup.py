@@ -131,15 +131,15 @@ def reassert_device(device: torch.device | None) -> None:
         torch.accelerator.set_device_index(device.index)
 
 
-def check_torchrun_tensor_parallel(tensor_parallel_size: int, ranks: LaunchRanks | None) -> None:
+def check_torchrun_tensor_parallel(tensor_parallel_size: int, world_size: int | None) -> None:
     """``rollout.tensor_parallel_size`` > 1 inside torchrun ranks is refused: vLLM's external launcher would make
     one engine of each group of consecutive ranks, and every rank of such a group must then submit the SAME
     prompts with the same seeds (each rank runs a replica of the scheduler and expects identical inputs), while the
     torchrun loop gives every rank its own share of the prompts. Sharing prompts and results within engine groups
-    is not built."""
-    if ranks is not None and tensor_parallel_size > 1:
+    is not built. ``world_size``: the torchrun world (None outside torchrun)."""
+    if world_size is not None and tensor_parallel_size > 1:
         raise ValueError(
-            f"rollout.tensor_parallel_size={tensor_parallel_size} under torchrun ({ranks.world_size} ranks): each "
+            f"rollout.tensor_parallel_size={tensor_parallel_size} under torchrun ({world_size} ranks): each "
             "rank runs its own engine on its own GPU with its own share of the prompts, and a tensor-parallel "
             "engine spanning ranks would need every rank of a group to submit the same prompts (not built). Set "
             "rollout.tensor_parallel_size=1 under torchrun, or use distributed.backend=ray (a rollout actor owns "
@@ -189,7 +189,7 @@ def engine_kwargs(
     processes; vLLM would otherwise pick its Ray executor inside a Ray placement group, whose GPUs this rollout
     actor already holds).
     """
-    check_torchrun_tensor_parallel(tensor_parallel_size, ranks)
+    check_torchrun_tensor_parallel(tensor_parallel_size, None if ranks is None else ranks.world_size)
     accelerated = device_type != "cpu"
     kwargs: dict[str, Any] = dict(
         model=str(model_path),
