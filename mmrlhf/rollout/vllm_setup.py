@@ -124,10 +124,11 @@ def engine_device(device_type: str, ranks: LaunchRanks | None) -> torch.device |
 def reassert_device(device: torch.device | None) -> None:
     """Make ``device`` the current accelerator device again: the engine build may have re-set it (vLLM's default
     in-process executor binds index 0 on every rank), and FSDP / NCCL take the rank's device from it."""
-    if device is not None and torch.accelerator.current_device_index() != device.index:
-        logger.warning("the vLLM engine moved the current device to %s; restoring %s",
-                       torch.accelerator.current_device_index(), device)
-    if device is not None:
+    if device is None:
+        return
+    current = torch.accelerator.current_device_index()
+    if current != device.index:
+        logger.warning("the vLLM engine moved the current device to index %d; restoring %s", current, device)
         torch.accelerator.set_device_index(device.index)
 
 
