@@ -44,15 +44,18 @@ class DistributedConfig(Section):
     share of the prompts and sends finished experiences round-robin to the trainer actors."""
     rollout_actor_cpus: float = Field(default=1.0, gt=0)
     """CPUs reserved for each rollout actor."""
-    rollout_actor_gpus: float = Field(default=0.0, ge=0)
-    """GPUs reserved for each rollout actor (fractions share a GPU)."""
+    rollout_actor_gpus: Optional[float] = Field(default=None, ge=0)
+    """GPUs reserved for each rollout actor. None (auto): ``rollout.tensor_parallel_size`` GPUs on a cluster with
+    GPUs (the actor's engine owns them), 0 on a CPU cluster. 0 on a GPU cluster is refused (Ray would leave every
+    actor on GPU 0); a fraction shares a GPU (tensor_parallel_size 1 only)."""
     num_trainer_actors: int = Field(default=1, ge=1)
     """Trainer actors: together one data-parallel FSDP2 group; the first pushes the new weights to every rollout
     actor after each update."""
     trainer_actor_cpus: float = Field(default=1.0, gt=0)
     """CPUs reserved for each trainer actor."""
-    trainer_actor_gpus: float = Field(default=0.0, ge=0)
-    """GPUs reserved for each trainer actor."""
+    trainer_actor_gpus: Optional[float] = Field(default=None, ge=0)
+    """GPUs reserved for each trainer actor. None (auto): 1 on a cluster with GPUs, 0 on a CPU cluster; 0 on a GPU
+    cluster is refused (the trainer would share GPU 0 with the engines)."""
     max_staleness: int = Field(default=0, ge=0)
     """Asynchronous training: how many policy versions an experience may lag behind the policy that trains on it.
     0 is synchronous (generation waits for every update); k >= 1 lets rollout actors generate the next batches while

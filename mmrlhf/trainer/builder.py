@@ -231,8 +231,10 @@ def _rank_config(config: MMRLHFConfig, dist: Any) -> MMRLHFConfig:
     """What differs per rank under torchrun, checked first: every rank samples with its own seed (its prompts are
     its own already), and what cannot run data-parallel is refused by key."""
     from mmrlhf.distributed.context import local_share
+    from mmrlhf.rollout.vllm_setup import check_torchrun_tensor_parallel
 
     t, r, a = config.trainer, config.rollout, config.algorithm
+    check_torchrun_tensor_parallel(r.tensor_parallel_size, dist.world_size)
     local_share(t.rollout_batch_size, dist, "trainer.rollout_batch_size")
     local_share(t.train_batch_size, dist, "trainer.train_batch_size")
     if a.dynamic_sampling:

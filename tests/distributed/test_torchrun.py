@@ -75,6 +75,7 @@ def test_shares_must_divide_over_ranks():
     ("trainer.rollout_batch_size=15", "trainer.rollout_batch_size"),
     ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
     ("algorithm.high_entropy_top_p=0.2", "algorithm.high_entropy_top_p"),
+    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2 under torchrun"),
 ])
 def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     from mmrlhf.config import load_config

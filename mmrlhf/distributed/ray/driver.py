@@ -18,10 +18,19 @@ from typing import Any, Callable
 
 from mmrlhf.distributed.ray.holder import ExperienceMakerHolder, holder_name
 from mmrlhf.distributed.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
-from mmrlhf.distributed.ray.runtime import actor_options, actor_threads, connect, describe_actor_error
+from mmrlhf.distributed.ray.runtime import (
+    PlacementPlan,
+    actor_options,
+    actor_threads,
+    connect,
+    describe_actor_error,
+    plan_placement,
+)
 from mmrlhf.distributed.ray.trainer_actor import RayPolicyTrainer, trainer_name
 
 logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 600.0  # how long the actors' placement group may wait for the cluster's resources
 
 
 class RolloutActorFailure(RuntimeError):
@@ -59,12 +68,14 @@ class RayRun:
     """One run: the actors, the schedule, the ledger and the metrics. ``push_weights=False`` never syncs the
     rollout actors (the control of the sync check; not a user option)."""
 
-    def __init__(self, config: Any, *, push_weights: bool = True) -> None:
+    def __init__(self, config: Any, *, push_weights: bool = True, plan: PlacementPlan | None = None) -> None:
         import ray
 
         check_ray_config(config)
         self.config = _with_async_correction(config)
         d = self.config.distributed
+        self.plan = plan or cluster_placement(self.config)
+        self.placement_group = _reserve(self.plan)
         self.k, self.n = d.max_staleness, d.num_rollout_actors
         self.ledger, self.stats = ExperienceLedger(), StalenessStats()
         self.restarts = [0] * self.n
@@ -73,15 +84,18 @@ class RayRun:
         self._remote_holder = ray.remote(ExperienceMakerHolder)
         self.holders = [self._start_holder(i) for i in range(self.n)]
         trainer_cls = ray.remote(RayPolicyTrainer)
-        self.trainer = trainer_cls.options(**actor_options(trainer_name(0), d.trainer_actor_cpus,
-                                                           d.trainer_actor_gpus)).remote(
+        slot = self.plan.trainer[0]
+        self.trainer = trainer_cls.options(**actor_options(
+            trainer_name(0), slot.cpus, slot.gpus, placement_group=self.placement_group,
+            bundle_index=slot.bundle_index)).remote(
             self._dump, 0, actor_threads(d.trainer_actor_cpus), push_weights=push_weights)
         ray.get(self.trainer.set_holders.remote(self.holders))
         ray.get([h.state.remote() for h in self.holders])  # built (engines loaded) before the clock starts
 
     def _start_holder(self, index: int) -> Any:
-        d = self.config.distributed
-        options = actor_options(holder_name(index), d.rollout_actor_cpus, d.rollout_actor_gpus)
+        d, slot = self.config.distributed, self.plan.rollout[index]
+        options = actor_options(holder_name(index), slot.cpus, slot.gpus, placement_group=self.placement_group,
+                                bundle_index=slot.bundle_index)  # a restarted actor takes the same bundle
         options["max_concurrency"] = 2  # weight chunks arrive while a batch is generated (see holder.py)
         for attempt in range(20):
             try:
@@ -227,6 +241,34 @@ class RayRun:
                 ray.kill(actor, no_restart=True)
             except Exception as exc:  # an actor already gone: nothing to stop
                 logger.debug("kill %s: %s", actor, exc)
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.placement_group)
+
+
+def cluster_placement(config: Any) -> PlacementPlan:
+    """The actors' placement on the connected Ray cluster (:func:`~mmrlhf.distributed.ray.runtime.plan_placement`
+    with the cluster's GPU count)."""
+    import ray
+
+    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    return plan_placement(config.distributed, config.rollout.tensor_parallel_size, gpus)
+
+
+def _reserve(plan: PlacementPlan) -> Any:
+    """A placement group with one bundle per actor (``PACK``: on as few nodes as fit), ready."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(plan.bundles(), strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(f"the Ray cluster could not reserve the actors' resources {plan.bundles()} within "
+                           f"{PLACEMENT_TIMEOUT_S:g} s (cluster: {ray.cluster_resources()}); lower the "
+                           "distributed.*_actor_cpus / *_actor_gpus keys or add nodes") from None
+    return group
 
 
 def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dict], None] | None = None) -> int:
@@ -259,7 +301,12 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dic
     started = connect(d.ray_address, num_cpus=cpus)
     run = None
     try:
-        run = RayRun(config)
+        try:
+            plan = cluster_placement(config)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        run = RayRun(config, plan=plan)
         tracker = MetricsTracker(out, tensorboard=t.tensorboard, run_config=config.model_dump(mode="json"),
                                  overwrite=t.overwrite_output_dir)
         with tracker:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 # Read by vLLM, tokenizers and the data loaders at import time: the driver's values must reach the actors' processes
@@ -28,10 +29,85 @@ def actor_threads(cpus: float) -> int:
     return max(1, int(math.floor(cpus)))
 
 
-def actor_options(name: str, cpus: float, gpus: float, *, max_restarts: int = 0) -> dict[str, Any]:
-    """``.options(...)`` of a named actor: its reservation and its runtime environment."""
-    return {"name": name, "num_cpus": cpus, "num_gpus": gpus, "max_restarts": max_restarts,
-            "runtime_env": {"env_vars": actor_env(cpus)}}
+def actor_options(name: str, cpus: float, gpus: float, *, max_restarts: int = 0, placement_group: Any = None,
+                  bundle_index: int | None = None) -> dict[str, Any]:
+    """``.options(...)`` of a named actor: its reservation, its runtime environment and, with a placement group,
+    the bundle it runs in (its reservation is that bundle's)."""
+    options: dict[str, Any] = {"name": name, "num_cpus": cpus, "num_gpus": gpus, "max_restarts": max_restarts,
+                               "runtime_env": {"env_vars": actor_env(cpus)}}
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundle_index)
+    return options
+
+
+@dataclass(frozen=True)
+class ActorSlot:
+    """One actor's reservation: its bundle in the run's placement group."""
+
+    cpus: float
+    gpus: float
+    bundle_index: int
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where the run's actors go: one placement-group bundle per actor, the rollout actors' first."""
+
+    rollout: tuple[ActorSlot, ...]
+    trainer: tuple[ActorSlot, ...]
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [slot.bundle() for slot in (*self.rollout, *self.trainer)]
+
+    @property
+    def gpus(self) -> float:
+        return sum(slot.gpus for slot in (*self.rollout, *self.trainer))
+
+
+def _actor_gpus(value: float | None, key: str, auto: float, cluster_gpus: float) -> float:
+    """An actor kind's GPUs: ``auto`` (None) on a GPU cluster, 0 on a CPU one; the value given otherwise, refused
+    where it cannot work."""
+    if value is None:
+        return auto if cluster_gpus > 0 else 0.0
+    if cluster_gpus > 0 and value == 0:
+        raise ValueError(f"{key}=0 on a cluster with {cluster_gpus:g} GPUs: Ray would leave CUDA_VISIBLE_DEVICES "
+                         f"unset and every actor would use GPU 0; leave {key} unset (auto: {auto:g}) or set it > 0")
+    if cluster_gpus == 0 and value > 0:
+        raise ValueError(f"{key}={value:g} but the Ray cluster has no GPUs (the actor would never be placed); "
+                         f"leave {key} unset (auto: 0 here)")
+    return float(value)
+
+
+def plan_placement(distributed: Any, tensor_parallel_size: int, cluster_gpus: float) -> PlacementPlan:
+    """The actors' reservations for ``distributed`` (the ``distributed`` config section) on a cluster with
+    ``cluster_gpus`` GPUs. On a GPU cluster each rollout actor owns ``rollout.tensor_parallel_size`` GPUs (its
+    engine's workers) and each trainer actor one, unless set; refused by key when it cannot work (0 GPUs, a
+    tensor-parallel engine without that many whole GPUs, more GPUs than the cluster has)."""
+    d = distributed
+    rollout_gpus = _actor_gpus(d.rollout_actor_gpus, "distributed.rollout_actor_gpus", float(tensor_parallel_size),
+                               cluster_gpus)
+    trainer_gpus = _actor_gpus(d.trainer_actor_gpus, "distributed.trainer_actor_gpus", 1.0, cluster_gpus)
+    if cluster_gpus > 0 and tensor_parallel_size > 1 and rollout_gpus != tensor_parallel_size:
+        raise ValueError(f"distributed.rollout_actor_gpus={rollout_gpus:g} with rollout.tensor_parallel_size="
+                         f"{tensor_parallel_size}: a tensor-parallel engine needs one whole GPU per worker; set "
+                         f"distributed.rollout_actor_gpus={tensor_parallel_size} (or leave it unset)")
+    rollout = tuple(ActorSlot(d.rollout_actor_cpus, rollout_gpus, i) for i in range(d.num_rollout_actors))
+    trainer = tuple(ActorSlot(d.trainer_actor_cpus, trainer_gpus, len(rollout) + i)
+                    for i in range(d.num_trainer_actors))
+    plan = PlacementPlan(rollout, trainer)
+    if plan.gpus > cluster_gpus > 0:
+        raise ValueError(
+            f"the actors need {plan.gpus:g} GPUs (distributed.num_rollout_actors={d.num_rollout_actors} x "
+            f"distributed.rollout_actor_gpus={rollout_gpus:g} + distributed.num_trainer_actors="
+            f"{d.num_trainer_actors} x distributed.trainer_actor_gpus={trainer_gpus:g}) but the cluster has "
+            f"{cluster_gpus:g}: lower those keys (or rollout.tensor_parallel_size)")
+    return plan
 
 
 def connect(address: str | None, *, num_cpus: float) -> bool:
