@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
 from mmrlhf.trainer.minibatch import GuardedStepper
 from mmrlhf.trainer.optim import build_optimizer, build_scheduler, freeze_vision
 from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings
+from mmrlhf.trainer.resume_changes import apply_changes, check_changes
 from mmrlhf.trainer.reporting import StepReporter
 from mmrlhf.trainer.state import seed_everything
 from mmrlhf.trainer.tracking import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
@@ -127,6 +130,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
     from mmrlhf.experience.builder import build_experience_maker
     from mmrlhf.trainer.tracking import MetricsTracker, WandbSettings
 
+    record = config.model_dump(mode="json")  # what the user configured (the ranks' seeds are derived from it)
     if dist is not None:
         config = _rank_config(config, dist)
     t, a, d = config.trainer, config.algorithm, config.data
@@ -136,6 +140,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
         resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
     if dist is not None:  # rank 0 alone cleans the folder; the others learn what it decided
         resume_from = dist.broadcast_object(None if dist.rank else resume_from)
+    changes = _resume_changes(resume_from, record) if resume_from is not None else []
     seed_everything(t.seed)
 
     def freeze(actor: Any) -> None:
@@ -185,12 +190,28 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
         log_steps=t.log_steps, eval_steps=t.eval_steps, report_steps=t.report_steps,
         dynamic_sampling=a.dynamic_sampling, dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
         dynamic_sampling_tol=a.dynamic_sampling_tol, progress_bar=t.progress_bar and (dist is None or dist.is_main),
-        config=config.model_dump(mode="json"))
+        config=record)
     trainer = Trainer(parts, settings)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
+        lines = apply_changes(changes, policy_stepper=policy.stepper,
+                              critic_stepper=None if critic_updater is None else critic_updater.stepper,
+                              kl_controller=stack.maker.kl_controller)
+        if dist is None or dist.is_main:
+            for line in lines:
+                print(line, file=sys.stderr)
         logger.info("resumed from %s (step %d)", resume_from, trainer.state.step)
     return trainer
+
+
+def _resume_changes(checkpoint: Path, record: dict[str, Any]) -> list:
+    """The keys changed since ``checkpoint`` was written (refused ones raise, before any model loads)."""
+    state_file = Path(checkpoint) / "trainer_state.json"
+    saved = json.loads(state_file.read_text()).get("config") if state_file.exists() else None
+    if saved is None:
+        logger.warning("%s records no config: changed keys cannot be checked", checkpoint)
+        return []
+    return check_changes(saved, record, str(checkpoint))
 
 
 def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_id: int,
