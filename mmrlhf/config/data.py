@@ -23,6 +23,10 @@ class DataConfig(Section):
     """Keyword arguments for ``generator`` (e.g. the task variant)."""
     shuffle: bool = True
     """Visit file prompts in a new seeded order every epoch (``trainer.seed``); generated prompts keep index order."""
+    restart_stream_on_resume: bool = False
+    """``--resume`` over prompt files whose content changed since the checkpoint (sizes, names or bytes: the stream's
+    saved fingerprint) is refused, since the saved position would point into a different order; ``true`` starts the
+    prompt stream over (epoch 0) on the new data instead, and says so."""
     eval_data: list[str] = Field(default_factory=list)
     """Held-out prompt files for ``trainer.eval_steps``; empty: the ``eval`` split of ``generator`` when set."""
     eval_size: int = Field(default=64, ge=1)

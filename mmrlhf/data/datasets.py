@@ -120,6 +120,37 @@ def _undecoded(feature: Any) -> Any:
     return feature
 
 
+HASH_WHOLE_BYTES = 64 << 20  # files up to this size are hashed whole; larger ones by their first and last 4 MiB
+HASH_EDGE_BYTES = 4 << 20
+
+
+def file_digest(path: str) -> str:
+    """sha256 of a file's content (of its size, first and last 4 MiB beyond 64 MiB: a multi-GB parquet is not read
+    whole at every start, and an edit changes its size or its footer)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size <= HASH_WHOLE_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        else:
+            h.update(str(size).encode())
+            h.update(f.read(HASH_EDGE_BYTES))
+            f.seek(size - HASH_EDGE_BYTES)
+            h.update(f.read(HASH_EDGE_BYTES))
+    return h.hexdigest()[:16]
+
+
+def path_fingerprint(path: str) -> dict[str, str]:
+    """``{relative file name: "size:digest"}`` of a data file, or of every file under a data folder."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+        return {os.path.relpath(f, path): f"{os.path.getsize(f)}:{file_digest(f)}" for f in files}
+    return {os.path.basename(path): f"{os.path.getsize(path)}:{file_digest(path)}"}
+
+
 def _base_dir(path: str) -> str:
     return os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path) or ".")
 
@@ -153,6 +184,11 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> PromptRecord:
         return self.records[i]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed stream checks it is walking the same data: the records kept and each path's files (name,
+        size and a content hash; :func:`path_fingerprint`)."""
+        return {"records": len(self.records), "files": {p: path_fingerprint(p) for p in self.paths}}
 
     def __iter__(self) -> Iterator[PromptRecord]:
         return iter(self.records)

@@ -15,6 +15,7 @@ instead of starting the data over.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from mmrlhf.data.errors import DataError
 from mmrlhf.data.records import record_from_row
 from mmrlhf.data.types import PromptRecord
+
+logger = logging.getLogger(__name__)
 
 
 class PromptSource(Protocol):
@@ -66,10 +69,12 @@ class PromptStream:
     run across epoch boundaries); an unsized one (a generator) is read in index order.
     """
 
-    def __init__(self, source: Any, *, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, source: Any, *, seed: int = 0, shuffle: bool = True,
+                 restart_on_change: bool = False) -> None:
         self.source = source
         self.seed = int(seed)
         self.shuffle = shuffle
+        self.restart_on_change = restart_on_change  # data.restart_stream_on_resume
         try:
             self.size: int | None = len(source)
         except TypeError:
@@ -108,14 +113,49 @@ class PromptStream:
                 self.epoch, self.position, self._order = self.epoch + 1, 0, None
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+    def fingerprint(self) -> dict[str, Any] | None:
+        """The source's fingerprint (files: sizes, names and content hashes), or None (generated prompts: their
+        spec and options are config keys, checked by the resume)."""
+        probe = getattr(self.source, "fingerprint", None)
+        return probe() if callable(probe) else None
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if int(state.get("seed", self.seed)) != self.seed:
             raise ValueError(f"the checkpoint's data order used seed {state['seed']}, this run uses {self.seed}: "
                              "resume with the same trainer.seed")
+        saved, now = state.get("fingerprint"), self.fingerprint()
+        if saved is not None and now is not None and saved != now:
+            what = describe_data_change(saved, now)
+            if not self.restart_on_change:
+                raise ValueError(f"the prompt data changed since the checkpoint ({what}): its saved position would "
+                                 "point into another order. Restore the data, or start the prompt stream over on "
+                                 "the new data with data.restart_stream_on_resume=true")
+            logger.warning("the prompt data changed since the checkpoint (%s): the prompt stream starts over "
+                           "(data.restart_stream_on_resume)", what)
+            self.epoch, self.position, self._order = 0, 0, None
+            return
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+
+
+def describe_data_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """One line saying what differs between two dataset fingerprints."""
+    parts = []
+    if saved.get("records") != now.get("records"):
+        parts.append(f"{saved.get('records')} -> {now.get('records')} records")
+    old_files, new_files = saved.get("files", {}), now.get("files", {})
+    for path in sorted(set(old_files) | set(new_files)):
+        if path not in old_files:
+            parts.append(f"{path} added")
+        elif path not in new_files:
+            parts.append(f"{path} removed")
+        elif old_files[path] != new_files[path]:
+            changed = sorted(k for k in set(old_files[path]) | set(new_files[path])
+                             if old_files[path].get(k) != new_files[path].get(k))
+            parts.append(f"{path}: {', '.join(changed)} changed")
+    return "; ".join(parts) or "content changed"
 
 
 def record_columns(records: Sequence[PromptRecord]) -> dict[str, list]:

@@ -180,8 +180,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
 
         tracker = SilentTracker()
     parts = TrainerParts(
-        maker=stack.maker, policy=policy, critic=critic_updater, stream=PromptStream(source, seed=t.seed,
-                                                                                     shuffle=d.shuffle),
+        maker=stack.maker, policy=policy, critic=critic_updater,
+        stream=PromptStream(source, seed=t.seed, shuffle=d.shuffle, restart_on_change=d.restart_stream_on_resume),
         evaluator=evaluator, tracker=tracker, checkpoints=checkpoints,
         reporter=StepReporter(out, stack.tokenizer, groups=t.report_groups, title=out.name),
         processor=stack.processor, shuffle=torch.Generator().manual_seed(t.seed), dist=dist)

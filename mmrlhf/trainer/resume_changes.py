@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+STREAM_REASON = ("the saved position in the prompt stream belongs to the old data; "
+                 "data.restart_stream_on_resume=true starts the stream over on the new data")
+STREAM_KEYS = ("data.prompt_data", "data.generator", "data.generator_options", "data.shuffle")
+
 # prefix -> why it cannot change across a resume (a prefix ends with "." for a whole section)
 REFUSED: dict[str, str] = {
     "model.": "the checkpoint holds this policy; start a new run from CHECKPOINT/model with model.pretrain instead",
-    "data.prompt_data": "the saved position in the prompt stream belongs to the old data",
-    "data.generator": "the saved position in the prompt stream belongs to the old data",
-    "data.generator_options": "the saved position in the prompt stream belongs to the old data",
-    "data.shuffle": "the saved position in the prompt stream belongs to the old order",
+    **{key: STREAM_REASON for key in STREAM_KEYS},
     "trainer.seed": "the data order and the saved RNG states follow the old seed",
     "trainer.output_dir": "a resume continues the run in its own folder",
     "algorithm.advantage_estimator": "the critic and its optimiser exist only for gae",
@@ -84,6 +85,8 @@ def check_changes(saved: Mapping[str, Any], new: Mapping[str, Any], checkpoint: 
     """The changed keys; raises ``ValueError`` naming every refused one (before any model is loaded)."""
     changes = config_changes(saved, new)
     bad = refused(changes)
+    if new.get("data", {}).get("restart_stream_on_resume"):  # the stream starts over: its data may change
+        bad = [(c, why) for c, why in bad if not c.key.startswith(STREAM_KEYS)]
     if bad:
         lines = "\n".join(f"  {c.key}: {c.old!r} -> {c.new!r} ({why})" for c, why in bad)
         raise ValueError(f"--resume from {checkpoint}: these keys differ from the run's and cannot change across a "

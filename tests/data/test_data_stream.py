@@ -49,6 +49,28 @@ def test_resume_continues_with_the_next_unseen_prompt(tmp_path):
         PromptStream(_dataset(tmp_path), seed=2).load_state_dict(state)
 
 
+def test_resume_over_changed_data_is_refused_or_starts_over(tmp_path, caplog):
+    part = PromptStream(_dataset(tmp_path), seed=1)
+    part.next_batch(3)
+    state = json.loads(json.dumps(part.state_dict()))  # as the checkpoint stores it
+    same = PromptStream(_dataset(tmp_path), seed=1)
+    same.load_state_dict(state)  # control: the unchanged data resumes
+    assert (same.epoch, same.position) == (0, 3)
+    # one record more; and (same count) one record's content edited: both are named
+    for n, edit, what in ((8, None, "7 -> 8 records"), (7, "q3x", "p.jsonl: p.jsonl changed")):
+        ds = _dataset(tmp_path, n)
+        if edit:
+            path = tmp_path / "p.jsonl"
+            path.write_text(path.read_text().replace('"q3"', f'"{edit}"'))
+            ds = PromptDataset(str(path), DataConfig())
+        with pytest.raises(ValueError, match=rf"prompt data changed since the checkpoint \(.*{what}.*"
+                                             r"data.restart_stream_on_resume=true"):
+            PromptStream(ds, seed=1).load_state_dict(state)
+        over = PromptStream(ds, seed=1, restart_on_change=True)
+        over.load_state_dict(state)
+        assert (over.epoch, over.position) == (0, 0) and "starts over" in caplog.text
+
+
 def _gen(index, *, split, scale=1):
     return {"prompt": f"{split} question {index * scale}", "reference": str(index), "id": f"{split}-{index}"}
 
