@@ -40,7 +40,8 @@ class TrainItem:
 
 @dataclass
 class TrainBatch:
-    """A collated selection of items: the samples for the forward plus aligned per-token tensors."""
+    """A collated selection of items: the samples for the forward plus aligned per-token tensors, on the CPU (the
+    models move what they read, :mod:`mmrlhf.models.placement`)."""
 
     samples: SamplesVL | GroupedSamples  # layout for ActorVL / CriticVL (all response tokens are scored)
     vision_extra: dict[str, torch.Tensor]
@@ -50,12 +51,6 @@ class TrainBatch:
     @property
     def size(self) -> int:
         return self.samples.batch_size
-
-    def to(self, device: torch.device | str) -> "TrainBatch":
-        self.samples.to_device(device)
-        move = lambda d: {k: v.to(device) for k, v in d.items()}  # noqa: E731
-        self.vision_extra, self.token, self.info = move(self.vision_extra), move(self.token), move(self.info)
-        return self
 
 
 def split_experience(exp: ExperienceVL) -> list[TrainItem]:

@@ -9,8 +9,10 @@ run the expensive forwards only on those. :meth:`make_experience_list` is both s
 Grouping: the data processor repeats each prompt n times (samples ``k*n .. k*n+n-1`` share prompt ``k``); the
 engine is asked once per unique prompt with ``n`` completions, so vision inputs are encoded once per prompt.
 Rewards, shaping and advantages run over the whole rollout (groups may span micro-batches); the forwards run per
-micro-batch to bound memory. The returned experiences hold tensors and plain values only (no engine or model
-references), so a trainer in another process can consume them.
+micro-batch to bound memory. The returned experiences hold CPU tensors and plain values only (no engine or model
+references, whatever device the models run on), so a trainer in another process can consume them: each model moves
+its micro-batch to its own device, and :meth:`_score` brings every output back to the CPU at once
+(:mod:`mmrlhf.models.placement`), before the whole-rollout shaping and advantages.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
+from mmrlhf.models.placement import to_host
 from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
 from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings, mix_seed
@@ -299,7 +302,8 @@ class FastExperienceMaker(ExperienceMaker):
     def _score(self, built: list[BuiltSamples], timer: PhaseTimer,
                temperature: float) -> list[dict[str, torch.Tensor | None]]:
         """Actor (+ entropy), reference and critic forwards per micro-batch, all in the padded [b, A] shape,
-        scored at the sampling temperature (the distribution the samples were drawn from)."""
+        scored at the sampling temperature (the distribution the samples were drawn from). The CPU-built batches go
+        to the models as they are (each moves them to its device); the outputs come back as CPU tensors."""
         scored = []
         for b in built:
             with timer("actor"):
@@ -316,7 +320,7 @@ class FastExperienceMaker(ExperienceMaker):
             if self.critic is not None:
                 with timer("critic"):
                     row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
-            scored.append(row)
+            scored.append(to_host(row))
         return scored
 
     def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling) -> dict[str, Any]:
@@ -458,7 +462,7 @@ def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
             if eng is None:
                 continue
             n = int(mask[i].sum())
-            diffs.append((torch.tensor(eng[:n]) - lp[i, :n].cpu()).abs())
+            diffs.append((torch.tensor(eng[:n]) - lp[i, :n]).abs())  # both on the CPU (_score's rule)
         row += lp.shape[0]
     if not diffs:
         return {}

@@ -39,6 +39,7 @@ from mmrlhf.experience.grouped import GroupedSamples
 from mmrlhf.experience.types import SamplesVL, split_vision_inputs
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.logprobs import chunked_log_probs
+from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import attention_implementation, grouped_attention_mask
 from mmrlhf.models.sharding import check_wrapper_layout
@@ -135,10 +136,17 @@ class ActorVL(nn.Module):
                    excluded_token_ids=excluded_token_ids)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where this actor computes: its parameters' device (the rank's device under FSDP2)."""
+        return module_device(self)
+
     def hidden_states(self, samples: SamplesVL | GroupedSamples,
                       vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Final (normed) decoder hidden states [B, S, H] (padded), [1, T, H] (packed) or [G, L, H] (grouped)."""
+        """Final (normed) decoder hidden states [B, S, H] (padded), [1, T, H] (packed) or [G, L, H] (grouped), on
+        this actor's device (the inputs are moved there)."""
         check_wrapper_layout(self.model)
+        samples, vision_extra = to_device((samples, vision_extra), self.device)
         return self._hidden_states(samples, vision_extra)
 
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
@@ -169,6 +177,8 @@ class ActorVL(nn.Module):
         return out.last_hidden_state
 
     def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature) -> ActionLogProbs:
+        # Moved here, per micro-batch, after any selection: the selection reads lengths on the host.
+        samples, vision_extra = to_device((samples, vision_extra), self.device)
         hidden = self._hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
         src, tgt, action_mask = response_index(samples)  # [N], [N], [B, A]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
@@ -196,6 +206,8 @@ class ActorVL(nn.Module):
 
         ``vision_extra``: per-video inputs SamplesVL has no field for (``BuiltSamples.vision_extra``, e.g.
         Qwen2.5-VL's ``second_per_grid_ts``). ``temperature`` divides the logits (match the sampler's).
+        The inputs may be anywhere (the CPU, where they are built): they are moved to this actor's device, where
+        the outputs are.
         """
         check_wrapper_layout(self.model)
         chunk = chunk_size or self.chunk_size

@@ -15,6 +15,7 @@ from torch import nn
 
 from mmrlhf.experience.types import SamplesVL
 from mmrlhf.models.actor import ActorVL, response_index
+from mmrlhf.models.placement import module_device, to_device
 
 
 class CriticVL(nn.Module):
@@ -40,7 +41,15 @@ class CriticVL(nn.Module):
     def from_pretrained(cls, path: str, **model_kwargs: Any) -> "CriticVL":
         return cls(ActorVL.from_pretrained(path, **model_kwargs))
 
+    @property
+    def device(self) -> torch.device:
+        """Where this critic computes: its parameters' device (the rank's device under FSDP2)."""
+        return module_device(self)
+
     def forward(self, samples: SamplesVL, *, vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Values [B, A] on this critic's device; the inputs may be anywhere (they are moved there first, see
+        :mod:`mmrlhf.models.placement`)."""
+        samples, vision_extra = to_device((samples, vision_extra), self.device)
         hidden = self.body.hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]; checks the layout
         src, _, action_mask = response_index(samples)  # [N], [N], [B, A]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H]

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from mmrlhf.models.adapters import FamilyAdapter
+from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.rollout.base import NamedTensors, RolloutEngine, forbidden_token_ids, iter_buckets, stop_token_ids
 from mmrlhf.rollout.hf_sampling import SettingsSampler
 from mmrlhf.rollout.types import (
@@ -59,7 +60,8 @@ class HFGenerateEngine(RolloutEngine):
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where ``generate`` runs: the model's device (prompts are batched on the CPU and moved there)."""
+        return module_device(self.model)
 
     def generate(self, requests: list[GenerationRequest], settings: SamplingSettings) -> GenerationResult:
         t0 = time.perf_counter()
@@ -102,7 +104,7 @@ class HFGenerateEngine(RolloutEngine):
         keys = sorted({k for r in reqs for k in r.vision_inputs})
         for key in keys:
             out[key] = torch.cat([r.vision_inputs[key] for r in reqs if key in r.vision_inputs], dim=0)
-        return {k: v.to(self.device) for k, v in out.items()}
+        return to_device(out, self.device)
 
     @torch.no_grad()
     def _generate_chunk(self, requests: list[GenerationRequest], chunk: list[int], settings: SamplingSettings,

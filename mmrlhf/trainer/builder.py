@@ -150,7 +150,6 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
     critic = build_critic(config) if a.advantage_estimator == "gae" else None
     stack = build_experience_maker(config, critic=critic, before_engine=freeze,
                                    policy_path=str(resume_from / "model") if resume_from else None)
-    device = next(stack.actor.parameters()).device
     if dist is not None:
         from mmrlhf.distributed.fsdp import shard_models
 
@@ -162,7 +161,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
         if critic is not None:
             checkpoint_blocks(critic)
     policy, critic_updater = build_updaters(config, stack.actor, critic, pad_id=stack.tokenizer.pad_token_id,
-                                            device=device, dist=dist)
+                                            dist=dist)
 
     source = build_prompt_source(config)
     evaluator = build_evaluator(config, stack.maker) if t.eval_steps else None
@@ -215,9 +214,10 @@ def _resume_changes(checkpoint: Path, record: dict[str, Any]) -> list:
 
 
 def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_id: int,
-                   device: torch.device, dist: Any = None) -> tuple[PolicyUpdater, CriticUpdater | None]:
+                   dist: Any = None) -> tuple[PolicyUpdater, CriticUpdater | None]:
     """The policy updater (and the critic's, when ``critic`` is given) with their optimisers and schedules; the
-    training half of a run, shared by every launch mode. ``dist``: the torchrun context (the models are already
+    training half of a run, shared by every launch mode. The models compute on their own devices (they move each
+    batch there, :mod:`mmrlhf.models.placement`). ``dist``: the torchrun context (the models are already
     sharded; the update loop normalises over all ranks)."""
     t, a = config.trainer, config.algorithm
     samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
@@ -235,7 +235,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
     logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
                 "on" if _layout(config)["shared_prompt"] else "off")
     policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),
-                           pad_id=pad_id, device=device)
+                           pad_id=pad_id)
     if critic is None:
         return policy, None
     critic_updater = CriticUpdater(
@@ -244,7 +244,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
                              ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
                              agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples,
                              **_layout(config)),
-        pad_id=pad_id, adapter=actor.adapter, device=device)
+        pad_id=pad_id, adapter=actor.adapter)
     return policy, critic_updater
 
 

@@ -12,6 +12,7 @@ import torch
 from mmrlhf.algorithms.losses import value_loss
 from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
+from mmrlhf.models.placement import to_device
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
 
@@ -34,9 +35,9 @@ class CriticUpdater:
     """Runs the value update of one step on a :class:`~mmrlhf.models.critic.CriticVL`."""
 
     def __init__(self, critic: Any, stepper: GuardedStepper, settings: CriticUpdateSettings, *, pad_id: int,
-                 adapter: Any, device: torch.device) -> None:
+                 adapter: Any) -> None:
         self.critic, self.stepper, self.s = critic, stepper, settings
-        self.pad_id, self.adapter, self.device = pad_id, adapter, device
+        self.pad_id, self.adapter = pad_id, adapter
 
     def update(self, items: Sequence[TrainItem], *, generator: torch.Generator | None) -> dict[str, float]:
         s = self.s
@@ -49,9 +50,9 @@ class CriticUpdater:
         def micro_loss(micro: list[int], denom: float) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
                             adapter=self.adapter, shared_prompt=s.shared_prompt,
-                            max_row_tokens=s.shared_prompt_max_tokens).to(self.device)
+                            max_row_tokens=s.shared_prompt_max_tokens)  # on the CPU; the critic moves it
             values = self.critic(batch.samples, vision_extra=batch.vision_extra)  # [b, A]
-            tok = batch.token
+            tok = to_device(batch.token, values.device)  # the loss's other inputs join the outputs
             loss, metrics = value_loss(values, tok["values"], tok["returns"], tok["loss_mask"], clip=s.value_clip,
                                        agg=s.agg, norm_len=s.norm_len)
             share = sum(counts[i] for i in micro) / max(denom, 1.0)  # the micro-batch mean -> its share of the mini

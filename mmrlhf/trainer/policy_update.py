@@ -24,6 +24,7 @@ from mmrlhf.algorithms.losses import policy_loss
 from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
+from mmrlhf.models.placement import to_device
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
 
@@ -93,10 +94,9 @@ def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings) 
 class PolicyUpdater:
     """Runs the policy update of one step on an :class:`~mmrlhf.models.actor.ActorVL`."""
 
-    def __init__(self, actor: Any, stepper: GuardedStepper, settings: PolicyUpdateSettings, *, pad_id: int,
-                 device: torch.device) -> None:
+    def __init__(self, actor: Any, stepper: GuardedStepper, settings: PolicyUpdateSettings, *, pad_id: int) -> None:
         self.actor, self.stepper, self.s = actor, stepper, settings
-        self.pad_id, self.device = pad_id, device
+        self.pad_id = pad_id
 
     def update(self, items: Sequence[TrainItem], *, temperature: float,
                generator: torch.Generator | None) -> dict[str, float]:
@@ -110,10 +110,11 @@ class PolicyUpdater:
         def micro_loss(micro: list[int], denom: float) -> tuple[torch.Tensor, dict]:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
                             adapter=self.actor.adapter, shared_prompt=s.shared_prompt,
-                            max_row_tokens=s.shared_prompt_max_tokens).to(self.device)
+                            max_row_tokens=s.shared_prompt_max_tokens)  # on the CPU; the actor moves it
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
                              return_entropy=s.entropy_coef > 0)
-            tok, mask = batch.token, batch.token["policy_mask"]
+            tok = to_device(batch.token, out.log_probs.device)  # the loss's other inputs join the outputs
+            mask = tok["policy_mask"]
             loss, metrics = policy_loss(
                 s.loss, out.log_probs, tok["action_log_probs"], tok["advantages"], mask, clip_low=s.clip_low,
                 clip_high=s.clip_high, agg=s.agg, norm_len=s.norm_len, entropy=out.entropy,

@@ -97,9 +97,7 @@ class ExperienceMakerHolder:
             # lost batch with the same seeds.
             self.maker.load_state_dict({"calls": step * self.count + self.index})
             rollout = self.maker.generate_rollout(**record_columns(records))
-            experiences = self.maker.experiences_from(rollout)
-            for exp in experiences:
-                exp.to_device("cpu")
+            experiences = self.maker.experiences_from(rollout)  # CPU tensors whatever the models' device
             metrics = dict(rollout.metrics)
             metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
             self._last_end = time.perf_counter()

@@ -69,9 +69,7 @@ class RayPolicyTrainer:
         actor.excluded_token_ids = forbidden_token_ids(adapter, sampling_settings(cfg.rollout))
         critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
         self.processor = AutoProcessor.from_pretrained(m.pretrain, trust_remote_code=m.trust_remote_code)
-        self.policy, self.critic = build_updaters(cfg, actor, critic, pad_id=self.processor.tokenizer.pad_token_id,
-                                                  device=device)
-        self.device = device
+        self.policy, self.critic = build_updaters(cfg, actor, critic, pad_id=self.processor.tokenizer.pad_token_id)
         self.shuffle = torch.Generator().manual_seed(t.seed)
         self.checkpoints = CheckpointManager(Path(t.output_dir) / "checkpoints", t.keep_last)
         self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
@@ -131,6 +129,7 @@ class RayPolicyTrainer:
     def _log_probs(self, items: list[Any], temperature: float) -> list[torch.Tensor]:
         """[A_i] log-probs of each item's response under the current policy, in item order."""
         from mmrlhf.experience.batching import collate
+        from mmrlhf.models.placement import to_host
 
         s, actor = self.policy.s, self.policy.actor
         actor.eval()
@@ -138,9 +137,10 @@ class RayPolicyTrainer:
         for start in range(0, len(items), s.micro_batch_size):
             part = items[start: start + s.micro_batch_size]
             batch = collate(part, packed=s.packing, pad_id=self.policy.pad_id, adapter=actor.adapter,
-                            shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens).to(self.device)
-            lp = actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature).log_probs  # [b, A]
-            out += [lp[i, : len(it.response_ids)].float().cpu() for i, it in enumerate(part)]
+                            shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
+            # the actor moves the CPU batch to its device; the log-probs join the items' CPU tensors
+            lp = to_host(actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature).log_probs)
+            out += [lp[i, : len(it.response_ids)].float() for i, it in enumerate(part)]  # [b, A] -> [A_i] each
         return out
 
     # ---- weights -----------------------------------------------------------------------------------------------
