@@ -114,3 +114,19 @@ def test_samples_vl_layout_helpers():
     assert s.packed and s.batch_size == 2
     assert s.vision_inputs(0) == {}
     assert torch.equal(s.vision_inputs(1)["pixel_values_videos"], s.pixel_values_videos)
+
+
+def test_share_metrics_sum_counts_and_weight_means_by_samples():
+    """torchrun ranks / Ray actors with different sample counts (a skipped prompt on one): counts add up, means are
+    the per-sample mean of the whole step, times are the slowest share's."""
+    from mmrlhf.experience.rollout import merge_share_metrics
+
+    a = {"samples": 12.0, "prompts": 3.0, "reward/masked": 1.0, "reward/f/count": 12.0, "reward/mean": 0.5,
+         "time/generate": 2.0, "train/samples_trained": 11.0}
+    b = {"samples": 4.0, "prompts": 1.0, "reward/masked": 0.0, "reward/f/count": 4.0, "reward/mean": 1.0,
+         "time/generate": 3.0, "train/samples_trained": 4.0}
+    m = merge_share_metrics([a, b], [12.0, 4.0])
+    assert (m["samples"], m["prompts"], m["reward/masked"], m["reward/f/count"]) == (16.0, 4.0, 1.0, 16.0)
+    assert m["train/samples_trained"] == 15.0
+    assert m["reward/mean"] == (0.5 * 12 + 1.0 * 4) / 16  # not (0.5 + 1.0) / 2
+    assert m["time/generate"] == 3.0

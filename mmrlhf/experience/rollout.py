@@ -115,10 +115,33 @@ class ScoredRollout:
         return ScoredRollout(Rollout(**cols), rewards, parts[0].sampling, metrics, seconds)
 
 
-# Metrics that are counts (they add up over rounds); everything else is a mean or a rate.
+# Metrics that are counts (they add up over rounds, ranks and rollout actors); everything else is a mean or a rate
+# (docs/reports.md lists which is which).
 _COUNT_SUFFIXES = ("/count", "/failures", "/not_applicable", "reward/masked", "reward/failed_samples",
                    "reward/no_applicable_source", "prompts", "samples", "skipped_prompts", "truncated_prompts",
-                   "generated_tokens")
+                   "generated_tokens", "train/samples_trained", "groups/sampled")
+
+
+def is_count_metric(key: str) -> bool:
+    """Whether ``key`` counts things (summed when shares are merged) rather than averaging them."""
+    return key.endswith(_COUNT_SUFFIXES)
+
+
+def merge_share_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[float]) -> dict[str, float]:
+    """Metrics of the shares of ONE step computed side by side (torchrun ranks, Ray rollout actors) as the step's:
+    counts summed, ``time/*`` the slowest share's (they ran in parallel), every other value averaged with
+    ``weights`` (each share's sample count: a per-sample mean of the whole step)."""
+    out: dict[str, float] = {}
+    for key in sorted({k for m in metrics for k in m}):
+        present = [(float(m[key]), float(w)) for m, w in zip(metrics, weights) if key in m]
+        if is_count_metric(key):
+            out[key] = sum(v for v, _ in present)
+        elif key.startswith("time/"):
+            out[key] = max(v for v, _ in present)
+        else:
+            total = sum(w for _, w in present)
+            out[key] = sum(v * w for v, w in present) / total if total else sum(v for v, _ in present) / len(present)
+    return out
 
 
 def merge_round_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[float]) -> dict[str, float]:
@@ -128,7 +151,7 @@ def merge_round_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[f
     keys = sorted({k for m in metrics for k in m})
     for key in keys:
         present = [(m[key], w) for m, w in zip(metrics, weights) if key in m]
-        if key.endswith(_COUNT_SUFFIXES) or key.startswith("time/"):
+        if is_count_metric(key) or key.startswith("time/"):
             out[key] = float(sum(v for v, _ in present))
         else:
             total = sum(w for _, w in present)

@@ -23,7 +23,7 @@ from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
-from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
+from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics, merge_share_metrics
 from mmrlhf.trainer.checkpoint import CheckpointManager, write_policy_and_updaters
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
@@ -276,20 +276,14 @@ def _group_rewards(rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mean_over_ranks(dist: Any, metrics: dict[str, float]) -> dict[str, float]:
-    """Each metric averaged over the ranks that report it (their rollouts are equal-sized shares); counters that
-    add up (``samples``, ``train/samples_trained``, ``groups/sampled``) are summed."""
+    """The step's metrics from every rank's share: counts summed, per-sample means weighted by each rank's samples
+    (ranks may hold different numbers after skipped prompts), times the slowest rank's
+    (:func:`~mmrlhf.experience.rollout.merge_share_metrics`)."""
     import torch.distributed as tdist
 
     gathered: list[Any] = [None] * dist.world_size
     tdist.all_gather_object(gathered, metrics)
-    out: dict[str, float] = {}
-    for key in sorted({k for m in gathered for k in m}):
-        values = [float(m[key]) for m in gathered if key in m]
-        out[key] = sum(values) if key in _SUMMED else sum(values) / len(values)
-    return out
-
-
-_SUMMED = {"samples", "train/samples_trained", "groups/sampled"}
+    return merge_share_metrics(gathered, [m.get("samples", 1.0) for m in gathered])
 
 
 def _variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, float]:

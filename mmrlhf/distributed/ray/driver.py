@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mmrlhf.distributed.ray.holder import ExperienceMakerHolder, holder_name
+from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.distributed.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
 from mmrlhf.distributed.ray.runtime import (
     PlacementPlan,
@@ -217,13 +218,10 @@ class RayRun:
 
     @staticmethod
     def _merge_rollout_metrics(metas: list[dict[str, Any]]) -> dict[str, float]:
-        """Rollout metrics of the step's shares, sample-weighted means."""
+        """Rollout metrics of the step's shares: counts summed, per-sample means weighted by each share's samples
+        (:func:`~mmrlhf.experience.rollout.merge_share_metrics`)."""
         total = sum(m["samples"] for m in metas)
-        keys = set().union(*(m["metrics"] for m in metas))
-        out = {}
-        for key in keys:
-            vals = [(m["metrics"][key], m["samples"]) for m in metas if key in m["metrics"]]
-            out[key] = sum(float(v) * n for v, n in vals) / max(sum(n for _, n in vals), 1)
+        out = merge_share_metrics([m["metrics"] for m in metas], [m["samples"] for m in metas])
         out["samples"] = float(total)
         out["async/generate_s"] = max(m["generate_s"] for m in metas)
         return out
