@@ -266,6 +266,14 @@ def _rank_config(config: MMRLHFConfig, dist: Any) -> MMRLHFConfig:
         raise ValueError(f"algorithm.advantage_whitening={a.advantage_whitening} {per_rank}; set it to none")
     if a.high_entropy_top_p < 1.0:
         raise ValueError(f"algorithm.high_entropy_top_p={a.high_entropy_top_p} {per_rank}; set it to 1.0")
+    # Running state a rank would update from its own share (and only rank 0's would be saved and restored into all):
+    if a.reward_normalization:
+        raise ValueError(f"algorithm.reward_normalization=true {per_rank}, and only rank 0's would be saved; set it "
+                         "to false (GRPO's group normalisation needs no running statistics), or train in one process")
+    if a.kl_controller == "adaptive":
+        raise ValueError(f"algorithm.kl_controller=adaptive {per_rank} (each rank's coefficient would drift apart, "
+                         "and only rank 0's would be saved); use kl_controller=fixed, or algorithm.kl_loss_coef "
+                         "(the KL as a loss term), or train in one process")
     if r.engine == "transformers":
         raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
                          "policy itself, and ranks stopping at different lengths would wait on each other forever; "

@@ -76,6 +76,8 @@ def test_shares_must_divide_over_ranks():
     ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
     ("algorithm.high_entropy_top_p=0.2", "algorithm.high_entropy_top_p"),
     ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2 under torchrun"),
+    ("algorithm.reward_normalization=true", "algorithm.reward_normalization=true"),
+    ("algorithm.kl_controller=adaptive algorithm.kl_reward_coef=0.05", "algorithm.kl_controller=adaptive"),
 ])
 def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     from mmrlhf.config import load_config
@@ -84,7 +86,7 @@ def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     class Rank1:
         rank, world_size = 1, 2
 
-    config = load_config(TOY, [override])
+    config = load_config(TOY, override.split())
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _rank_config(config, Rank1())
     assert _rank_config(load_config(TOY), Rank1()).rollout.seed == load_config(TOY).rollout.seed + 1  # own stream
