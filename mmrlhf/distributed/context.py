@@ -34,6 +34,14 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
+    def all_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks (e.g. the most micro-batches any rank holds)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def all_true(self, flag: bool) -> bool:
         """True only if ``flag`` holds on every rank (e.g. every rank's loss was finite)."""
         return self.all_sum([0.0 if flag else 1.0])[0] == 0.0

@@ -158,9 +158,14 @@ class FastExperienceMaker(ExperienceMaker):
         metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
         return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
 
-    def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None) -> list[ExperienceVL]:
+    def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None, *,
+                         pad_forwards_to: int | None = None) -> list[ExperienceVL]:
         """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch, shape the
-        rewards and compute KL and advantages over the whole rollout."""
+        rewards and compute KL and advantages over the whole rollout.
+
+        ``pad_forwards_to``: run the actor's and the critic's forward at least this many times (the extra ones on
+        the first micro-batch, results dropped). Sharded (FSDP) models gather their parameters in collectives
+        inside every forward, so every rank must run as many as the rank with the most micro-batches."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(micro_batch_size or self.settings.micro_batch_size)
@@ -172,6 +177,8 @@ class FastExperienceMaker(ExperienceMaker):
             # every layout scores the same [b, A] values in sample order.
             scoring = [self._build_grouped(m) for m in micros] if self.settings.shared_prompt else built
         scored = self._score(scoring, timer, scoring_temperature(sampling))
+        if pad_forwards_to is not None and pad_forwards_to > len(scoring):
+            self._pad_forwards(scoring[0], pad_forwards_to - len(scoring), timer, scoring_temperature(sampling))
         with timer("advantages"):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling)
         info = dict(rollout.metrics)
@@ -322,6 +329,17 @@ class FastExperienceMaker(ExperienceMaker):
                     row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
             scored.append(to_host(row))
         return scored
+
+    @torch.no_grad()
+    def _pad_forwards(self, b: BuiltSamples, count: int, timer: PhaseTimer, temperature: float) -> None:
+        """``count`` forwards of the actor (and critic) whose results are dropped (see ``pad_forwards_to``); the
+        reference is never sharded, so it needs none."""
+        for _ in range(count):
+            with timer("actor"):
+                self.actor(b.samples, vision_extra=b.vision_extra, temperature=temperature)
+            if self.critic is not None:
+                with timer("critic"):
+                    self.critic(b.samples, vision_extra=b.vision_extra)
 
     def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling) -> dict[str, Any]:
         """Whole-rollout shaping, KL and advantages; returns [N, A_max] tensors and metrics."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import time
 from contextlib import contextmanager
@@ -148,7 +149,7 @@ class Trainer:
                 engine.sleep()
         try:
             with _timed(seconds, "experience"):
-                experiences = p.maker.experiences_from(rollout)
+                experiences = p.maker.experiences_from(rollout, pad_forwards_to=self._forwards_over_ranks(rollout))
                 items = [item for exp in experiences for item in split_experience(exp)]
                 metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
                 metrics.update(prepare_policy_targets(items, p.policy.s))
@@ -173,6 +174,14 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
         self.last_rollout, self.last_items = rollout, items
         return metrics
+
+    def _forwards_over_ranks(self, rollout: ScoredRollout) -> int | None:
+        """Under torchrun: the most scoring micro-batches any rank holds this step (a rank with a skipped prompt holds
+        fewer, and its sharded forwards must still pair with the others'); None in one process."""
+        if self.p.dist is None:
+            return None
+        micro = self.p.maker.settings.micro_batch_size
+        return int(self.p.dist.all_max([float(math.ceil(len(rollout) / micro))])[0])
 
     # ---- phases ------------------------------------------------------------------------------------------------
     def collect_rollout(self) -> tuple[ScoredRollout | None, dict[str, float]]:

@@ -139,6 +139,20 @@ class GuardedStepper:
         self.steps = int(state["steps"])
 
 
+PAD = [-1]  # a padding micro-batch (see _aligned_over_ranks)
+
+
+def _aligned_over_ranks(plan: list[tuple[int, list[list[int]]]], dist: Any) -> list[tuple[int, list[list[int]]]]:
+    """``plan`` padded so that every rank runs as many mini-batches, and as many micro-batches in each, as the rank
+    with the most. Ranks hold different numbers of samples when prompts were skipped on one of them; FSDP's
+    collectives in each forward and backward (and the denominator's all-reduce) must pair across ranks, or every
+    rank waits forever. A padding micro-batch (:data:`PAD`) runs a forward and backward with zero weight."""
+    minis = int(dist.all_max([float(len(plan))])[0])
+    plan = plan + [(plan[-1][0] if plan else 0, [])] * (minis - len(plan))
+    sizes = dist.all_max([float(len(micros)) for _, micros in plan])
+    return [(epoch, micros + [PAD] * (int(size) - len(micros))) for (epoch, micros), size in zip(plan, sizes)]
+
+
 def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int, epochs: int,
                     generator: torch.Generator | None, stepper: GuardedStepper,
                     micro_loss: Callable[[list[int], float], tuple[torch.Tensor, dict]],
@@ -153,14 +167,22 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
     Under torchrun (``stepper.dist``) every rank holds its own share of the items and ``batch_size`` is the GLOBAL
     mini-batch: each rank takes ``batch_size / world_size`` of its items per optimiser step, the denominator is the
     count summed over ranks, and the loss is scaled by ``world_size`` because FSDP averages the gradients over ranks,
-    so the step equals the one a single process would take on the whole mini-batch."""
+    so the step equals the one a single process would take on the whole mini-batch. Ranks holding different numbers
+    of items (a prompt skipped on one) run padding micro-batches of zero weight so their collectives pair
+    (:func:`_aligned_over_ranks`)."""
     dist = stepper.dist
     world = dist.world_size if dist is not None else 1
     if batch_size % world:
         raise ValueError(f"trainer.train_batch_size={batch_size} must be a multiple of the number of ranks ({world})")
+    if dist is not None and dist.all_max([0.0 if counts else 1.0])[0]:
+        raise RuntimeError("a rank holds no sample to train this step (all its prompts were skipped): every rank "
+                           "stops here rather than wait on it; check skipped_prompts and the data")
     sums, norms, skipped, empty = MetricSums(), [], 0, 0
-    for _, micros in minibatches(len(counts), batch_size // world, micro_size, epochs, generator, groups):
-        denominator = sum(counts[i] for m in micros for i in m)
+    plan = list(minibatches(len(counts), batch_size // world, micro_size, epochs, generator, groups))
+    if dist is not None:
+        plan = _aligned_over_ranks(plan, dist)
+    for _, micros in plan:
+        denominator = sum(counts[i] for m in micros for i in m if i >= 0)
         if dist is not None:
             denominator = dist.all_sum([denominator])[0]
         if denominator == 0:
@@ -171,6 +193,11 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
             continue
         finite = True
         for micro in micros:
+            if micro[0] < 0:  # padding (this rank holds fewer micro-batches): the sharded forward and backward
+                loss, _ = micro_loss([0], denominator)  # must pair with the other ranks', with zero weight
+                finite = finite and bool(torch.isfinite(loss.detach()).all())
+                (loss * 0.0).backward()
+                continue
             loss, metrics = micro_loss(micro, denominator)
             if not torch.isfinite(loss.detach()).all():
                 finite = False  # no backward: a NaN would poison every gradient of the mini-batch
