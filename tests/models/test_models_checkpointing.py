@@ -47,12 +47,3 @@ def test_checkpointed_blocks_give_the_same_gradients(bundles, family):
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name, g in grads_a.items():
         torch.testing.assert_close(grads_b[name], g, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def test_mixed_precision_policy_from_the_config_key():
-    from mmrlhf.distributed.fsdp import mixed_precision_policy
-
-    assert mixed_precision_policy("none") is None
-    bf16 = mixed_precision_policy("bf16")
-    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.float32
-    assert mixed_precision_policy("fp16").param_dtype == torch.float16
