@@ -82,7 +82,8 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     tokenizer = processor.tokenizer
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
                           hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code,
-                          lora_rank=lora.rank if lora.sync == "vllm_lora" else 0, hf_compute_dtype=actor.compute_dtype)
+                          lora_rank=lora.rank if lora.sync == "vllm_lora" else 0,
+                          hf_compute_dtype=actor.compute_dtype)
     if adapter_path:
         from mmrlhf.trainer.weight_sync import sync_weights
 
