@@ -65,7 +65,7 @@ def main(argv: list[str]) -> None:
         print(f"{folder}: {moved_fraction(initial, run):.4%} of the weights moved")
     if len(runs) == 2:
         agree = update_agreement(initial, runs[0], runs[1])
-        print(f"update of the first vs the second: " + ", ".join(f"{k} {v:.4g}" for k, v in agree.items()))
+        print("update of the first vs the second: " + ", ".join(f"{k} {v:.4g}" for k, v in agree.items()))
 
 
 if __name__ == "__main__":
