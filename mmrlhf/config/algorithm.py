@@ -68,9 +68,10 @@ class AlgorithmConfig(Section):
     rollout_correction: Literal["auto", "none", "tis", "mis"] = "auto"
     """Importance-sampling correction between the engine's sampling distribution and the trainer's old policy:
     ``tis`` weights each token (or response) by ``min(pi_old / pi_engine, cap)``, ``mis`` drops those whose ratio
-    leaves ``[rollout_correction_lower, cap]``; ``auto`` picks ``tis`` when the engine and the trainer compute in
-    different precisions (``rollout.dtype`` vs ``model.dtype``, e.g. a bf16 engine and an fp32 trainer) and
-    ``none`` when they match (the ratios are then 1 up to rounding and correcting only adds noise)."""
+    leaves ``[rollout_correction_lower, cap]``; ``auto`` picks ``tis`` whenever the engine and the trainer run
+    different kernels: a vLLM engine on a GPU always (vLLM's kernels are not transformers', even in the same dtype),
+    and on the CPU unless both ``rollout.dtype`` and ``model.dtype`` are float32 (measured to agree to ~1e-6);
+    ``none`` for the transformers engine, which is the actor's own module."""
     rollout_correction_level: Literal["token", "sequence", "geometric"] = "token"
     """Ratio per token, per response (product of token ratios) or per response as the geometric mean of its token
     ratios (length-normalised)."""

@@ -26,11 +26,12 @@ class DistributedConfig(Section):
     and training sides as Ray actors (see ``ray_address`` and the ``*_actors`` keys)."""
     process_group: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend of the training ranks: ``auto`` is ``nccl`` on CUDA, ``gloo`` on the CPU."""
-    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
-    """FSDP2 mixed precision: parameters are cast to this dtype for the forward and backward, gradients are reduced
-    and the optimiser steps in the parameters' own dtype (``model.dtype``, normally float32 with this switch).
-    ``none``: compute in ``model.dtype``. torchrun only (the one-process trainer computes in ``model.dtype``);
-    ``algorithm.rollout_correction: auto`` counts it as the trainer's precision."""
+    mixed_precision: Literal["auto", "none", "bf16", "fp16"] = "auto"
+    """FSDP2 mixed precision under torchrun, which FOLLOWS ``model.dtype`` (the one source of truth: the compute
+    dtype in every launch mode): ``auto`` (default) casts the float32 parameter shards to ``model.dtype`` for the
+    forward and backward and reduces gradients in float32 (none for ``model.dtype=float32``). An explicit value
+    must agree with ``model.dtype`` (``bf16`` with ``bfloat16``, ``none`` with ``float32``); a contradiction is
+    refused."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward instead of keeping them (less memory, about a
     third more compute). Applies to the policy and the critic in every launch mode."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mmrlhf.config.base import Section
 
@@ -42,7 +42,12 @@ class ModelConfig(Section):
     family: Literal["auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = "auto"
     """Model-family adapter to use; ``auto`` reads ``model_type`` from the model's config."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Parameter dtype of the actor and reference models."""
+    """COMPUTE dtype of the policy, reference and critic forwards and backwards. Below float32, the trained models
+    (actor, critic) keep float32 master weights, gradients and AdamW state (an lr ~1e-6 update is below half a bf16
+    ulp of a typical weight and would round away in bf16 parameters): one process and the Ray trainer autocast their
+    forwards to this dtype, torchrun's FSDP2 casts the float32 shards to it (``MixedPrecisionPolicy``). The
+    reference, which never trains, is stored in this dtype. Checkpoints hold the float32 master weights.
+    ``float16`` is refused (it would need a gradient scaler): use ``bfloat16``."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel for transformers forwards (``flash_attention_2`` needs a GPU and the flash-attn package)."""
     trust_remote_code: bool = False
@@ -54,3 +59,11 @@ class ModelConfig(Section):
     means ``pretrain``. Only read when the advantage estimator needs values (``gae``)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (``lora.rank > 0``)."""
+
+    @model_validator(mode="after")
+    def _check_dtype(self) -> "ModelConfig":
+        if self.dtype == "float16":
+            raise ValueError("model.dtype=float16: float16 training needs a gradient scaler (small gradients underflow "
+                             "to zero), which the trainer does not have; use model.dtype=bfloat16 (same memory and "
+                             "speed on GPUs that have it, float32's exponent range) or float32")
+        return self

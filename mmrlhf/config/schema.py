@@ -3,7 +3,7 @@ builders hand sections (or plain values taken from them) to constructors, never 
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mmrlhf.config.algorithm import AlgorithmConfig
 from mmrlhf.config.base import Section
@@ -30,3 +30,16 @@ class MMRLHFConfig(Section):
     """Training loop."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Launch mode (single process, torchrun + FSDP2, Ray) and asynchronous training."""
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> "MMRLHFConfig":
+        """``model.dtype`` is the one source of truth of the compute dtype; ``distributed.mixed_precision`` may only
+        repeat it."""
+        implied = {"float32": "none", "bfloat16": "bf16", "float16": "fp16"}[self.model.dtype]
+        mp = self.distributed.mixed_precision
+        if mp not in ("auto", implied):
+            raise ValueError(f"distributed.mixed_precision={mp} contradicts model.dtype={self.model.dtype}: "
+                             "model.dtype names the compute dtype in every launch mode (float32 master weights "
+                             "below it); set model.dtype to the precision you want and distributed.mixed_precision="
+                             "auto")
+        return self

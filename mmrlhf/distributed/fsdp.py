@@ -1,5 +1,5 @@
 """FSDP2 for a torchrun run: the sharding plan of :mod:`mmrlhf.models.sharding` applied with the run's switches
-(mixed precision, activation checkpointing)."""
+(mixed precision from ``model.dtype``, activation checkpointing)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,20 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from mmrlhf.models.precision import precision
 
 
-def mixed_precision_policy(name: str) -> Any:
-    """``distributed.mixed_precision`` -> an FSDP2 ``MixedPrecisionPolicy`` (None for ``none``): parameters are cast
-    to the low precision for the forward and backward; gradients are reduced in float32 and the optimiser steps on
-    the parameters' own dtype."""
-    if name == "none":
+def mixed_precision_policy(compute_dtype: str) -> Any:
+    """``model.dtype`` (the compute dtype) -> an FSDP2 ``MixedPrecisionPolicy``, None for float32. The models hold
+    float32 parameters (:mod:`mmrlhf.models.precision`); the policy casts each unit's gathered parameters to the
+    compute dtype for the forward and backward, reduces gradients in float32, and the optimiser steps the float32
+    shards."""
+    p = precision(compute_dtype)
+    if p.autocast_dtype is None:
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[name], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=p.compute, reduce_dtype=torch.float32)
 
 
 def language_block_classes(actor: Any) -> list[str]:
@@ -35,20 +37,23 @@ def language_block_classes(actor: Any) -> list[str]:
     return sorted({type(b).__name__ for b in block_modules(actor.model) if id(b) not in in_tower})
 
 
-def shard_models(actor: Any, critic: Any | None, settings: Any) -> None:
+def shard_models(actor: Any, critic: Any | None, settings: Any, *, compute_dtype: str) -> None:
     """Shard the policy (and the critic) in place over the default process group; ``settings``: the
-    ``distributed`` config section."""
+    ``distributed`` config section, ``compute_dtype``: ``model.dtype``. FSDP2's policy then casts the parameters,
+    so the actor's own autocast is switched off (one mechanism per model)."""
     from mmrlhf.models.critic import CriticVL
     from mmrlhf.models.sharding import checkpoint_blocks, shard_for_training
 
     kwargs = {}
-    mp = mixed_precision_policy(settings.mixed_precision)
+    mp = mixed_precision_policy(compute_dtype)
     if mp is not None:
         kwargs["mp_policy"] = mp
     for model in (actor, critic):
         if model is None:
             continue
-        blocks = language_block_classes(model.body if isinstance(model, CriticVL) else model)
+        body = model.body if isinstance(model, CriticVL) else model
+        body.compute_dtype = None  # FSDP2 casts the parameters (or the run is float32)
+        blocks = language_block_classes(body)
         if settings.activation_checkpointing:
             checkpoint_blocks(model)
         shard_for_training(model, block_classes=blocks, **kwargs)

@@ -15,8 +15,7 @@ from mmrlhf.algorithms.kl import kl_controller
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.devices import resolve_device
 from mmrlhf.experience.settings import experience_settings
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from mmrlhf.models.precision import precision
 
 
 @dataclass
@@ -44,7 +43,6 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
 
     from mmrlhf.data.processor import MultimodalDataProcessor
     from mmrlhf.experience.fast_maker import FastExperienceMaker
-    from mmrlhf.models.actor import ActorVL
     from mmrlhf.models.adapters import get_adapter
     from mmrlhf.rewards.engine import RewardComputationEngine
     from mmrlhf.rollout.builder import build_engine, sampling_settings
@@ -52,18 +50,15 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     model_cfg = config.model
     if not model_cfg.pretrain:
         raise ValueError("model.pretrain is empty: set it to a model directory")
-    dtype = _DTYPES[model_cfg.dtype]
     target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
-    load = dict(dtype=dtype, attn_implementation=model_cfg.attn_implementation,
-                trust_remote_code=model_cfg.trust_remote_code)
     lora = model_cfg.lora
     check_lora_settings(config)
     resumed_from = policy_path
     policy_path = policy_path or model_cfg.pretrain
     adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
     # LoRA: the actor is always the base model plus adapters (a resumed run's adapter sits beside its model/)
-    actor = ActorVL.from_pretrained(model_cfg.pretrain if lora.rank else policy_path, adapter=adapter,
-                                    **load).to(target)
+    actor = load_model(model_cfg, model_cfg.pretrain if lora.rank else policy_path, adapter,
+                       trainable=True).to(target)
     if before_engine is not None:
         before_engine(actor)
     adapter_path = None
@@ -80,14 +75,15 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
 
         reference = AdapterOffScorer(actor)  # the base model: the actor's own module with its adapters off
     elif settings.need_reference:
-        reference = ActorVL.from_pretrained(model_cfg.reference or model_cfg.pretrain, adapter=adapter,
-                                            **load).to(target).eval()
+        reference = load_model(model_cfg, model_cfg.reference or model_cfg.pretrain, adapter,
+                               trainable=False).to(target).eval()
         reference.requires_grad_(False)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
                           hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code,
-                          lora_rank=lora.rank if lora.sync == "vllm_lora" else 0)
+                          lora_rank=lora.rank if lora.sync == "vllm_lora" else 0,
+                          hf_compute_dtype=actor.compute_dtype)
     if adapter_path:
         from mmrlhf.trainer.weight_sync import sync_weights
 
@@ -101,6 +97,19 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                                 sampling_settings(config.rollout), initial_model=reference, critic=critic,
                                 kl_controller=controller)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+
+
+def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool) -> Any:
+    """An :class:`~mmrlhf.models.actor.ActorVL` of ``path`` (on the CPU) under the precision rule of
+    :mod:`mmrlhf.models.precision`: a model that trains (actor, critic body) keeps float32 parameters and autocasts
+    its forwards to ``model.dtype``; one that never trains (the reference) is stored in ``model.dtype``."""
+    from mmrlhf.models.actor import ActorVL
+
+    p = precision(model_cfg.dtype)
+    return ActorVL.from_pretrained(path, adapter=adapter, dtype=p.master if trainable else p.frozen,
+                                   compute_dtype=p.autocast_dtype if trainable else None,
+                                   attn_implementation=model_cfg.attn_implementation,
+                                   trust_remote_code=model_cfg.trust_remote_code)
 
 
 def check_lora_settings(config: MMRLHFConfig) -> None:

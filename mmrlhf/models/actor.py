@@ -26,6 +26,11 @@ then ``fully_shard(actor)`` as the root, which owns the embeddings, final norm, 
 ``fully_shard`` the HF model, its lm_head or its embeddings on their own (refused with an error). The same holds for
 :class:`~mmrlhf.models.critic.CriticVL` (root = the critic). ``hidden_states`` of a sharded actor is registered as
 a forward method, so a direct call gathers too.
+
+Precision (:mod:`mmrlhf.models.precision`): ``compute_dtype`` set (float32 master parameters, bf16 compute) runs
+:meth:`ActorVL.forward` and :meth:`ActorVL.hidden_states` under ``torch.autocast`` to that dtype, and the chunked
+lm_head in it; None computes in the parameters' own dtype (float32 runs, a model stored in bf16, or FSDP2's
+mixed precision, which casts the parameters itself).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from mmrlhf.experience.types import SamplesVL, split_vision_inputs
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.logprobs import chunked_log_probs
 from mmrlhf.models.placement import module_device, to_device
+from mmrlhf.models.precision import autocast
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import attention_implementation, grouped_attention_mask
 from mmrlhf.models.sharding import check_wrapper_layout
@@ -104,12 +110,17 @@ class ActorVL(nn.Module):
     """
 
     def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024,
-                 excluded_token_ids: Sequence[int] | None = None):
+                 excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model.config)
         self.chunk_size = chunk_size
         self.excluded_token_ids = excluded_token_ids
+        self.compute_dtype = compute_dtype  # autocast dtype of the forwards; None: the parameters' own dtype
+
+    def _autocast(self) -> Any:
+        """The forward's precision context (see the module docstring, "Precision")."""
+        return autocast(self.model.get_input_embeddings().weight.device, self.compute_dtype)
 
     @property
     def excluded_token_ids(self) -> tuple[int, ...]:
@@ -127,13 +138,16 @@ class ActorVL(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, *, chunk_size: int = 1024, adapter: FamilyAdapter | None = None,
-                        excluded_token_ids: Sequence[int] | None = None, **model_kwargs: Any) -> "ActorVL":
-        """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own."""
+                        excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
+                        **model_kwargs: Any) -> "ActorVL":
+        """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own.
+        ``model_kwargs`` go to transformers (``dtype`` there is the STORAGE dtype; ``compute_dtype`` the autocast
+        one)."""
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
         return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size,
-                   excluded_token_ids=excluded_token_ids)
+                   excluded_token_ids=excluded_token_ids, compute_dtype=compute_dtype)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
     @property
@@ -147,14 +161,15 @@ class ActorVL(nn.Module):
         this actor's device (the inputs are moved there)."""
         check_wrapper_layout(self.model)
         samples, vision_extra = to_device((samples, vision_extra), self.device)
-        return self._hidden_states(samples, vision_extra)
+        with self._autocast():
+            return self._hidden_states(samples, vision_extra)
 
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
         if isinstance(samples, GroupedSamples):
             position_ids = grouped_position_ids(self.adapter, samples, vision_extra)  # [3, G, L]
-            dtype = self.model.get_input_embeddings().weight.dtype
+            dtype = self.compute_dtype or self.model.get_input_embeddings().weight.dtype
             # [G, 1, L, L], passed through to every layer as it is
             attention_mask = grouped_attention_mask(samples.segment_ids, attention_implementation(self.model), dtype)
         elif samples.packed:
@@ -183,8 +198,12 @@ class ActorVL(nn.Module):
         src, tgt, action_mask = response_index(samples)  # [N], [N], [B, A]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
         lm_head = self.model.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        if self.compute_dtype is not None:  # a custom autograd function: cast its inputs once, as autocast would
+            h, weight = h.to(self.compute_dtype), weight.to(self.compute_dtype)
+            bias = None if bias is None else bias.to(self.compute_dtype)
         logp, ent = chunked_log_probs(
-            h, lm_head.weight, samples.sequences.reshape(-1)[tgt], bias=lm_head.bias,
+            h, weight, samples.sequences.reshape(-1)[tgt], bias=bias,
             chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy,
             excluded=self._excluded_tensor,
         )  # [N], [N] | None
@@ -215,6 +234,12 @@ class ActorVL(nn.Module):
         if isinstance(samples, GroupedSamples) and micro_batch_size is not None and micro_batch_size < batch:
             raise ValueError("a grouped (shared-prompt) batch is one forward: build one per micro-batch instead of "
                              "passing micro_batch_size")
+        with self._autocast():
+            return self._forward_groups(samples, vision_extra, return_entropy, chunk, temperature, micro_batch_size)
+
+    def _forward_groups(self, samples, vision_extra, return_entropy, chunk, temperature,
+                        micro_batch_size) -> ActionLogProbs:
+        batch = samples.batch_size
         if micro_batch_size is None or micro_batch_size >= batch:
             return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature)
         parts = [

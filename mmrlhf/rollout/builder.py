@@ -21,12 +21,14 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
 
 
 def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", hf_model: Any = None,
-                 tokenizer: Any = None, trust_remote_code: bool = False, lora_rank: int = 0) -> RolloutEngine:
+                 tokenizer: Any = None, trust_remote_code: bool = False, lora_rank: int = 0,
+                 hf_compute_dtype: Any = None) -> RolloutEngine:
     """Build the configured engine. The transformers engine needs the (actor) model and tokenizer.
 
     The vLLM engine's precision is ``cfg.dtype`` (never the trainer's ``model.dtype``: an fp32 trainer must not
-    make the engine fp32 on a GPU). The transformers engine shares the actor's module and so its dtype; a
-    ``cfg.dtype`` that says otherwise is an error rather than silently ignored. ``lora_rank`` > 0 builds the vLLM
+    make the engine fp32 on a GPU). The transformers engine shares the actor's module and so its precision:
+    ``hf_compute_dtype`` (the actor's autocast dtype, with float32 master parameters) or else the parameters' dtype;
+    a ``cfg.dtype`` that says otherwise is an error rather than silently ignored. ``lora_rank`` > 0 builds the vLLM
     engine with its LoRA support on (``model.lora.sync=vllm_lora``).
     """
     adapter = get_adapter(model_path, family)
@@ -44,7 +46,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
         )
     if hf_model is None or tokenizer is None:
         raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")
-    model_dtype = str(next(hf_model.parameters()).dtype).removeprefix("torch.")
+    model_dtype = str(hf_compute_dtype or next(hf_model.parameters()).dtype).removeprefix("torch.")
     if cfg.dtype not in ("auto", model_dtype):
         raise ValueError(f"rollout.dtype={cfg.dtype} but rollout.engine=transformers generates with the actor's "
                          f"own {model_dtype} module: set rollout.dtype to auto (or {model_dtype}), or use vLLM")
@@ -55,4 +57,5 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
         pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, max_model_len=cfg.max_model_len,
         prompt_too_long=cfg.prompt_too_long,
         batch_size=cfg.micro_rollout_batch_size, weight_sync_bucket_mb=cfg.weight_sync_bucket_mb,
+        compute_dtype=hf_compute_dtype,
     )

@@ -18,6 +18,7 @@ import torch
 
 from mmrlhf.models.adapters import FamilyAdapter
 from mmrlhf.models.placement import module_device, to_device
+from mmrlhf.models.precision import autocast
 from mmrlhf.rollout.base import NamedTensors, RolloutEngine, forbidden_token_ids, iter_buckets, stop_token_ids
 from mmrlhf.rollout.hf_sampling import SettingsSampler
 from mmrlhf.rollout.types import (
@@ -43,11 +44,14 @@ class HFGenerateEngine(RolloutEngine):
         prompt_too_long: ``"skip"`` or ``"error"``.
         batch_size: prompts per ``generate`` call (bounds memory; each prompt runs as ``n`` rows).
         weight_sync_bucket_mb: bound on one weight-update bucket.
+        compute_dtype: autocast dtype of ``generate`` (the actor's ``compute_dtype``: float32 master parameters
+            computing in bf16 generate in bf16 too, the kernels the trainer scores with); None: the parameters' own.
     """
 
     def __init__(self, model: Any, adapter: FamilyAdapter, *, eos_token_id: int, pad_token_id: int,
                  tokenizer: Any = None, max_model_len: int = 4096, prompt_too_long: str = "skip",
-                 batch_size: int = 8, weight_sync_bucket_mb: int = 256) -> None:
+                 batch_size: int = 8, weight_sync_bucket_mb: int = 256,
+                 compute_dtype: torch.dtype | None = None) -> None:
         super().__init__(max_model_len, prompt_too_long)
         self.model = model
         self.adapter = adapter
@@ -57,6 +61,7 @@ class HFGenerateEngine(RolloutEngine):
         self.stop_ids = stop_token_ids(model, eos_token_id)
         self.batch_size = batch_size
         self.bucket_bytes = int(weight_sync_bucket_mb) << 20
+        self.compute_dtype = compute_dtype
 
     @property
     def device(self) -> torch.device:
@@ -130,7 +135,7 @@ class HFGenerateEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            with _checkpoint_defaults_hidden(self.model):
+            with _checkpoint_defaults_hidden(self.model), autocast(self.device, self.compute_dtype):
                 out = self.model.generate(**inputs, generation_config=config,
                                           logits_processor=LogitsProcessorList([sampler]),
                                           tokenizer=self.tokenizer if settings.stop else None)

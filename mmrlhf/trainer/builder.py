@@ -28,11 +28,22 @@ from mmrlhf.trainer.tracking import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 logger = logging.getLogger(__name__)
 
 
-def resolve_rollout_correction(algorithm: Any, engine_dtype: str, train_dtype: str) -> str:
-    """``auto`` -> ``tis`` when the engine and the trainer compute in different precisions, else ``none``."""
+def resolve_rollout_correction(algorithm: Any, *, engine: str, engine_dtype: str, train_dtype: str,
+                               device: torch.device | str) -> str:
+    """``auto`` -> ``tis`` unless the engine and the trainer are measured to compute the same log-probs.
+
+    ``none`` only where that was measured: the transformers engine (it IS the actor's module, generating under the
+    actor's precision), and a vLLM engine on the CPU with engine and trainer both in float32 (they agree to ~1e-6,
+    docs/environment.md). Everywhere else vLLM and transformers run different kernels (on a GPU: vLLM's attention
+    and fused kernels against transformers' sdpa, whatever the dtypes; a bf16 engine against an fp32 trainer on
+    the CPU: <= 0.0045 apart), so the truncated importance weight corrects the gap. ``device``: the trainer's
+    device (vLLM runs on the same kind of machine), passed in so the rule is testable off a GPU."""
     if algorithm.rollout_correction != "auto":
         return algorithm.rollout_correction
-    return "tis" if engine_dtype != train_dtype else "none"
+    if engine == "transformers":
+        return "none"
+    cpu = torch.device(device).type == "cpu"
+    return "none" if cpu and engine_dtype == train_dtype == "float32" else "tis"
 
 
 def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdateSettings:
@@ -68,14 +79,6 @@ def _engine_dtype(config: MMRLHFConfig) -> str:
     from mmrlhf.rollout.vllm_setup import engine_dtype
 
     return engine_dtype(config.rollout.dtype)
-
-
-def _train_dtype(config: MMRLHFConfig, dist: Any) -> str:
-    """The precision the policy computes in: ``model.dtype``, or FSDP2's mixed precision under torchrun."""
-    mp = config.distributed.mixed_precision
-    if dist is None or mp == "none":
-        return config.model.dtype
-    return {"bf16": "bfloat16", "fp16": "float16"}[mp]
 
 
 def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool) -> Path | None:
@@ -153,7 +156,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
     if dist is not None:
         from mmrlhf.distributed.fsdp import shard_models
 
-        shard_models(stack.actor, critic, config.distributed)
+        shard_models(stack.actor, critic, config.distributed, compute_dtype=config.model.dtype)
     elif config.distributed.activation_checkpointing:
         from mmrlhf.models.sharding import checkpoint_blocks
 
@@ -231,7 +234,9 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
         return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
                               max_consecutive=t.max_consecutive_nonfinite, name=name, dist=dist)
 
-    correction = resolve_rollout_correction(a, _engine_dtype(config), _train_dtype(config, dist))
+    # model.dtype is the compute dtype in every launch mode (autocast in one process, FSDP2's policy under torchrun)
+    correction = resolve_rollout_correction(a, engine=config.rollout.engine, engine_dtype=_engine_dtype(config),
+                                            train_dtype=config.model.dtype, device=device)
     logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
                 "on" if _layout(config)["shared_prompt"] else "off")
     policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),
@@ -318,16 +323,14 @@ def build_evaluator(config: MMRLHFConfig, maker: Any) -> Any:
 
 
 def build_critic(config: MMRLHFConfig) -> Any:
-    """A CriticVL on the configured device (vision tower frozen like the policy's)."""
+    """A CriticVL on the configured device (vision tower frozen like the policy's; the actor's precision rule)."""
     from mmrlhf.devices import resolve_device
-    from mmrlhf.experience.builder import _DTYPES
-    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.experience.builder import load_model
     from mmrlhf.models.adapters import get_adapter
     from mmrlhf.models.critic import CriticVL
 
     m, t = config.model, config.trainer
     adapter = get_adapter(m.pretrain, m.family)
-    body = ActorVL.from_pretrained(m.critic or m.pretrain, adapter=adapter, dtype=_DTYPES[m.dtype],
-                                   attn_implementation=m.attn_implementation, trust_remote_code=m.trust_remote_code)
+    body = load_model(m, m.critic or m.pretrain, adapter, trainable=True)  # float32 master, like the actor
     freeze_vision(body.model, adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
     return CriticVL(body).to(resolve_device(t.device))

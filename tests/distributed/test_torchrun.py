@@ -234,22 +234,6 @@ def test_two_rank_run_raises_the_reward_and_resumes(tmp_path, toy_model):
     assert steppers["policy"]["steps"] == 81  # the optimiser's step count went on from the checkpoint
 
 
-def test_mixed_precision_counts_as_the_trainer_precision_for_the_rollout_correction():
-    """bf16 compute over fp32 weights against an fp32 engine: ``rollout_correction: auto`` must turn the correction
-    on under torchrun (where the switch applies), and leave it off in one process (where it does not)."""
-    from mmrlhf.config import load_config
-    from mmrlhf.trainer.builder import _engine_dtype, _train_dtype, resolve_rollout_correction
-
-    class Rank0:
-        rank, world_size, is_main = 0, 2, True
-
-    config = load_config(TOY, ["distributed.mixed_precision=bf16"])
-    assert config.algorithm.rollout_correction == "auto"
-    engine = _engine_dtype(config)
-    assert resolve_rollout_correction(config.algorithm, engine, _train_dtype(config, Rank0())) == "tis"
-    assert resolve_rollout_correction(config.algorithm, engine, _train_dtype(config, None)) == "none"
-
-
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_vision_blocks_stay_in_the_root_unit(family):
     """Only the language model's blocks get FSDP units of their own under torchrun: a rank whose micro-batch is

@@ -48,12 +48,3 @@ def test_checkpointed_blocks_give_the_same_gradients(bundles, family):
     assert grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name, g in grads_a.items():
         assert_close_at_scale(grads_b[name], g, rtol=1e-5, scale_tol=1e-6, msg=name)  # recomputed activations
-
-
-def test_mixed_precision_policy_from_the_config_key():
-    from mmrlhf.distributed.fsdp import mixed_precision_policy
-
-    assert mixed_precision_policy("none") is None
-    bf16 = mixed_precision_policy("bf16")
-    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.float32
-    assert mixed_precision_policy("fp16").param_dtype == torch.float16

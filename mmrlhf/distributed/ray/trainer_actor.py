@@ -37,8 +37,7 @@ class RayPolicyTrainer:
 
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
-        from mmrlhf.experience.builder import _DTYPES
-        from mmrlhf.models.actor import ActorVL
+        from mmrlhf.experience.builder import load_model
         from mmrlhf.models.adapters import get_adapter
         from mmrlhf.rollout.base import forbidden_token_ids
         from mmrlhf.rollout.builder import sampling_settings
@@ -54,9 +53,7 @@ class RayPolicyTrainer:
         seed_everything(t.seed)
         adapter = get_adapter(m.pretrain, m.family)
         device = resolve_device(t.device)
-        actor = ActorVL.from_pretrained(m.pretrain, adapter=adapter, dtype=_DTYPES[m.dtype],
-                                        attn_implementation=m.attn_implementation,
-                                        trust_remote_code=m.trust_remote_code).to(device)
+        actor = load_model(m, m.pretrain, adapter, trainable=True).to(device)  # float32 master, model.dtype compute
         freeze_vision(actor.model, adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
         if m.lora.rank:  # the adapters train here; only they travel to the rollout actors (kind "lora")
             from mmrlhf.experience.builder import check_lora_settings
