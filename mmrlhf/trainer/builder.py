@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mmrlhf.config.schema import MMRLHFConfig
+from mmrlhf.models.placement import module_device
 from mmrlhf.trainer.checkpoint import CheckpointManager
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
 from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
@@ -236,7 +237,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
 
     # model.dtype is the compute dtype in every launch mode (autocast in one process, FSDP2's policy under torchrun)
     correction = resolve_rollout_correction(a, engine=config.rollout.engine, engine_dtype=_engine_dtype(config),
-                                            train_dtype=config.model.dtype, device=device)
+                                            train_dtype=config.model.dtype, device=module_device(actor))
     logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
                 "on" if _layout(config)["shared_prompt"] else "off")
     policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),

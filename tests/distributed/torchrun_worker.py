@@ -27,6 +27,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--control", default="")
+    ap.add_argument("--drop-group", type=int, default=-1,
+                    help="leave this group out (as if its prompt were skipped on its rank): the ranks then hold "
+                         "different numbers of samples; micro-batches of 16 make their forward counts differ")
     args = ap.parse_args()
 
     from mmrlhf.config import load_config
@@ -42,7 +45,9 @@ def main() -> None:
         "trainer.eval_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
         "trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=32",
         "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05", "algorithm.entropy_coef=0.01",
-        "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}"])
+        "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}",
+        *(["rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16"] if args.drop_group >= 0
+          else [])])
     trainer = build_trainer(config, dist=dist)
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
 
@@ -56,7 +61,7 @@ def main() -> None:
         all_sum = dist.all_sum
         object.__setattr__(dist, "all_sum", lambda v: [x * world for x in v] if len(v) == 1 else all_sum(v))
     groups = rollout.group_ids.tolist()
-    rows = [i for i, g in enumerate(groups) if g % world == rank]
+    rows = [i for i, g in enumerate(groups) if g % world == rank and g != args.drop_group]
     share = rollout.select(rows)
 
     captured: dict[str, torch.Tensor] = {}
