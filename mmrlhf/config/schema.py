@@ -3,7 +3,7 @@ builders hand sections (or plain values taken from them) to constructors, never 
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mmrlhf.config.algorithm import AlgorithmConfig
 from mmrlhf.config.base import Section
@@ -30,3 +30,12 @@ class MMRLHFConfig(Section):
     """Training loop."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Launch mode (single process, torchrun + FSDP2, Ray) and asynchronous training."""
+
+    @model_validator(mode="after")
+    def _check_sleep_level(self) -> "MMRLHFConfig":
+        if self.rollout.enable_sleep and self.rollout.sleep_level == 2 and self.model.lora.rank > 0:
+            raise ValueError(
+                "rollout.sleep_level=2 discards the engine's weights on every sleep, and with model.lora.rank > 0 the "
+                "weight sync sends only the LoRA adapters (or the adapted layers), never the base weights: use "
+                "rollout.sleep_level=1")
+        return self
