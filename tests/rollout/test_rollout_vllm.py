@@ -181,6 +181,7 @@ def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.adapter = get_adapter(str(tiny_model_dir("qwen2_vl")))
+    engine.seed_mode = "per_sample"
     vision = engine.adapter.vision_special_token_ids()
     settings = SamplingSettings(n=4, seed=100, forbidden_token_ids=(7, 8))
     params = [engine._sampling_params(settings, i) for i in range(3)]
@@ -189,6 +190,9 @@ def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
     streams = [p.seed + j for p in params for j in range(settings.n)]  # vLLM's child j: request seed + j
     assert streams == [stream_seed(100, i, j, 4) for i in range(3) for j in range(4)]
     assert len(set(streams)) == 12
+    engine.seed_mode = "per_step"  # the call seeds the default generators instead: no request carries a seed
+    assert [engine._sampling_params(settings, i).seed for i in range(3)] == [None] * 3
+    assert engine._sampling_params(settings, 0).logit_bias == params[0].logit_bias
 
 
 def test_make_llm_arguments(monkeypatch):
