@@ -14,6 +14,7 @@ COMMANDS = [
     "mmrlhf.cli.train",
     "mmrlhf.cli.smoke",
     "mmrlhf.cli.serve_reward",
+    "mmrlhf.cli.doctor",
 ]
 
 

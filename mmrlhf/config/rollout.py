@@ -40,15 +40,34 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """vLLM tensor-parallel degree (GPU only; the CPU engine ignores it): in one process, or in a Ray rollout actor,
     which then owns that many GPUs. Refused under torchrun, where each rank runs its own engine on its own GPU."""
-    gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
-    """Fraction of GPU memory vLLM may take (ignored on CPU)."""
+    gpu_memory_utilization: float = Field(default=0.35, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may take for its weights, KV cache and CUDA graphs (ignored on CPU). The default
+    fits a 7B policy colocated with its trainer on one 80 GB GPU (28 GB: 16.6 GB of bf16 weights, ~2 GB of
+    activations and graphs, ~9 GB of KV cache; the arithmetic is in docs/gpu.md); an engine on a GPU of its own
+    (a Ray rollout actor) can take 0.85."""
     enable_sleep: bool = False
     """vLLM sleep mode (CUDA only; ignored elsewhere): each training step puts the engine to sleep after generation
-    (weights offloaded to CPU memory, KV cache freed) so the experience forwards and the updates get its GPU memory,
-    and wakes it before the weight sync. Costs the offload and reload time per step (``time/engine_sleep``,
-    ``time/engine_wake``); see docs/gpu.md."""
-    enforce_eager: bool = True
-    """Disable CUDA graphs / compilation in vLLM (required on CPU; slower on GPU)."""
+    (KV cache freed; weights offloaded or discarded, ``sleep_level``) so the experience forwards and the updates get
+    its GPU memory; it wakes its weights before the weight sync and its KV cache after it. Costs the offload and
+    reload time per step (``time/engine_sleep``, ``time/engine_wake``, ``time/engine_wake_kv``); see docs/gpu.md."""
+    sleep_level: Literal[1, 2] = 1
+    """vLLM sleep level with ``enable_sleep``: 1 offloads the engine's weights to (pinned) CPU memory and copies
+    them back on waking; 2 discards them (no host copy, no offload time), and every weight sync then pushes the
+    whole policy, frozen parts included. Level 2 cannot be combined with LoRA (``model.lora.rank > 0``: the LoRA
+    sync never sends the base weights)."""
+    seed_mode: Literal["auto", "per_sample", "per_step"] = "auto"
+    """How the vLLM engine's sampling is seeded from ``seed`` (both reproducible). ``per_sample``: every request
+    carries its own seed, so a sample does not depend on the batch it was generated in, but vLLM then draws each
+    request's noise with its own generator, one small kernel per request per decoding step on a GPU.
+    ``per_step``: no request carries a seed; each generation call seeds torch's default generators once and vLLM
+    samples the whole batch in one call (a sample then depends on its batch). ``auto``: ``per_step`` on CUDA,
+    ``per_sample`` elsewhere (on the CPU both cost the same). The transformers engine always seeds per sample.
+    With ``tensor_parallel_size > 1`` the engine samples in worker processes that ``per_step`` does not reach:
+    use ``per_sample`` there for runs that resume reproducibly."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / compilation in vLLM. Off by default: graphs speed up decoding, the dominant phase of a
+    GRPO step, and vLLM counts their memory inside ``gpu_memory_utilization``; at the cost of a longer engine
+    start. Forced on where there is no CUDA (the CPU engine always runs eagerly)."""
     max_model_len: int = Field(default=4096, ge=16)
     """vLLM context length (prompt + response)."""
     limit_images_per_prompt: int | None = Field(default=None, ge=0)
@@ -69,3 +88,9 @@ class RolloutConfig(Section):
                 f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})"
             )
         return self
+
+    def resolved_seed_mode(self, cuda: bool) -> str:
+        """``seed_mode`` with ``auto`` decided for a machine with (``cuda``) or without CUDA."""
+        if self.seed_mode != "auto":
+            return self.seed_mode
+        return "per_step" if cuda else "per_sample"

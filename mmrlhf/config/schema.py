@@ -43,3 +43,12 @@ class MMRLHFConfig(Section):
                              "below it); set model.dtype to the precision you want and distributed.mixed_precision="
                              "auto")
         return self
+
+    @model_validator(mode="after")
+    def _check_sleep_level(self) -> "MMRLHFConfig":
+        if self.rollout.enable_sleep and self.rollout.sleep_level == 2 and self.model.lora.rank > 0:
+            raise ValueError(
+                "rollout.sleep_level=2 discards the engine's weights on every sleep, and with model.lora.rank > 0 the "
+                "weight sync sends only the LoRA adapters (or the adapted layers), never the base weights: use "
+                "rollout.sleep_level=1")
+        return self

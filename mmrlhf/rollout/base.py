@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
+# What a sleeping engine can wake separately (vLLM's memory-pool tags): its weights, then its KV cache. Waking the
+# weights alone is enough to load new ones, so the trainer's memory and the engine's KV cache never peak together.
+WAKE_WEIGHTS: tuple[str, ...] = ("weights",)
+WAKE_KV_CACHE: tuple[str, ...] = ("kv_cache",)
+SLEEP_TAGS: tuple[str, ...] = WAKE_WEIGHTS + WAKE_KV_CACHE
+
 
 class RolloutEngine(ABC):
     """Generates completions for multimodal prompts and accepts new policy weights.
@@ -30,6 +36,9 @@ class RolloutEngine(ABC):
     """
 
     supports_sleep: bool = False
+    # Whether sleep discards the weights instead of offloading them (vLLM sleep level 2): the next sync must then
+    # carry every weight, frozen ones included, since nothing else restores them.
+    sleep_discards_weights: bool = False
 
     def __init__(self, max_model_len: int, prompt_too_long: str = "skip") -> None:
         if prompt_too_long not in ("skip", "error"):
@@ -48,8 +57,9 @@ class RolloutEngine(ABC):
     def sleep(self) -> None:
         """Release accelerator memory between rollouts (no-op where unsupported)."""
 
-    def wake_up(self) -> None:
-        """Undo :meth:`sleep` (no-op where unsupported)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep` (no-op where unsupported): everything (``tags=None``) or only the named parts of
+        :data:`SLEEP_TAGS` (e.g. :data:`WAKE_WEIGHTS` before a weight sync, :data:`WAKE_KV_CACHE` after it)."""
 
     def close(self) -> None:
         """Free the engine's resources."""

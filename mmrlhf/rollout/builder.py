@@ -34,6 +34,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
     adapter = get_adapter(model_path, family)
     if cfg.engine == "vllm":
         from mmrlhf.rollout.vllm_engine import VLLMEngine
+        from mmrlhf.rollout.vllm_setup import cuda_available
 
         limits = {k: v for k, v in (("image", cfg.limit_images_per_prompt), ("video", cfg.limit_videos_per_prompt))
                   if v is not None}
@@ -43,6 +44,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
             weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=cfg.dtype, seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep, lora_rank=lora_rank,
+            sleep_level=cfg.sleep_level, seed_mode=cfg.resolved_seed_mode(cuda_available()),
         )
     if hf_model is None or tokenizer is None:
         raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")

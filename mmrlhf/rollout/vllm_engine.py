@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
 
 from mmrlhf.models.adapters import FamilyAdapter
-from mmrlhf.rollout.base import NamedTensors, RolloutEngine, forbidden_token_ids, iter_buckets
+from mmrlhf.rollout.base import SLEEP_TAGS, NamedTensors, RolloutEngine, forbidden_token_ids, iter_buckets
 from mmrlhf.rollout.types import (
     Completion,
     GenerationOutput,
@@ -29,6 +32,31 @@ from mmrlhf.rollout.vllm_setup import (
 from mmrlhf.rollout.vllm_weight_transport import bucket_loader, choose_transport, pack_bucket
 
 logger = logging.getLogger(__name__)
+
+SEED_MODES = ("per_sample", "per_step")
+
+
+@contextmanager
+def seeded_default_generators(seed: int) -> Iterator[None]:
+    """Run the block with torch's default generators (CPU and every visible accelerator) seeded with ``seed``, and
+    give the caller's generator states back afterwards.
+
+    Why: vLLM's sampler draws the noise of every request without its own ``SamplingParams.seed`` from these default
+    generators in one batched call (``random_sample`` in ``vllm/v1/sample/ops/topk_topp_sampler.py``: one
+    ``exponential_()`` on the device; the CPU sampler's ``torch.randint``), so seeding them once per call makes the
+    call reproducible without vLLM's per-request generator loop. The in-process engine samples in this thread;
+    the states are forked so the trainer's own random stream (dropout, shuffles) does not depend on the rollout.
+    """
+    devices: list[int] = []
+    device_type = "cuda"
+    if torch.accelerator.is_available():
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None:
+            device_type = accelerator.type
+            devices = list(range(torch.accelerator.device_count()))
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
+        torch.manual_seed(int(seed) % (1 << 63))
+        yield
 
 
 def _validation_errors() -> tuple[type[BaseException], ...]:
@@ -68,6 +96,12 @@ class VLLMEngine(RolloutEngine):
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (:func:`~mmrlhf.rollout.vllm_setup.engine_dtype`).
         lora_rank: > 0 turns on vLLM's LoRA support for adapters up to this rank (``model.lora.sync=vllm_lora``):
             the policy then travels as a peft adapter (:meth:`load_lora_adapter`) instead of weights.
+        sleep_level: vLLM sleep level when sleep is on: 1 offloads the weights to CPU memory, 2 discards them
+            (:attr:`sleep_discards_weights`: the next sync must carry every weight).
+        seed_mode: ``per_sample``: every request carries its own ``SamplingParams.seed`` (a sample does not depend
+            on the batch it is in); ``per_step``: no request carries a seed and each ``generate`` call seeds torch's
+            default generators once from ``SamplingSettings.seed`` (:func:`seeded_default_generators`), which keeps
+            vLLM's batched sampling path. Both reproducible; see docs/gpu.md.
         Other arguments go to :func:`mmrlhf.rollout.vllm_setup.make_llm` (GPU-only ones are dropped on CPU).
     """
 
@@ -87,11 +121,13 @@ class VLLMEngine(RolloutEngine):
         dtype: str = "auto",
         seed: int = 0,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.5,
-        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.35,
+        enforce_eager: bool = False,
         enable_sleep: bool = False,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        sleep_level: int = 1,
+        seed_mode: str = "per_sample",
     ) -> None:
         super().__init__(max_model_len, prompt_too_long)
         import_vllm()
@@ -102,8 +138,15 @@ class VLLMEngine(RolloutEngine):
             vllm_cpu_weights.keep_weights_when_packing()
         self.adapter = adapter
         self.bucket_bytes = int(weight_sync_bucket_mb) << 20
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2 (rollout.sleep_level), got {sleep_level!r}")
+        if seed_mode not in SEED_MODES:
+            raise ValueError(f"seed_mode must be one of {SEED_MODES} (rollout.seed_mode), got {seed_mode!r}")
         self.supports_sleep = bool(enable_sleep and cuda_available())
-        self._asleep = False
+        self.sleep_level = int(sleep_level)
+        self.sleep_discards_weights = self.supports_sleep and self.sleep_level == 2
+        self.seed_mode = seed_mode
+        self._asleep: set[str] = set()  # the parts (SLEEP_TAGS) this class put to sleep and has not woken yet
         self._transport = choose_transport(tensor_parallel_size, platform_device_type())
         self.llm = make_llm(
             model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -118,10 +161,13 @@ class VLLMEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------------------------------
     def _sampling_params(self, settings: SamplingSettings, index: int) -> Any:
-        """vLLM parameters of request ``index``. vLLM seeds the j-th of its ``n`` children ``seed + j``
-        (``vllm/v1/engine/parallel_sampling.py``), so the request's own seed is ``seed + index * n``: sample j of
-        request i then draws from ``seed + i * n + j``, one stream per sample (``SamplingSettings.seed``)."""
+        """vLLM parameters of request ``index``. ``per_sample``: vLLM seeds the j-th of its ``n`` children
+        ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), so the request's own seed is ``seed + index * n``:
+        sample j of request i then draws from ``seed + i * n + j``, one stream per sample (``SamplingSettings.seed``).
+        ``per_step``: no per-request seed (the call seeds the default generators, see :meth:`generate`)."""
         from vllm import SamplingParams
+
+        per_request = settings.seed is not None and self.seed_mode == "per_sample"
 
         return SamplingParams(
             n=settings.n,
@@ -132,7 +178,7 @@ class VLLMEngine(RolloutEngine):
             min_tokens=settings.min_new_tokens,
             stop=list(settings.stop) or None,
             stop_token_ids=list(settings.stop_token_ids) or None,
-            seed=None if settings.seed is None else request_seed(settings.seed, index, settings.n),
+            seed=request_seed(settings.seed, index, settings.n) if per_request else None,
             logprobs=0 if settings.logprobs else None,
             logit_bias=forbid_tokens_bias(forbidden_token_ids(self.adapter, settings)),
         )
@@ -152,11 +198,15 @@ class VLLMEngine(RolloutEngine):
 
     def generate(self, requests: list[GenerationRequest], settings: SamplingSettings) -> GenerationResult:
         if self._asleep:
-            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+            raise RuntimeError(f"the engine is asleep ({sorted(self._asleep)}): call wake_up() before generate()")
         t0 = time.perf_counter()
         skipped = self.split_too_long(requests, settings)
         keep = [i for i in range(len(requests)) if i not in skipped]
-        outputs = self._generate_indices(requests, keep, settings, skipped)
+        if settings.seed is not None and self.seed_mode == "per_step":
+            with seeded_default_generators(settings.seed):
+                outputs = self._generate_indices(requests, keep, settings, skipped)
+        else:
+            outputs = self._generate_indices(requests, keep, settings, skipped)
         return GenerationResult(outputs=outputs, skipped=skipped, seconds=time.perf_counter() - t0)
 
     def _generate_indices(self, requests, keep, settings, skipped) -> list[GenerationOutput]:
@@ -254,9 +304,11 @@ class VLLMEngine(RolloutEngine):
         self._drop_caches()
 
     def _is_sleeping(self) -> bool:
-        """Our own record, and the engine's where it keeps one (a sleep started outside this class counts)."""
+        """Whether the weights are not resident: our own record, and the engine's where it keeps one (a sleep
+        started outside this class counts). Weights woken while the KV cache still sleeps are loadable (the
+        trainer syncs in that state, see :meth:`wake_up`); vLLM itself reports that state as sleeping."""
         if self._asleep:
-            return True
+            return "weights" in self._asleep
         probe = getattr(getattr(self.llm, "llm_engine", None), "is_sleeping", None)
         return bool(probe()) if callable(probe) else False
 
@@ -277,15 +329,27 @@ class VLLMEngine(RolloutEngine):
         _check_reset("reset_encoder_cache", reset_encoder())
 
     def sleep(self) -> None:
+        """vLLM sleep at :attr:`sleep_level` (KV cache freed; weights offloaded to CPU memory or discarded)."""
         if self.supports_sleep and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = set(SLEEP_TAGS)
 
-    def wake_up(self) -> None:
-        if self.supports_sleep and self._asleep:
-            if self.llm.wake_up() is False:
-                raise RuntimeError("vLLM did not wake up fully (wake_up() returned False)")
-            self._asleep = False
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake everything, or only ``tags`` (``("weights",)`` before a sync, ``("kv_cache",)`` after it, so the
+        KV cache is re-allocated only once the trainer is done with the GPU). vLLM reports whether the engine is
+        fully awake; once every part is woken, anything else is an error."""
+        unknown = sorted(set(tags or ()) - set(SLEEP_TAGS))
+        if unknown:
+            raise ValueError(f"wake_up: unknown tags {unknown}; valid: {list(SLEEP_TAGS)}")
+        if not (self.supports_sleep and self._asleep):
+            return
+        wanted = set(self._asleep) if tags is None else set(tags) & self._asleep
+        if not wanted:
+            return
+        fully_awake = self.llm.wake_up(tags=[t for t in SLEEP_TAGS if t in wanted])
+        self._asleep -= wanted
+        if not self._asleep and fully_awake is False:
+            raise RuntimeError("vLLM did not wake up fully (wake_up() returned False)")
 
     def close(self) -> None:
         import gc

@@ -25,6 +25,7 @@ from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics, merge_share_metrics
+from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
 from mmrlhf.trainer.checkpoint import CheckpointManager, write_policy_and_updaters
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
@@ -142,11 +143,14 @@ class Trainer:
             return metrics
         engine = p.maker.engine
         # A sleeping engine (vLLM sleep mode, rollout.enable_sleep on CUDA) hands its GPU memory to the forwards and
-        # the updates; it wakes (weights back, KV cache re-allocated) before the sync, even if the update fails.
+        # the updates. It wakes in two parts: its weights before the sync (the trainer still holds its memory), its
+        # KV cache only after the sync, so the peak is trainer + engine weights, never trainer + whole engine. An
+        # update that fails wakes everything; a failed sync still wakes the KV cache.
         sleeps = bool(getattr(engine, "supports_sleep", False))
         if sleeps:
             with _timed(seconds, "engine_sleep"):
                 engine.sleep()
+        updated = False
         try:
             with _timed(seconds, "experience"):
                 experiences = p.maker.experiences_from(rollout, pad_forwards_to=self._forwards_over_ranks(rollout))
@@ -160,13 +164,21 @@ class Trainer:
             if p.critic is not None:
                 with _timed(seconds, "critic_update"):
                     metrics.update(p.critic.update(items, generator=p.shuffle))
+            updated = True
         finally:
             if sleeps:
                 with _timed(seconds, "engine_wake"):
-                    engine.wake_up()
-        with _timed(seconds, "sync"):
-            metrics.update(sync_weights(p.policy.actor.model, p.maker.engine,
-                                        only_trainable=self.s.sync_only_trainable))
+                    engine.wake_up(tags=WAKE_WEIGHTS if updated else None)
+        # Sleep level 2 discards the engine's weights: the sync must then restore all of them, frozen ones too.
+        only_trainable = self.s.sync_only_trainable and not (sleeps and getattr(engine, "sleep_discards_weights",
+                                                                                  False))
+        try:
+            with _timed(seconds, "sync"):
+                metrics.update(sync_weights(p.policy.actor.model, engine, only_trainable=only_trainable))
+        finally:
+            if sleeps:
+                with _timed(seconds, "engine_wake_kv"):
+                    engine.wake_up(tags=WAKE_KV_CACHE)
         self.state.samples_generated += int(metrics.get("samples", len(rollout)))
         trained = sum(1 for it in items if bool(it.token["loss_mask"].any()))  # masked samples train nothing
         self.state.samples_trained += trained

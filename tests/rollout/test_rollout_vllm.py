@@ -181,6 +181,7 @@ def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.adapter = get_adapter(str(tiny_model_dir("qwen2_vl")))
+    engine.seed_mode = "per_sample"
     vision = engine.adapter.vision_special_token_ids()
     settings = SamplingSettings(n=4, seed=100, forbidden_token_ids=(7, 8))
     params = [engine._sampling_params(settings, i) for i in range(3)]
@@ -189,6 +190,9 @@ def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
     streams = [p.seed + j for p in params for j in range(settings.n)]  # vLLM's child j: request seed + j
     assert streams == [stream_seed(100, i, j, 4) for i in range(3) for j in range(4)]
     assert len(set(streams)) == 12
+    engine.seed_mode = "per_step"  # the call seeds the default generators instead: no request carries a seed
+    assert [engine._sampling_params(settings, i).seed for i in range(3)] == [None] * 3
+    assert engine._sampling_params(settings, 0).logit_bias == params[0].logit_bias
 
 
 def test_make_llm_arguments(monkeypatch):
@@ -205,3 +209,43 @@ def test_make_llm_arguments(monkeypatch):
     assert seen["enable_chunked_prefill"] is False and seen["max_num_batched_tokens"] == 8192
     vllm_setup.make_llm(path, max_model_len=64, dtype="bfloat16")
     assert seen["dtype"] == "bfloat16" and seen["max_num_batched_tokens"] == vllm_setup.CPU_MAX_BATCHED_TOKENS
+
+
+def test_seed_modes_per_request_seeds_or_one_seeded_call(small_context_engine):
+    """``per_sample`` gives every request its own SamplingParams.seed (vLLM's per-request generator path);
+    ``per_step`` sends none and seeds the default generators once per call: the same seed gives the same tokens,
+    another call seed other tokens, the samples of a call stay distinct, and the caller's RNG is left as it was."""
+    import dataclasses
+
+    from mmrlhf.rollout.types import request_seed
+
+    engine, _ = small_context_engine
+    sent: list = []
+    real = engine.llm.generate
+
+    def recording(inputs, params, **kwargs):
+        sent.append([p.seed for p in params])
+        return real(inputs, params, **kwargs)
+
+    ids = lambda r: [tuple(c.token_ids) for o in r.outputs for c in o.completions]  # noqa: E731
+    requests = [GenerationRequest("red green"), GenerationRequest("blue")]
+    settings = SamplingSettings(n=3, max_new_tokens=8, seed=11)
+    engine.llm.generate = recording
+    try:
+        engine.generate(requests, settings)
+        assert sent == [[request_seed(11, 0, 3), request_seed(11, 1, 3)]]
+        engine.seed_mode = "per_step"
+        sent.clear()
+        torch.manual_seed(123)
+        expected_next = torch.rand(4)
+        torch.manual_seed(123)
+        a = engine.generate(requests, settings)
+        assert torch.equal(torch.rand(4), expected_next)  # the trainer's stream does not see the rollout
+        b = engine.generate(requests, settings)
+        c = engine.generate(requests, dataclasses.replace(settings, seed=12))
+        assert sent == [[None, None]] * 3
+        assert ids(a) == ids(b) and ids(a) != ids(c)
+        assert len(set(ids(a))) == len(ids(a)) == 6
+    finally:
+        engine.seed_mode = "per_sample"
+        del engine.llm.generate

@@ -187,31 +187,59 @@ def test_shared_prompt_on_and_off_train_alike(tmp_path, monkeypatch):
     assert stable(a[0])["policy/pg_loss"] != stable(a[1])["policy/pg_loss"]
 
 
-def test_a_sleeping_engine_sleeps_through_the_update_and_wakes_before_the_sync(tmp_path):
-    """rollout.enable_sleep: the loop puts an engine that supports sleep to sleep after generation and wakes it
-    before the weight sync, also when the update raises (a recording engine: vLLM sleep needs CUDA)."""
-    trainer = build_trainer(toy_config(tmp_path / "sleep", trainer={"max_steps": 1}))
+def _recording_sleep_engine(trainer):
+    """The trainer's engine with generate / update_weights / sleep / wake_up recorded in order (vLLM sleep needs
+    CUDA, so the engine's own sleep is replaced): wake_up is recorded with its tags, update_weights with the
+    names it received."""
     engine = trainer.p.maker.engine
-    calls: list[str] = []
+    calls: list = []
     real_generate, real_update = engine.generate, engine.update_weights
+    synced: list[list[str]] = []
 
     def generate(*args, **kwargs):
         calls.append("generate")
         return real_generate(*args, **kwargs)
 
-    def update_weights(*args, **kwargs):
+    def update_weights(named_tensors):
+        pairs = list(named_tensors)
+        synced.append([name for name, _ in pairs])
         calls.append("update_weights")
-        return real_update(*args, **kwargs)
+        return real_update(iter(pairs))
+
+    def wake_up(tags=None):
+        calls.append(("wake_up", None if tags is None else tuple(tags)))
 
     engine.generate, engine.update_weights = generate, update_weights
-    engine.sleep, engine.wake_up = (lambda: calls.append("sleep")), (lambda: calls.append("wake_up"))
+    engine.sleep, engine.wake_up = (lambda: calls.append("sleep")), wake_up
     engine.supports_sleep = True
+    return engine, calls, synced
+
+
+def test_a_sleeping_engine_wakes_its_weights_before_the_sync_and_its_kv_cache_after_it(tmp_path):
+    """rollout.enable_sleep: sleep after generation -> forwards and updates -> wake the weights -> sync -> wake the
+    KV cache -> next generation, so the trainer's memory and the engine's KV cache never peak together. An update
+    that raises wakes everything; a sync that raises still wakes the KV cache."""
+    trainer = build_trainer(toy_config(tmp_path / "sleep", trainer={"max_steps": 2}))
+    engine, calls, _ = _recording_sleep_engine(trainer)
     metrics = trainer.train_step()
-    first_sync = calls.index("update_weights")
-    assert calls[:first_sync].count("generate") >= 1
-    assert calls.index("sleep") > max(i for i, c in enumerate(calls) if c == "generate")
-    assert calls.index("sleep") < calls.index("wake_up") < first_sync
-    assert "time/engine_sleep" in metrics and "time/engine_wake" in metrics
+    trainer.train_step()
+    step1 = calls[: calls.index("generate", calls.index("sleep"))]  # up to the next step's first generation
+    tail = step1[step1.index("sleep"):]
+    assert tail == ["sleep", ("wake_up", ("weights",)), "update_weights", ("wake_up", ("kv_cache",))], calls
+    assert calls.count("sleep") == 2 and calls[len(step1)] == "generate"
+    assert all(k in metrics for k in ("time/engine_sleep", "time/engine_wake", "time/engine_wake_kv"))
+
+    calls.clear()
+    real_update = engine.update_weights
+
+    def broken_sync(named_tensors):
+        raise RuntimeError("sync failed")
+
+    engine.update_weights = broken_sync
+    with pytest.raises(RuntimeError, match="sync failed"):
+        trainer.train_step()
+    assert calls[-2:] == [("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]  # KV cache woken after a failed sync
+    engine.update_weights = real_update
 
     calls.clear()
 
@@ -221,10 +249,27 @@ def test_a_sleeping_engine_sleeps_through_the_update_and_wakes_before_the_sync(t
     trainer.p.policy.update = broken_update
     with pytest.raises(RuntimeError, match="update failed"):
         trainer.train_step()
-    assert calls[-2:] == ["sleep", "wake_up"]  # woken up although the update raised
+    assert calls[-2:] == ["sleep", ("wake_up", None)]  # woken up entirely although the update raised
     # control: an engine without sleep support is never put to sleep
     calls.clear()
     engine.supports_sleep = False
     with pytest.raises(RuntimeError, match="update failed"):
         trainer.train_step()
-    assert "sleep" not in calls and "wake_up" not in calls
+    assert "sleep" not in calls and not any(isinstance(c, tuple) for c in calls)
+
+
+def test_sleep_that_discards_the_weights_syncs_the_whole_policy(tmp_path):
+    """Sleep level 2 (sleep_discards_weights) loses the engine's weights, frozen ones included: the sync then sends
+    every parameter of the policy; level 1 (control) sends only the trainable ones (the vision tower is frozen)."""
+    trainer = build_trainer(toy_config(tmp_path / "level", trainer={"max_steps": 2}))
+    engine, _, synced = _recording_sleep_engine(trainer)
+    model = trainer.p.policy.actor.model
+    every = [n for n, _ in model.named_parameters()]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) < len(every)  # the frozen vision tower makes the two differ
+    engine.sleep_discards_weights = False
+    trainer.train_step()
+    assert synced[-1] == trainable
+    engine.sleep_discards_weights = True
+    trainer.train_step()
+    assert synced[-1] == every

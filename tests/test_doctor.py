@@ -1,0 +1,47 @@
+"""``mmrlhf doctor`` on the CPU: the command runs its CPU-possible checks, skips the GPU-only ones with the reason,
+prints the table and writes it to doctor.md / doctor.json; a check that breaks is a failed row and a non-zero exit,
+never a crash that hides the other rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrlhf.cli import main
+from mmrlhf.testing import doctor
+
+
+@pytest.mark.skipif(doctor.cuda_device("auto"), reason="checks the CPU behaviour (a GPU runs sleep on)")
+def test_doctor_on_the_cpu_runs_the_cpu_checks_and_writes_the_table(tmp_path, capsys):
+    rc = main(["doctor", "--device", "cpu", "--quick", "--engine", "transformers", "--steps", "2",
+               "--only", "environment", "toy_run", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = {r["name"]: r for r in json.loads((tmp_path / "doctor.json").read_text())["results"]}
+    assert list(rows) == ["environment", "toy_run/sleep_off", "toy_run/sleep_on"]
+    assert rows["environment"]["status"] == "pass" and "no CUDA device" in rows["environment"]["reason"]
+    off = rows["toy_run/sleep_off"]
+    assert off["status"] == "pass" and off["value"] > 0 and off["unit"] == "s/step"
+    assert "2/2 steps on the transformers engine" in off["reason"]
+    assert rows["toy_run/sleep_on"]["status"] == "skip" and "no CUDA device" in rows["toy_run/sleep_on"]["reason"]
+    table = (tmp_path / "doctor.md").read_text()
+    assert "| toy_run/sleep_off | pass |" in table and "| toy_run/sleep_on | skip |" in table
+    assert "2 passed, 0 failed, 1 skipped" in table and "PASS  toy_run/sleep_off" in printed
+
+
+def test_a_broken_check_is_a_failed_row_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(opts):
+        raise RuntimeError("no NCCL here")
+
+    def fine(opts):
+        return [doctor.CheckResult("fine", "pass", 1.0, "x")]
+
+    monkeypatch.setattr(doctor, "CHECKS", {"broken": broken, "fine": fine})
+    results = doctor.run_checks(doctor.DoctorOptions(device="cpu"))
+    assert [(r.name, r.status) for r in results] == [("broken", "fail"), ("fine", "pass")]
+    assert "RuntimeError: no NCCL here" in results[0].reason
+    with pytest.raises(ValueError, match="unknown check.*valid"):
+        doctor.run_checks(doctor.DoctorOptions(), only=["nccl"])
+    md, _ = doctor.write_report(results, tmp_path, {"device": "cpu"})
+    assert "1 passed, 1 failed, 0 skipped" in md.read_text()
