@@ -38,7 +38,7 @@ SEED_MODES = ("per_sample", "per_step")
 
 @contextmanager
 def seeded_default_generators(seed: int) -> Iterator[None]:
-    """Run the block with torch's default generators (CPU and every visible accelerator) seeded with ``seed``, and
+    """Run the block with torch's default generators (CPU and the current accelerator) seeded with ``seed``, and
     give the caller's generator states back afterwards.
 
     Why: vLLM's sampler draws the noise of every request without its own ``SamplingParams.seed`` from these default
@@ -53,7 +53,9 @@ def seeded_default_generators(seed: int) -> Iterator[None]:
         accelerator = torch.accelerator.current_accelerator()
         if accelerator is not None:
             device_type = accelerator.type
-            devices = list(range(torch.accelerator.device_count()))
+            # the current device only: the in-process engine samples there, and touching every visible GPU would
+            # open a context on each of them from every torchrun rank
+            devices = [torch.accelerator.current_device_index()]
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         torch.manual_seed(int(seed) % (1 << 63))
         yield
