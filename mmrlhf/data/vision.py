@@ -100,7 +100,8 @@ class VisionLoader:
             if text.startswith(("http://", "https://")):
                 raise DataError("URLs are not fetched at run time; download the file and give its path",
                                 reason="missing_file", file=text)
-            raise DataError("image file not found", reason="missing_file", file=text)
+            raise DataError(f"image file not found (looked for {searched_paths(text, base_dir)})",
+                            reason="missing_file", file=text)
         raise DataError(f"unsupported image input of type {type(item).__name__}", reason="bad_image", file="<?>")
 
     def _open_path(self, path: str) -> tuple[Image.Image, str]:
@@ -170,7 +171,8 @@ class VisionLoader:
     def _frames_from_file(self, text: str, base_dir: Optional[str], s: VisionSettings):
         path = resolve_path(text, base_dir)
         if path is None:
-            raise DataError("video file not found", reason="missing_file", file=text)
+            raise DataError(f"video file not found (looked for {searched_paths(text, base_dir)})",
+                            reason="missing_file", file=text)
         import decord
 
         try:
@@ -319,6 +321,17 @@ def _as_array(image: Image.Image):
     import numpy as np
 
     return np.array(image, dtype=np.uint8)  # a writable copy (torch.from_numpy warns on read-only arrays)
+
+
+def searched_paths(text: str, base_dir: Optional[str]) -> str:
+    """The resolved absolute path(s) :func:`resolve_path` tried for ``text``, for a not-found message."""
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    if len(text) > 4096 or "\n" in text:
+        return "<not a path>"
+    if os.path.isabs(text) or base_dir is None:
+        return os.path.abspath(text)
+    return " and ".join(dict.fromkeys([os.path.abspath(os.path.join(base_dir, text)), os.path.abspath(text)]))
 
 
 def resolve_path(text: str, base_dir: Optional[str]) -> Optional[str]:

@@ -133,11 +133,13 @@ class FastExperienceMaker(ExperienceMaker):
     def generate_rollout(self, prompts: Sequence[Any], images: Sequence[Any] | None = None,
                          videos: Sequence[Any] | None = None, references: Sequence[Any] | None = None,
                          labels: Sequence[Any] | None = None, *, record_ids: Sequence[Any] | None = None,
-                         base_dirs: Sequence[str | None] | None = None, n: int | None = None,
-                         **generate_kwargs: Any) -> ScoredRollout:
+                         record_indices: Sequence[int] | None = None, base_dirs: Sequence[str | None] | None = None,
+                         n: int | None = None, **generate_kwargs: Any) -> ScoredRollout:
         """Stage 1: process the prompts, generate ``n`` (default: the settings' group size) responses each, score
         them with the reward engine. No model forward runs here. ``record_ids`` (one per prompt) name the records
-        in errors and travel with the samples; ``base_dirs`` resolve relative image / video paths per prompt."""
+        in errors and travel with the samples, ``record_indices`` (their numbers in their files; default: the
+        position in this batch) number them in errors; ``base_dirs`` resolve relative image / video paths per
+        prompt."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         n = self.settings.n_samples_per_prompt if n is None else int(n)
@@ -146,7 +148,7 @@ class FastExperienceMaker(ExperienceMaker):
         with timer("prepare"):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
-                record_ids=record_ids, base_dirs=base_dirs)
+                record_ids=record_ids, all_indices=record_indices, base_dirs=base_dirs)
         with timer("generate"):
             result = self.engine.generate(self._requests(batch, n), sampling)
         rows = self._collect(batch, result, n)
