@@ -55,6 +55,17 @@ def _run(args: argparse.Namespace) -> int:
     return train_and_report(config, resume=args.resume)
 
 
+def runtime_user_errors() -> tuple[type[BaseException], ...]:
+    """The errors a user's data, rewards or settings can raise in the middle of a run: reported as one ``error:``
+    line (they name the record, the source or the key), not a traceback."""
+    from mmrlhf.data.errors import DataError
+    from mmrlhf.experience.fast_maker import PromptMismatchError
+    from mmrlhf.rewards.types import RewardError
+    from mmrlhf.rollout.types import PromptTooLongError, RequestRejectedError
+
+    return DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError
+
+
 def train_and_report(config: Any, *, resume: bool, dist: Any = None) -> int:
     """Build the trainer, train, print where the results are; the exit code of ``mmrlhf train`` (0 done, 1 stopped
     by non-finite updates, 2 misconfigured). ``dist``: this rank's context under torchrun (errors name the rank;
@@ -67,7 +78,7 @@ def train_and_report(config: Any, *, resume: bool, dist: Any = None) -> int:
     main = dist is None or dist.is_main
     try:
         trainer = build_trainer(config, resume=resume, dist=dist)
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # config, output folder, checkpoint, model files: before training
         print(f"error{who}: {exc}", file=sys.stderr)
         return 2
     out = trainer.s.output_dir
@@ -77,8 +88,10 @@ def train_and_report(config: Any, *, resume: bool, dist: Any = None) -> int:
     try:
         with trainer.p.tracker:
             metrics = trainer.fit()
-    except NonFiniteError as exc:
-        print(f"error{who}: {exc}", file=sys.stderr)
+    except (NonFiniteError, *runtime_user_errors()) as exc:
+        latest = trainer.p.checkpoints.latest()
+        where = f"; the last checkpoint is {latest}" if latest is not None else ""
+        print(f"error{who}: {exc}{where}", file=sys.stderr)
         return 1
     if not main:
         return 0

@@ -15,7 +15,7 @@ import torch
 
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.models.placement import module_device
-from mmrlhf.trainer.checkpoint import CheckpointManager
+from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
 from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
 from mmrlhf.trainer.minibatch import GuardedStepper
@@ -144,6 +144,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
         resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
     if dist is not None:  # rank 0 alone cleans the folder; the others learn what it decided
         resume_from = dist.broadcast_object(None if dist.rank else resume_from)
+    if resume_from is not None:
+        check_resume_mode(resume_from, world_size=None if dist is None else dist.world_size)
     changes = _resume_changes(resume_from, record) if resume_from is not None else []
     seed_everything(t.seed)
 

@@ -147,3 +147,33 @@ def write_policy_and_updaters(folder: Path, policy: Any, critic: Any | None, pro
                   str(folder / "critic.safetensors"))
         optim["critic"] = critic.stepper.state_dict()
     torch.save(optim, folder / "optimizer.pt")
+
+
+def checkpoint_mode(folder: Path) -> tuple[str, int]:
+    """``(launch mode, ranks)`` that wrote a checkpoint: ``("ray", 1)``, ``("torchrun", N)`` or ``("single", 1)``
+    (read from its ``trainer_state.json``; the three write different files)."""
+    import json
+
+    state_file = Path(folder) / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    if state.get("launch") == "ray":
+        return "ray", 1
+    if "world_size" in state:
+        return "torchrun", int(state["world_size"])
+    return "single", 1
+
+
+def check_resume_mode(folder: Path, *, world_size: int | None) -> None:
+    """Refuse, naming the mode that wrote it and how to resume it, a checkpoint another launch mode wrote
+    (``world_size``: the torchrun world resuming it, None for one process)."""
+    mode, ranks = checkpoint_mode(folder)
+    if mode == "ray":
+        raise ValueError(f"{folder} was written by the Ray mode (distributed.backend=ray), which cannot be resumed "
+                         "yet: start a new run from its policy with model.pretrain=" + str(Path(folder) / "model"))
+    if mode == "torchrun" and world_size is None:
+        raise ValueError(f"{folder} was written by torchrun with {ranks} ranks (sharded optimiser state): resume it "
+                         f"with `torchrun --nproc-per-node {ranks} -m mmrlhf train CONFIG --resume`, or start a "
+                         f"new one-process run from model.pretrain={Path(folder) / 'model'}")
+    if mode == "single" and world_size is not None:
+        raise ValueError(f"{folder} was written by one process: resume it with `mmrlhf train CONFIG --resume` (no "
+                         f"torchrun), or start a new torchrun run from model.pretrain={Path(folder) / 'model'}")

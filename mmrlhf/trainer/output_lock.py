@@ -33,8 +33,12 @@ def lock_output_dir(out: str | os.PathLike[str]) -> Path:
     path = folder / LOCK_NAME
     if key in _held:
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+")
+    except PermissionError as exc:  # checked before any model loads: the run could never save
+        raise PermissionError(f"trainer.output_dir {folder} is not writable ({exc.strerror}): choose another "
+                              "folder or fix its permissions") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

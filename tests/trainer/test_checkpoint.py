@@ -85,3 +85,24 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     mgr.save(2, _write("retry"))  # the next save cleans up
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
     assert mgr.latest().name == "step-00000002"
+
+
+def test_a_checkpoint_of_another_launch_mode_is_refused_naming_the_mode(tmp_path):
+    import json
+
+    from mmrlhf.trainer.checkpoint import check_resume_mode, checkpoint_mode
+
+    states = {"single": {"trainer": {}}, "torchrun": {"trainer": {}, "world_size": 4},
+              "ray": {"trainer": {}, "launch": "ray"}}
+    for name, state in states.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(json.dumps(state))
+    assert checkpoint_mode(tmp_path / "torchrun") == ("torchrun", 4)
+    check_resume_mode(tmp_path / "single", world_size=None)  # the same mode resumes
+    check_resume_mode(tmp_path / "torchrun", world_size=2)  # DCP re-shards over another number of ranks
+    with pytest.raises(ValueError, match=r"written by torchrun with 4 ranks.*--nproc-per-node 4"):
+        check_resume_mode(tmp_path / "torchrun", world_size=None)
+    with pytest.raises(ValueError, match=r"written by one process.*mmrlhf train CONFIG --resume"):
+        check_resume_mode(tmp_path / "single", world_size=2)
+    with pytest.raises(ValueError, match=r"written by the Ray mode.*model.pretrain="):
+        check_resume_mode(tmp_path / "ray", world_size=None)

@@ -290,7 +290,7 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dic
         check_ray_config(config)
         _prepare_output(out, CheckpointManager(out / "checkpoints", t.keep_last), resume=False,
                         overwrite=t.overwrite_output_dir)
-    except (FileExistsError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # the output folder (in use, not writable, a run already there), the config
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
@@ -313,6 +313,14 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dic
             except RolloutActorFailure as exc:
                 path = run.save()
                 print(f"error: {exc}\n  stopped after step {run.step}; checkpoint saved to {path}", file=sys.stderr)
+                return 1
+            except ray.exceptions.RayActorError as exc:  # the trainer actor died (rollout actors are handled above)
+                print(f"error: an actor died: {describe_actor_error(exc)}\n  stopped after step {run.step}; the "
+                      "last periodic checkpoint (trainer.save_steps) is intact", file=sys.stderr)
+                return 1
+            except ray.exceptions.RayTaskError as exc:  # a data / reward / config error raised inside an actor
+                cause = getattr(exc, "cause", None) or exc
+                print(f"error: {type(cause).__name__}: {cause}\n  stopped after step {run.step}", file=sys.stderr)
                 return 1
         path = run.save()
         produced, consumed = run.ledger.check_all()
