@@ -62,8 +62,9 @@ def runtime_user_errors() -> tuple[type[BaseException], ...]:
     from mmrlhf.experience.fast_maker import PromptMismatchError
     from mmrlhf.rewards.types import RewardError
     from mmrlhf.rollout.types import PromptTooLongError, RequestRejectedError
+    from mmrlhf.trainer.checkpoint import CheckpointSpaceError
 
-    return DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError
+    return DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError, CheckpointSpaceError
 
 
 def train_and_report(config: Any, *, resume: bool, dist: Any = None) -> int:

@@ -88,6 +88,7 @@ def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, 
     from mmrlhf.trainer.output_lock import lock_output_dir
 
     lock_output_dir(out)  # before anything is read or cleaned: the other run may be mid-save
+    checkpoints.remove_orphans()  # a save that was killed (or ran out of disk) left a half-written folder
     if resume:
         latest = checkpoints.latest()
         if latest is None:

@@ -12,6 +12,7 @@ values, read back with ``weights_only=True``), RNG states and the trainer state 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -22,6 +23,25 @@ from typing import Any, Callable
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint could not be written for lack of disk space (the message says how much is needed)."""
+
+
+def _tree_bytes(path: Path | None) -> int:
+    """Bytes of the files under ``path`` (0 if it is gone)."""
+    if path is None or not Path(path).exists():
+        return 0
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 def step_dir_name(step: int) -> str:
@@ -61,8 +81,15 @@ class CheckpointManager:
         tmp = self.root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        write(tmp)
-        _fsync_tree(tmp)
+        try:
+            write(tmp)
+            _fsync_tree(tmp)
+        except BaseException as exc:
+            written = _tree_bytes(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)  # at once: a half-written folder only takes more of the disk
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise self._space_error(final, written) from exc
+            raise
         if final.exists():  # the same step saved again (e.g. after an interrupt): replace it
             stale = self.root / f".old-{final.name}-{os.getpid()}"
             os.rename(final, stale)
@@ -73,6 +100,24 @@ class CheckpointManager:
         self._point_latest(final.name)
         self._prune()
         return final
+
+    def _space_error(self, final: Path, written: int) -> "CheckpointSpaceError":
+        """The disk-full error: the path, what a checkpoint needs (the previous one's size, or at least what this
+        one had written) and what is free now."""
+        previous = self.latest()
+        needed = max(_tree_bytes(previous) if previous is not None else 0, written)
+        free = shutil.disk_usage(self.root).free
+        return CheckpointSpaceError(
+            f"no space left on device while saving {final}: a checkpoint takes about {_human(needed)} "
+            f"({'the size of ' + previous.name if previous is not None else 'written before the failure'}), "
+            f"{_human(free)} is free on that disk. The half-written folder was removed and the previous checkpoint "
+            f"is intact: free space (or lower trainer.keep_last), then continue with --resume")
+
+    def remove_orphans(self) -> None:
+        """Remove what interrupted saves left behind (at start-up, under the output folder's lock, and before each
+        save)."""
+        if self.root.is_dir():
+            self._remove_orphans()
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""

@@ -106,3 +106,29 @@ def test_a_checkpoint_of_another_launch_mode_is_refused_naming_the_mode(tmp_path
         check_resume_mode(tmp_path / "single", world_size=2)
     with pytest.raises(ValueError, match=r"written by the Ray mode.*model.pretrain="):
         check_resume_mode(tmp_path / "ray", world_size=None)
+
+
+def test_a_full_disk_names_the_path_and_the_size_removes_the_half_written_folder_and_resume_works(tmp_path):
+    import errno
+
+    from mmrlhf.trainer.checkpoint import CheckpointSpaceError
+
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    first = mgr.save(1, lambda d: (d / "weights.bin").write_bytes(b"x" * 300_000))
+
+    def disk_full(d):
+        (d / "weights.bin").write_bytes(b"x" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointSpaceError) as err:
+        mgr.save(2, disk_full)
+    text = str(err.value)
+    assert "no space left on device while saving" in text and "step-00000002" in text
+    assert "about 293.0 KiB (the size of step-00000001)" in text and "is free on that disk" in text
+    assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".")] == []  # removed at once
+    assert mgr.latest() == first  # the previous checkpoint is what --resume finds
+    # an orphan left by a kill during a save goes at start-up (remove_orphans), not only at the next save
+    (tmp_path / "ckpt" / ".tmp-step-00000003-999").mkdir()
+    mgr.remove_orphans()
+    assert not (tmp_path / "ckpt" / ".tmp-step-00000003-999").exists()
+    assert mgr.save(2, lambda d: (d / "weights.bin").write_bytes(b"y")).name == "step-00000002"  # space freed
