@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics, merge_share_metrics
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
 from mmrlhf.trainer.checkpoint import CheckpointManager, write_policy_and_updaters
+from mmrlhf.trainer.interrupt import stop_on_interrupt
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
 from mmrlhf.trainer.reporting import StepReporter
@@ -86,7 +86,7 @@ class Trainer:
         step is always evaluated (when evaluation is on), saved and reported."""
         s, p = self.s, self.p
         bar = ProgressBar(s.max_steps, initial=self.state.step, enabled=s.progress_bar)
-        with _stop_on_interrupt() as stop, bar:
+        with stop_on_interrupt() as stop, bar:
             while self.state.step < s.max_steps and not stop.requested:
                 t0 = time.perf_counter()
                 metrics = self.train_step()
@@ -343,45 +343,4 @@ def _timed(seconds: dict[str, float], name: str) -> Iterator[None]:
         seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
-class _StopFlag:
-    requested = False
-
-
-STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}  # SIGTERM: how schedulers preempt a job
-
-
-@contextmanager
-def _stop_on_interrupt() -> Iterator[_StopFlag]:
-    """The first Ctrl-C or SIGTERM asks the loop to stop after the current step (and save, then exit 0 saying how
-    to resume); a second one of either kind aborts at once."""
-    flag = _StopFlag()
-    try:
-        previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    except ValueError:  # not the main thread: no handler can be installed
-        yield flag
-        return
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    def handler(signum, frame):  # noqa: ARG001
-        if flag.requested:
-            restore()
-            raise KeyboardInterrupt
-        flag.requested = True
-        name = STOP_SIGNALS.get(signum, f"signal {signum}")
-        print(f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again to abort without saving)",
-              flush=True)
-
-    try:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, handler)
-    except ValueError:
-        yield flag
-        return
-    try:
-        yield flag
-    finally:
-        restore()
 

@@ -155,6 +155,24 @@ def test_killed_rollout_actor_stops_cleanly_with_checkpoint(cluster, tmp_path, c
     assert len(rows(tmp_path)) == stopped
 
 
+def test_sigterm_stops_after_the_step_and_saves(cluster, tmp_path, capsys):
+    """A scheduler's preemption (SIGTERM) in the Ray mode: the step in progress finishes, a checkpoint is saved, the
+    run exits 0 and says how to continue."""
+    import signal
+
+    from mmrlhf.distributed.ray.driver import run_ray
+
+    def preempt_at(run, metrics):
+        if run.step == 2:
+            signal.raise_signal(signal.SIGTERM)
+
+    rc = run_ray(toy(tmp_path, "trainer.max_steps=6", "distributed.max_staleness=1"), on_step=preempt_at)
+    out = capsys.readouterr().out
+    assert rc == 0 and "interrupted at step 2" in out and "model.pretrain=" in out
+    assert (tmp_path / "checkpoints/step-00000002/model/config.json").exists()
+    assert [h["step"] for h in rows(tmp_path)] == [1, 2]
+
+
 def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, capfd):
     from mmrlhf.distributed.ray.driver import run_ray
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from mmrlhf.distributed.ray.holder import ExperienceMakerHolder, holder_name
 from mmrlhf.experience.rollout import merge_share_metrics
+from mmrlhf.trainer.interrupt import stop_on_interrupt
 from mmrlhf.distributed.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
 from mmrlhf.distributed.ray.runtime import (
     PlacementPlan,
@@ -78,6 +79,7 @@ class RayRun:
         self.plan = plan or cluster_placement(self.config)
         self.placement_group = _reserve(self.plan)
         self.k, self.n = d.max_staleness, d.num_rollout_actors
+        self.interrupted = False  # fit() stopped early on Ctrl-C / SIGTERM
         self.ledger, self.stats = ExperienceLedger(), StalenessStats()
         self.restarts = [0] * self.n
         self.failures: list[str] = []
@@ -117,15 +119,27 @@ class RayRun:
     def fit(self, max_steps: int, tracker: Any = None, on_step: Any = None) -> dict[str, float]:
         """Train ``max_steps`` steps; returns the last step's metrics. Raises :class:`RolloutActorFailure` when a
         rollout actor dies and ``distributed.on_rollout_failure`` (or the restart budget) says stop; ``self.step``
-        is then the number of completed steps."""
-        import ray
+        is then the number of completed steps. Ctrl-C or SIGTERM stops after the step in progress
+        (``self.interrupted``); batches generated ahead (``max_staleness``) are dropped."""
 
         self.pending: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self.step, submitted, last = 0, -1, {}
+        self.step = 0
         t_start = time.perf_counter()
-        trainer_wait = rollout_wait = 0.0
         eval_steps = self.config.trainer.eval_steps
-        while self.step < max_steps:
+        with stop_on_interrupt() as stop:
+            last = self._loop(max_steps, tracker, on_step, stop, t_start, eval_steps)
+        self.interrupted = stop.requested and self.step < max_steps
+        self.ledger.check_all()
+        return last
+
+    def _loop(self, max_steps: int, tracker: Any, on_step: Any, stop: Any, t_start: float,
+              eval_steps: int) -> dict[str, float]:
+        """The steps of :meth:`fit` until ``max_steps`` or a Ctrl-C / SIGTERM (``stop``) after a finished step."""
+        import ray
+
+        submitted, last = -1, {}
+        trainer_wait = rollout_wait = 0.0
+        while self.step < max_steps and not stop.requested:
             t = self.step
             step_t0 = time.perf_counter()
             while submitted < min(t + self.k, max_steps - 1):
@@ -178,7 +192,6 @@ class RayRun:
                 tracker.log(self.step, metrics)
             if on_step is not None:
                 on_step(self, metrics)
-        self.ledger.check_all()
         return last
 
     def _await_share(self, step: int, share: int) -> dict[str, Any]:
@@ -323,6 +336,10 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, dic
                 print(f"error: {type(cause).__name__}: {cause}\n  stopped after step {run.step}", file=sys.stderr)
                 return 1
         path = run.save()
+        if run.interrupted:
+            print(f"\ninterrupted at step {run.step}: checkpoint saved to {path}; the Ray mode cannot --resume yet: "
+                  f"continue from its policy with model.pretrain={Path(path) / 'model'}")
+            return 0
         produced, consumed = run.ledger.check_all()
         reward = metrics.get("eval/reward/mean", metrics.get("reward/mean"))
         print(f"done: step {run.step}" + (f", reward {reward:.3f}" if reward is not None else ""))
