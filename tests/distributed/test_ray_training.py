@@ -155,6 +155,19 @@ def test_killed_rollout_actor_stops_cleanly_with_checkpoint(cluster, tmp_path, c
     assert len(rows(tmp_path)) == stopped
 
 
+def test_a_dead_trainer_actor_ends_with_an_error_line(cluster, tmp_path, capfd):
+    from mmrlhf.distributed.ray.driver import run_ray
+
+    def kill_trainer_at(run, metrics):
+        if run.step == 1:
+            ray.kill(run.trainer, no_restart=True)
+
+    rc = run_ray(toy(tmp_path, "trainer.max_steps=4"), on_step=kill_trainer_at)
+    err = capfd.readouterr().err
+    assert rc == 1 and "error: an actor died" in err and "stopped after step 1" in err
+    assert "Traceback" not in err
+
+
 def test_sigterm_stops_after_the_step_and_saves(cluster, tmp_path, capsys):
     """A scheduler's preemption (SIGTERM) in the Ray mode: the step in progress finishes, a checkpoint is saved, the
     run exits 0 and says how to continue."""

@@ -239,6 +239,30 @@ def test_ranks_with_different_sample_counts_finish_and_take_the_one_process_step
     assert m2["policy/grad_norm"] == pytest.approx(m1["policy/grad_norm"], rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_skipped_bad_record_on_one_rank_does_not_hang_and_is_counted_once(tmp_path, toy_model):
+    """``mmrlhf train`` under torchrun over 4 file prompts, one with a missing image and ``data.on_bad_input=skip``:
+    the rank holding it trains 16 samples, the other 32 (different forward counts), and the step finishes."""
+    from PIL import Image
+
+    Image.new("RGB", (56, 56), (30, 30, 200)).save(tmp_path / "blue.png")
+    rows = [{"prompt": "<image>What color is the square? Answer with one word.",
+             "images": ["gone.png" if i == 1 else "blue.png"], "reference": "blue", "id": f"q{i}"} for i in range(4)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    proc = _torchrun("-m", "mmrlhf.cli", "train", str(TOY), f"model.pretrain={toy_model}", f"trainer.output_dir={out}",
+                     f"data.prompt_data=[{tmp_path / 'train.jsonl'}]", "data.generator=null", "data.on_bad_input=skip",
+                     "trainer.eval_steps=0", "trainer.report_steps=0", "trainer.progress_bar=false",
+                     "trainer.tensorboard=false", "trainer.max_steps=1", "trainer.rollout_batch_size=4",
+                     "trainer.train_batch_size=64", "rollout.n_samples_per_prompt=16",
+                     "rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16", timeout=420)
+    assert "done: step 1 on 2 ranks" in proc.stdout
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["skipped_prompts"] == 1 and row["samples"] == 48 and row["prompts"] == 3
+    assert row["policy/optimizer_steps"] == 1
+
+
 # ---- acceptance: a 2-rank run learns, its checkpoint resumes ------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.vllm
