@@ -158,19 +158,21 @@ def test_the_update_normalises_over_ranks():
 @pytest.fixture(scope="module")
 def first_step(tmp_path_factory, toy_model):
     """{single, sharded, control} -> (tensors, metrics) of the first step."""
-    out = {}
-    for name in ("single", "sharded", "control"):
-        folder = tmp_path_factory.mktemp(name)
-        args = [str(WORKER), "--out", str(folder), "--model", toy_model]
-        if name == "single":
-            proc = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=600,
-                                  cwd=ROOT)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        else:
-            _torchrun(*args, *(["--control", "per-rank-norm"] if name == "control" else []))
-        out[name] = (torch.load(folder / "tensors.pt", weights_only=True),
-                     json.loads((folder / "metrics.json").read_text()))
-    return out
+    return {name: _first_step(tmp_path_factory.mktemp(name), toy_model, sharded=name != "single",
+                              extra=["--control", "per-rank-norm"] if name == "control" else [])
+            for name in ("single", "sharded", "control")}
+
+
+def _first_step(folder: Path, toy_model: str, *, sharded: bool, extra: list[str], timeout: int = 600):
+    """(tensors, metrics) of the worker's first step, in one process or on 2 ranks."""
+    args = [str(WORKER), "--out", str(folder), "--model", toy_model, *extra]
+    if sharded:
+        _torchrun(*args, timeout=timeout)
+    else:
+        proc = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return (torch.load(folder / "tensors.pt", weights_only=True), json.loads((folder / "metrics.json").read_text()))
 
 
 @pytest.mark.slow
@@ -212,19 +214,9 @@ def uneven_step(tmp_path_factory, toy_model):
     """{single, sharded} -> (tensors, metrics) of a first step in which group 1 (rank 1's) is left out, as a skipped
     prompt would be: rank 0 holds 64 samples, rank 1 48, so with micro-batches of 16 rank 1 has fewer scoring
     forwards and update micro-batches. Without padding, rank 0's extra FSDP collectives wait forever."""
-    out = {}
-    for name in ("single", "sharded"):
-        folder = tmp_path_factory.mktemp(f"uneven-{name}")
-        args = [str(WORKER), "--out", str(folder), "--model", toy_model, "--drop-group", "1"]
-        if name == "single":
-            proc = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=600,
-                                  cwd=ROOT)
-            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        else:
-            _torchrun(*args, timeout=420)
-        out[name] = (torch.load(folder / "tensors.pt", weights_only=True),
-                     json.loads((folder / "metrics.json").read_text()))
-    return out
+    return {name: _first_step(tmp_path_factory.mktemp(f"uneven-{name}"), toy_model, sharded=name == "sharded",
+                              extra=["--drop-group", "1"], timeout=420)
+            for name in ("single", "sharded")}
 
 
 @pytest.mark.slow
