@@ -179,10 +179,13 @@ class Trainer:
             if sleeps:
                 with _timed(seconds, "engine_wake_kv"):
                     engine.wake_up(tags=WAKE_KV_CACHE)
-        self.state.samples_generated += int(metrics.get("samples", len(rollout)))
         trained = sum(1 for it in items if bool(it.token["loss_mask"].any()))  # masked samples train nothing
-        self.state.samples_trained += trained
         metrics["train/samples_trained"] = float(trained)
+        generated = float(metrics.get("samples", len(rollout)))
+        if p.dist is not None:  # every rank keeps the run's totals (rank 0's are saved and restored into all)
+            generated, trained = p.dist.all_sum([generated, float(trained)])
+        self.state.samples_generated += int(generated)
+        self.state.samples_trained += int(trained)
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
         self.last_rollout, self.last_items = rollout, items
         return metrics
