@@ -169,6 +169,7 @@ class PromptDataset:
             raise ValueError("no prompt data: set data.prompt_data to one or more files or folders")
         self.skips = skips if skips is not None else SkipLog(config.on_bad_input)
         self.records: list[PromptRecord] = []
+        self._fingerprint: dict[str, Any] | None = None
         index = 0
         for path in self.paths:
             base_dir = _base_dir(path)
@@ -187,8 +188,10 @@ class PromptDataset:
 
     def fingerprint(self) -> dict[str, Any]:
         """What a resumed stream checks it is walking the same data: the records kept and each path's files (name,
-        size and a content hash; :func:`path_fingerprint`)."""
-        return {"records": len(self.records), "files": {p: path_fingerprint(p) for p in self.paths}}
+        size and a content hash; :func:`path_fingerprint`). Computed once (every checkpoint stores it)."""
+        if self._fingerprint is None:
+            self._fingerprint = {"records": len(self.records), "files": {p: path_fingerprint(p) for p in self.paths}}
+        return self._fingerprint
 
     def __iter__(self) -> Iterator[PromptRecord]:
         return iter(self.records)
