@@ -45,3 +45,10 @@ def test_a_broken_check_is_a_failed_row_and_the_others_still_run(tmp_path, monke
         doctor.run_checks(doctor.DoctorOptions(), only=["nccl"])
     md, _ = doctor.write_report(results, tmp_path, {"device": "cpu"})
     assert "1 passed, 1 failed, 0 skipped" in md.read_text()
+
+
+@pytest.mark.skipif(doctor.cuda_device("auto"), reason="checks the behaviour without an accelerator")
+def test_gpu_without_an_accelerator_is_an_error_line(tmp_path, capsys):
+    assert main(["doctor", "--gpu", "--only", "environment", "--out", str(tmp_path)]) == 2
+    assert "error: --gpu, but torch finds no accelerator" in capsys.readouterr().err
+    assert not (tmp_path / "doctor.json").exists()

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "its number, the reason), written to OUT/doctor.md and OUT/doctor.json. Without a CUDA device the CPU "
         "checks run and the GPU-only ones are skipped with the reason. Exits 1 if any check failed.",
     )
-    parser.add_argument("--gpu", action="store_true", help="require a CUDA device (same as --device cuda)")
+    parser.add_argument("--gpu", action="store_true", help="require an accelerator: run on the one torch finds, or stop with an error")
     parser.add_argument("--device", default="auto", help="trainer device: auto (CUDA when present) | cpu | cuda[:i]")
     parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
     parser.add_argument("--steps", type=int, default=5, help="toy-run steps (default 5)")
@@ -33,7 +33,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from mmrlhf.testing.doctor import CheckResult, DoctorOptions, run_checks, write_report
 
-    device = "cuda" if args.gpu and args.device == "auto" else args.device
+    device = args.device
+    if args.gpu:  # the accelerator torch finds (the device is never named here: the machine decides it)
+        from mmrlhf.devices import resolve_device
+
+        found = resolve_device(device)
+        if found.type == "cpu":
+            print("error: --gpu, but torch finds no accelerator on this machine (run without --gpu, or with "
+                  "--device cpu, to check the CPU)", file=sys.stderr)
+            return 2
+        device = str(found)
     opts = DoctorOptions(device=device, steps=args.steps, quick=args.quick, engine=args.engine)
 
     def echo(row: CheckResult) -> None:
