@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -15,7 +14,7 @@ import torch
 
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.models.placement import module_device
-from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode
+from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode, read_trainer_state
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
 from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
 from mmrlhf.trainer.minibatch import GuardedStepper
@@ -212,8 +211,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
 
 def _resume_changes(checkpoint: Path, record: dict[str, Any]) -> list:
     """The keys changed since ``checkpoint`` was written (refused ones raise, before any model loads)."""
-    state_file = Path(checkpoint) / "trainer_state.json"
-    saved = json.loads(state_file.read_text()).get("config") if state_file.exists() else None
+    saved = read_trainer_state(checkpoint).get("config")
     if saved is None:
         logger.warning("%s records no config: changed keys cannot be checked", checkpoint)
         return []

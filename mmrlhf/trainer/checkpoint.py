@@ -194,13 +194,18 @@ def write_policy_and_updaters(folder: Path, policy: Any, critic: Any | None, pro
     torch.save(optim, folder / "optimizer.pt")
 
 
-def checkpoint_mode(folder: Path) -> tuple[str, int]:
-    """``(launch mode, ranks)`` that wrote a checkpoint: ``("ray", 1)``, ``("torchrun", N)`` or ``("single", 1)``
-    (read from its ``trainer_state.json``; the three write different files)."""
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer_state.json`` (empty if it has none)."""
     import json
 
     state_file = Path(folder) / "trainer_state.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    return json.loads(state_file.read_text()) if state_file.exists() else {}
+
+
+def checkpoint_mode(folder: Path) -> tuple[str, int]:
+    """``(launch mode, ranks)`` that wrote a checkpoint: ``("ray", 1)``, ``("torchrun", N)`` or ``("single", 1)``
+    (read from its ``trainer_state.json``; the three write different files)."""
+    state = read_trainer_state(folder)
     if state.get("launch") == "ray":
         return "ray", 1
     if "world_size" in state:
