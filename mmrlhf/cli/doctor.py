@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "its number, the reason), written to OUT/doctor.md and OUT/doctor.json. Without a CUDA device the CPU "
         "checks run and the GPU-only ones are skipped with the reason. Exits 1 if any check failed.",
     )
-    parser.add_argument("--gpu", action="store_true", help="require an accelerator: run on the one torch finds, or stop with an error")
+    parser.add_argument("--gpu", action="store_true",
+                        help="require an accelerator: run on the one torch finds, or stop with an error")
     parser.add_argument("--device", default="auto", help="trainer device: auto (CUDA when present) | cpu | cuda[:i]")
     parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
     parser.add_argument("--steps", type=int, default=5, help="toy-run steps (default 5)")

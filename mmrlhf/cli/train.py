@@ -15,7 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Load CONFIG, apply the dotted overrides (section.key=value), build the models, the rollout "
         "engine, the rewards and the trainer, and train for trainer.max_steps rollout steps. Metrics go to "
         "OUTPUT_DIR/metrics.jsonl and TensorBoard; curves.png, report.html and checkpoints/ are written there too. "
-        "Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and exits; --resume continues from the latest one.",
+        "Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and exits; --resume continues from the "
+        "latest one.",
     )
     parser.add_argument("config", help="YAML recipe (see examples/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6 trainer.max_steps=10")

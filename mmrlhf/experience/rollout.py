@@ -90,9 +90,10 @@ class ScoredRollout:
         # Each round draws from its own derived seed; rounds that differ only there are one setting (the seed
         # says where the noise came from, not what distribution the samples follow or how they are scored).
         settings = [dataclasses.replace(p.sampling, seed=None) for p in parts]
-        if any(s != settings[0] for s in settings):
-            raise ValueError("rounds sampled with different settings cannot be trained on together: "
-                             f"{parts[0].sampling} vs {next(p.sampling for p, s in zip(parts, settings) if s != settings[0])}")
+        other = next((p.sampling for p, s in zip(parts, settings) if s != settings[0]), None)
+        if other is not None:
+            raise ValueError(f"rounds sampled with different settings cannot be trained on together: "
+                             f"{parts[0].sampling} vs {other}")
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
         offset = 0
         for p in parts:

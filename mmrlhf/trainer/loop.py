@@ -82,8 +82,8 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Run until ``max_steps``; Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and returns. The last
-        step is always evaluated (when evaluation is on), saved and reported."""
+        """Run until ``max_steps``; Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and returns. The
+        last step is always evaluated (when evaluation is on), saved and reported."""
         s, p = self.s, self.p
         bar = ProgressBar(s.max_steps, initial=self.state.step, enabled=s.progress_bar)
         with stop_on_interrupt() as stop, bar:

@@ -129,7 +129,8 @@ def test_bad_rows_raise_naming_record_field_and_file(tmp_path):
 
     (tmp_path / "img.png").write_bytes(good)
     (tmp_path / "n.json").write_text(json.dumps([{"image": "img.png", "problem": "How many?", "solution": "many"}]))
-    with pytest.raises(DataError, match=r"record 0, field 'solution / answer'.*whole-number count in ASCII digits, got 'many'"):
+    with pytest.raises(DataError,
+                       match=r"record 0, field 'solution / answer'.*whole-number count in ASCII digits, got 'many'"):
         prepare("clevr_count", [str(tmp_path / "n.json")], str(tmp_path / "n.jsonl"))
 
     video = published_data.write_video(tmp_path / "v.mp4")
