@@ -124,19 +124,17 @@ class RayRun:
 
         self.pending: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.step = 0
-        t_start = time.perf_counter()
-        eval_steps = self.config.trainer.eval_steps
         with stop_on_interrupt() as stop:
-            last = self._loop(max_steps, tracker, on_step, stop, t_start, eval_steps)
+            last = self._loop(max_steps, tracker, on_step, stop)
         self.interrupted = stop.requested and self.step < max_steps
         self.ledger.check_all()
         return last
 
-    def _loop(self, max_steps: int, tracker: Any, on_step: Any, stop: Any, t_start: float,
-              eval_steps: int) -> dict[str, float]:
+    def _loop(self, max_steps: int, tracker: Any, on_step: Any, stop: Any) -> dict[str, float]:
         """The steps of :meth:`fit` until ``max_steps`` or a Ctrl-C / SIGTERM (``stop``) after a finished step."""
         import ray
 
+        t_start, eval_steps = time.perf_counter(), self.config.trainer.eval_steps
         submitted, last = -1, {}
         trainer_wait = rollout_wait = 0.0
         while self.step < max_steps and not stop.requested:
