@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 from mmrlhf.models.actor import ActorVL
+from mmrlhf.testing.updates import moved_fraction, update_agreement
 from models_testing import built_batches
 
 # Relative error of the bf16-compute update against the float32 one, ||du_bf16 - du_fp32|| / ||du_fp32||. Adam's
@@ -35,16 +35,6 @@ def _train(actor: ActorVL, built, steps: int = 1, lr: float = 1e-6) -> dict[str,
     return {n: p.detach().double().clone() for n, p in actor.model.named_parameters()}
 
 
-def _moved(before, after) -> float:
-    return sum(int((after[n] != v).sum()) for n, v in before.items()) / sum(v.numel() for v in before.values())
-
-
-def _rel_error(before, a, b) -> float:
-    da = torch.cat([(a[n] - v).flatten() for n, v in before.items()])
-    db = torch.cat([(b[n] - v).flatten() for n, v in before.items()])
-    return float((da - db).norm() / db.norm())
-
-
 def test_bf16_compute_over_float32_master_moves_the_weights_float32_moves(bundles):
     bundle = bundles["qwen2_vl"]
     built = built_batches(bundle)["padded"]
@@ -62,15 +52,15 @@ def test_bf16_compute_over_float32_master_moves_the_weights_float32_moves(bundle
     after32 = _train(fp32, built)
     after16 = _train(master, built)
     assert all(p.dtype == torch.float32 for p in master.parameters())  # master weights stayed float32
-    moved32, moved16 = _moved(before, after32), _moved(before, after16)
+    moved32, moved16 = moved_fraction(before, after32), moved_fraction(before, after16)
     assert moved32 > 0.3, moved32
     assert moved16 >= 0.9 * moved32, (moved16, moved32)
-    assert _rel_error(before, after16, after32) < UPDATE_REL_TOLERANCE
+    assert update_agreement(before, after16, after32)["rel_error"] < UPDATE_REL_TOLERANCE
 
     # control: the parameters themselves in bf16 (no master copy), AdamW stepping them: the update rounds away
     plain = ActorVL(copy.deepcopy(base).to(torch.bfloat16), bundle.adapter)
     start = {n: p.detach().double().clone() for n, p in plain.model.named_parameters()}
     after_plain = _train(plain, built)
-    assert _moved(start, after_plain) < 0.9 * moved32
-    assert _rel_error(start, after_plain, {n: v - before[n] + start[n] for n, v in after32.items()}) \
-        >= UPDATE_REL_TOLERANCE
+    assert moved_fraction(start, after_plain) < 0.9 * moved32
+    reference = {n: v - before[n] + start[n] for n, v in after32.items()}
+    assert update_agreement(start, after_plain, reference)["rel_error"] >= UPDATE_REL_TOLERANCE
