@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_once(k: int, steps: int, out: Path, extra: list[str]) -> list[dict[str, float]]:
     """One Ray run with ``max_staleness=k``; the metrics of every step."""
     from mmrlhf.config import load_config
-    from mmrlhf.distributed.ray.driver import RayRun
+    from mmrlhf.launch.ray.driver import RayRun
     from mmrlhf.testing.tiny_models import tiny_model_dir
 
     config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [

@@ -68,7 +68,7 @@ def timed_run(args, shared_prompt: str):
                 metrics["time/step"] = time.perf_counter() - t0
                 if i >= args.warmup:
                     rows.append(metrics)
-        trainer.p.maker.engine.close()
+        trainer.p.source.maker.engine.close()
     return config, breakdown(rows)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,71 +37,6 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from mmrlhf.distributed.launch import resolve_backend
+    from mmrlhf.launch import run
 
-    try:
-        backend = resolve_backend(config.distributed.backend)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if backend == "ray":
-        from mmrlhf.distributed.ray.driver import run_ray
-
-        return run_ray(config, resume=args.resume)
-    if backend == "torchrun":
-        from mmrlhf.distributed.torchrun import run_torchrun
-
-        return run_torchrun(config, resume=args.resume)
-    return train_and_report(config, resume=args.resume)
-
-
-def runtime_user_errors() -> tuple[type[BaseException], ...]:
-    """The errors a user's data, rewards or settings can raise in the middle of a run: reported as one ``error:``
-    line (they name the record, the source or the key), not a traceback."""
-    from mmrlhf.data.errors import DataError
-    from mmrlhf.experience.fast_maker import PromptMismatchError
-    from mmrlhf.rewards.types import RewardError
-    from mmrlhf.rollout.types import PromptTooLongError, RequestRejectedError
-    from mmrlhf.trainer.checkpoint import CheckpointSpaceError
-
-    return DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError, CheckpointSpaceError
-
-
-def train_and_report(config: Any, *, resume: bool, dist: Any = None) -> int:
-    """Build the trainer, train, print where the results are; the exit code of ``mmrlhf train`` (0 done, 1 stopped
-    by non-finite updates, 2 misconfigured). ``dist``: this rank's context under torchrun (errors name the rank;
-    only rank 0 writes ``config.yaml`` and the summary, which also says how many ranks trained)."""
-    from mmrlhf.config import dump_config
-    from mmrlhf.trainer.builder import build_trainer
-    from mmrlhf.trainer.minibatch import NonFiniteError
-
-    who = "" if dist is None else f" (rank {dist.rank})"
-    main = dist is None or dist.is_main
-    try:
-        trainer = build_trainer(config, resume=resume, dist=dist)
-    except (OSError, ValueError) as exc:  # config, output folder, checkpoint, model files: before training
-        print(f"error{who}: {exc}", file=sys.stderr)
-        return 2
-    out = trainer.s.output_dir
-    if main:
-        with open(f"{out}/config.yaml", "w") as f:
-            f.write(dump_config(config))
-    try:
-        with trainer.p.tracker:
-            metrics = trainer.fit()
-    except (NonFiniteError, *runtime_user_errors()) as exc:
-        latest = trainer.p.checkpoints.latest()
-        where = f"; the last checkpoint is {latest}" if latest is not None else ""
-        print(f"error{who}: {exc}{where}", file=sys.stderr)
-        return 1
-    if not main:
-        return 0
-    latest = trainer.p.checkpoints.latest()
-    reward = metrics.get("eval/reward/mean", metrics.get("reward/mean"))
-    ranks = "" if dist is None else f" on {dist.world_size} ranks"
-    print(f"done: step {trainer.state.step}{ranks}" + (f", reward {reward:.3f}" if reward is not None else ""))
-    print(f"  curves:     {trainer.p.reporter.curves_path}")
-    print(f"  report:     {trainer.p.reporter.report_path}")
-    print(f"  checkpoint: {latest}")
-    print(f"  metrics:    {out}/metrics.jsonl (TensorBoard: tensorboard --logdir {out}/tensorboard)")
-    return 0
+    return run(config, resume=args.resume)

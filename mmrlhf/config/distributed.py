@@ -11,7 +11,7 @@ from mmrlhf.config.base import Section
 
 
 class DistributedConfig(Section):
-    """Read by ``mmrlhf train`` before anything is built (``mmrlhf.distributed``). Three launch modes:
+    """Read by ``mmrlhf train`` before anything is built (``mmrlhf.launch``). Three launch modes:
 
     * one process: ``mmrlhf train CONFIG`` (the default, ``backend: auto`` outside torchrun);
     * ``torchrun --nproc-per-node N -m mmrlhf train CONFIG``: every rank trains an FSDP2 shard of the actor (and

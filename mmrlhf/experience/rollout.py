@@ -131,7 +131,10 @@ def is_count_metric(key: str) -> bool:
 def merge_share_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[float]) -> dict[str, float]:
     """Metrics of the shares of ONE step computed side by side (torchrun ranks, Ray rollout actors) as the step's:
     counts summed, ``time/*`` the slowest share's (they ran in parallel), every other value averaged with
-    ``weights`` (each share's sample count: a per-sample mean of the whole step)."""
+    ``weights`` (each share's sample count: a per-sample mean of the whole step). One share is the step's as it is
+    (no rounding through the weights)."""
+    if len(metrics) == 1:
+        return {k: float(v) for k, v in metrics[0].items()}
     out: dict[str, float] = {}
     for key in sorted({k for m in metrics for k in m}):
         present = [(float(m[key]), float(w)) for m, w in zip(metrics, weights) if key in m]

@@ -9,7 +9,7 @@ MASTER parameters, gradients and optimiser state, and compute in ``model.dtype``
 * one process and the Ray trainer actor: the forwards run under ``torch.autocast(dtype=compute)``
   (:func:`autocast`, entered by :class:`~mmrlhf.models.actor.ActorVL` itself, so every caller gets it);
 * torchrun: FSDP2's ``MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`` casts the float32 shards
-  for each forward (:mod:`mmrlhf.distributed.fsdp`), and the actor's own autocast is switched off.
+  for each forward (:mod:`mmrlhf.models.sharding`), and the actor's own autocast is switched off.
 
 Models that never train (the reference) are stored in the compute dtype: they need no master copy, and that
 halves their memory. float16 compute would need a gradient scaler (its gradients underflow); the config refuses it

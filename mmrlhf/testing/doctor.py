@@ -168,7 +168,7 @@ def _fit(cfg: Any, before: Callable[[Any], None] | None = None) -> tuple[Any, li
         trainer.fit()
     path = Path(cfg.trainer.output_dir) / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    engine = trainer.p.maker.engine
+    engine = trainer.p.source.maker.engine
     if hasattr(engine, "close"):
         engine.close()
     return trainer, rows

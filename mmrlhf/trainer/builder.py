@@ -7,21 +7,25 @@ import logging
 import math
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.models.placement import module_device
+from mmrlhf.models.sharding import checkpoint_blocks, shard_models
+from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode, read_trainer_state
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
 from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
 from mmrlhf.trainer.minibatch import GuardedStepper
 from mmrlhf.trainer.optim import build_optimizer, build_scheduler, freeze_vision
 from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings
-from mmrlhf.trainer.resume_changes import apply_changes, check_changes
 from mmrlhf.trainer.reporting import StepReporter
+from mmrlhf.trainer.resume_changes import apply_changes, check_changes
+from mmrlhf.trainer.rollouts import LocalRollouts, LocalSettings, RolloutSource
 from mmrlhf.trainer.state import seed_everything
 from mmrlhf.trainer.tracking import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 
@@ -124,28 +128,65 @@ def clear_run_outputs(out: Path, checkpoint_root: Path) -> list[str]:
     return removed
 
 
-def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = None) -> Trainer:
-    """Models, engine, maker, updaters, data stream, evaluation, tracker, checkpoints and reports of a run.
+@dataclass
+class Rollouts:
+    """What a launch mode's rollout factory returns: the policy it built (on this rank's device) and where the
+    experiences come from."""
 
-    ``dist``: this rank's :class:`~mmrlhf.distributed.context.DistContext` under torchrun (None: one process). Each
-    rank then builds its own engine (generating its share of every step's prompts, with its own sampling seed), the
-    actor and critic are sharded with FSDP2, and only rank 0 writes metrics, reports and the progress bar."""
+    actor: Any  # ActorVL, trainable (the updater trains it; the builder shards it in a world of several ranks)
+    source: RolloutSource
+    processor: Any  # saved beside the model in checkpoints
+    tokenizer: Any
+
+
+# (config, world, critic, policy_path, freeze) -> Rollouts; policy_path: the checkpoint's model/ on a resume
+RolloutFactory = Callable[[MMRLHFConfig, World, Any, "str | None", Callable[[Any], None]], Rollouts]
+
+
+def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path: str | None,
+                   freeze: Callable[[Any], None]) -> Rollouts:
+    """The rollout factory of one process and of every torchrun rank: an engine in this process, the experience
+    maker (its actor is the trained policy), the prompt stream and the held-out evaluation (rank 0)."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
-    from mmrlhf.trainer.tracking import MetricsTracker, WandbSettings
 
-    record = config.model_dump(mode="json")  # what the user configured (the ranks' seeds are derived from it)
-    if dist is not None:
-        config = _rank_config(config, dist)
     t, a, d = config.trainer, config.algorithm, config.data
+    stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path)
+    evaluator = build_evaluator(config, stack.maker) if t.eval_steps and world.is_main else None
+    settings = LocalSettings(
+        rollout_batch_size=t.rollout_batch_size, dynamic_sampling=a.dynamic_sampling,
+        dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
+        dynamic_sampling_tol=a.dynamic_sampling_tol)
+    stream = PromptStream(build_prompt_source(config), seed=t.seed, shuffle=d.shuffle,
+                          restart_on_change=d.restart_stream_on_resume)
+    return Rollouts(stack.actor, LocalRollouts(stack.maker, stream, world, settings, evaluator), stack.processor,
+                    stack.tokenizer)
+
+
+def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | None = None,
+                  rollouts: RolloutFactory = local_rollouts) -> Trainer:
+    """Models, rollout source, updaters, evaluation, tracker, checkpoints and reports of this rank of a run.
+
+    ``world``: this rank among the training ranks (default: one process on ``trainer.device``). In a world of
+    several ranks the actor and critic are sharded with FSDP2 and every rank samples with its own seed; only rank 0
+    writes metrics, reports and the progress bar. ``rollouts``: where experiences come from (the launch mode's
+    factory; default an engine in this process)."""
+    from mmrlhf.devices import resolve_device
+    from mmrlhf.trainer.tracking import MetricsTracker, SilentTracker, WandbSettings
+
+    world = world or single(resolve_device(config.trainer.device))
+    record = config.model_dump(mode="json")  # what the user configured (the ranks' seeds are derived from it)
+    config = _rank_config(config, world)
+    t = config.trainer
     out = Path(t.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", t.keep_last)
-    if dist is None or dist.is_main:
+    resume_from = None
+    if world.is_main:
         resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
-    if dist is not None:  # rank 0 alone cleans the folder; the others learn what it decided
-        resume_from = dist.broadcast_object(None if dist.rank else resume_from)
+    resume_from = world.broadcast_object(resume_from)  # rank 0 alone cleans the folder; the others learn its choice
     if resume_from is not None:
-        check_resume_mode(resume_from, world_size=None if dist is None else dist.world_size)
+        resume_from = Path(resume_from)
+        check_resume_mode(resume_from, launch=world.launch, world_size=world.world_size)
     changes = _resume_changes(resume_from, record) if resume_from is not None else []
     seed_everything(t.seed)
 
@@ -153,56 +194,39 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, dist: Any = Non
         counts = freeze_vision(actor.model, actor.adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
         logger.info("policy parameters: %d trainable, %d frozen", counts["trainable"], counts["frozen"])
 
-    critic = build_critic(config) if a.advantage_estimator == "gae" else None
-    stack = build_experience_maker(config, critic=critic, before_engine=freeze,
-                                   policy_path=str(resume_from / "model") if resume_from else None)
-    if dist is not None:
-        from mmrlhf.distributed.fsdp import shard_models
-
-        shard_models(stack.actor, critic, config.distributed, compute_dtype=config.model.dtype)
+    critic = build_critic(config) if config.algorithm.advantage_estimator == "gae" else None
+    made = rollouts(config, world, critic, str(resume_from / "model") if resume_from else None, freeze)
+    if world.sharded:
+        shard_models(made.actor, critic, config.distributed, compute_dtype=config.model.dtype)
     elif config.distributed.activation_checkpointing:
-        from mmrlhf.models.sharding import checkpoint_blocks
-
-        checkpoint_blocks(stack.actor)
-        if critic is not None:
-            checkpoint_blocks(critic)
-    policy, critic_updater = build_updaters(config, stack.actor, critic, pad_id=stack.tokenizer.pad_token_id,
-                                            dist=dist)
-
-    source = build_prompt_source(config)
-    evaluator = build_evaluator(config, stack.maker) if t.eval_steps else None
-
+        for model in (made.actor, critic):
+            if model is not None:
+                checkpoint_blocks(model)
+    policy, critic_updater = build_updaters(config, made.actor, critic, pad_id=made.tokenizer.pad_token_id,
+                                            world=world)
     wandb = None
     if t.wandb_project:
         wandb = WandbSettings(project=t.wandb_project, entity=t.wandb_entity, run_name=t.wandb_run_name,
                               mode=t.wandb_mode)
-    if dist is None or dist.is_main:
-        tracker: Any = MetricsTracker(out, tensorboard=t.tensorboard, wandb=wandb,
-                                      run_config=config.model_dump(mode="json"), resume=resume_from is not None,
-                                      overwrite=t.overwrite_output_dir)
-    else:
-        from mmrlhf.distributed.torchrun import SilentTracker
-
-        tracker = SilentTracker()
+    tracker: Any = SilentTracker()  # ranks > 0: rank 0 writes the run's metrics (already merged over ranks)
+    if world.is_main:
+        tracker = MetricsTracker(out, tensorboard=t.tensorboard, wandb=wandb, run_config=record,
+                                 resume=resume_from is not None, overwrite=t.overwrite_output_dir)
     parts = TrainerParts(
-        maker=stack.maker, policy=policy, critic=critic_updater,
-        stream=PromptStream(source, seed=t.seed, shuffle=d.shuffle, restart_on_change=d.restart_stream_on_resume),
-        evaluator=evaluator, tracker=tracker, checkpoints=checkpoints,
-        reporter=StepReporter(out, stack.tokenizer, groups=t.report_groups, title=out.name),
-        processor=stack.processor, shuffle=torch.Generator().manual_seed(t.seed), dist=dist)
+        source=made.source, policy=policy, critic=critic_updater, tracker=tracker, checkpoints=checkpoints,
+        reporter=StepReporter(out, made.tokenizer, groups=t.report_groups, title=out.name),
+        processor=made.processor, shuffle=torch.Generator().manual_seed(t.seed), world=world)
     settings = LoopSettings(
-        max_steps=t.max_steps, rollout_batch_size=t.rollout_batch_size, output_dir=str(out), save_steps=t.save_steps,
-        log_steps=t.log_steps, eval_steps=t.eval_steps, report_steps=t.report_steps,
-        dynamic_sampling=a.dynamic_sampling, dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
-        dynamic_sampling_tol=a.dynamic_sampling_tol, progress_bar=t.progress_bar and (dist is None or dist.is_main),
-        config=record)
+        max_steps=t.max_steps, output_dir=str(out), save_steps=t.save_steps, log_steps=t.log_steps,
+        eval_steps=t.eval_steps, report_steps=t.report_steps, progress_bar=t.progress_bar, config=record)
     trainer = Trainer(parts, settings)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
+        kl = getattr(getattr(made.source, "maker", None), "kl_controller", None)
         lines = apply_changes(changes, policy_stepper=policy.stepper,
                               critic_stepper=None if critic_updater is None else critic_updater.stepper,
-                              kl_controller=stack.maker.kl_controller)
-        if dist is None or dist.is_main:
+                              kl_controller=kl)
+        if world.is_main:
             for line in lines:
                 print(line, file=sys.stderr)
         logger.info("resumed from %s (step %d)", resume_from, trainer.state.step)
@@ -219,11 +243,11 @@ def _resume_changes(checkpoint: Path, record: dict[str, Any]) -> list:
 
 
 def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_id: int,
-                   dist: Any = None) -> tuple[PolicyUpdater, CriticUpdater | None]:
+                   world: World) -> tuple[PolicyUpdater, CriticUpdater | None]:
     """The policy updater (and the critic's, when ``critic`` is given) with their optimisers and schedules; the
     training half of a run, shared by every launch mode. The models compute on their own devices (they move each
-    batch there, :mod:`mmrlhf.models.placement`). ``dist``: the torchrun context (the models are already
-    sharded; the update loop normalises over all ranks)."""
+    batch there, :mod:`mmrlhf.models.placement`). ``world``: the training ranks (in a world of several the
+    models are already sharded; the update loop normalises over all ranks)."""
     t, a = config.trainer, config.algorithm
     samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
     total_opt_steps = t.max_steps * t.ppo_epochs * math.ceil(samples_per_step / t.train_batch_size)
@@ -234,7 +258,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
         sched = build_scheduler(opt, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps,
                                 total_steps=total_opt_steps, min_ratio=t.min_lr_ratio)
         return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
-                              max_consecutive=t.max_consecutive_nonfinite, name=name, dist=dist)
+                              max_consecutive=t.max_consecutive_nonfinite, name=name, world=world)
 
     # model.dtype is the compute dtype in every launch mode (autocast in one process, FSDP2's policy under torchrun)
     correction = resolve_rollout_correction(a, engine=config.rollout.engine, engine_dtype=_engine_dtype(config),
@@ -255,42 +279,49 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
     return policy, critic_updater
 
 
-def _rank_config(config: MMRLHFConfig, dist: Any) -> MMRLHFConfig:
-    """What differs per rank under torchrun, checked first: every rank samples with its own seed (its prompts are
-    its own already), and what cannot run data-parallel is refused by key."""
-    from mmrlhf.distributed.context import local_share
+def _rank_config(config: MMRLHFConfig, world: World) -> MMRLHFConfig:
+    """What differs per rank, checked first: every rank samples with its own seed (``rollout.seed + rank``: rank 0's
+    is the one-process seed), and what cannot run on several ranks is refused by key (docs/distributed.md lists
+    them)."""
     from mmrlhf.rollout.vllm_setup import check_torchrun_tensor_parallel
 
-    t, r, a = config.trainer, config.rollout, config.algorithm
-    check_torchrun_tensor_parallel(r.tensor_parallel_size, dist.world_size)
-    local_share(t.rollout_batch_size, dist, "trainer.rollout_batch_size")
-    local_share(t.train_batch_size, dist, "trainer.train_batch_size")
+    t, r = config.trainer, config.rollout
+    world.share(t.rollout_batch_size, "trainer.rollout_batch_size")
+    world.share(t.train_batch_size, "trainer.train_batch_size")
+    if world.sharded:
+        _refuse_on_ranks(config, world)
+    if world.launch == "torchrun":
+        check_torchrun_tensor_parallel(r.tensor_parallel_size, world.world_size)
+    if r.seed is None or not world.rank:
+        return config
+    return config.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + world.rank})})
+
+
+def _refuse_on_ranks(config: MMRLHFConfig, world: World) -> None:
+    """What a world of several training ranks does not support yet, refused by key with the reason."""
+    r, a = config.rollout, config.algorithm
     if a.dynamic_sampling:
-        raise ValueError("algorithm.dynamic_sampling under torchrun: ranks would keep different numbers of samples "
-                         "and their sharded updates would stop matching; set algorithm.dynamic_sampling=false")
-    per_rank = "under torchrun: its statistics would be taken over each rank's share instead of the whole step"
+        raise ValueError("algorithm.dynamic_sampling with several training ranks: ranks would keep different numbers "
+                         "of groups; set algorithm.dynamic_sampling=false, or train on one rank")
+    per_rank = "with several training ranks: its statistics would be taken over each rank's share instead of the step"
     if a.advantage_whitening != "none":
         raise ValueError(f"algorithm.advantage_whitening={a.advantage_whitening} {per_rank}; set it to none")
     if a.high_entropy_top_p < 1.0:
         raise ValueError(f"algorithm.high_entropy_top_p={a.high_entropy_top_p} {per_rank}; set it to 1.0")
-    # Running state a rank would update from its own share (and only rank 0's would be saved and restored into all):
     if a.reward_normalization:
         raise ValueError(f"algorithm.reward_normalization=true {per_rank}, and only rank 0's would be saved; set it "
-                         "to false (GRPO's group normalisation needs no running statistics), or train in one process")
+                         "to false (GRPO's group normalisation needs no running statistics), or train on one rank")
     if a.kl_controller == "adaptive":
         raise ValueError(f"algorithm.kl_controller=adaptive {per_rank} (each rank's coefficient would drift apart, "
                          "and only rank 0's would be saved); use kl_controller=fixed, or algorithm.kl_loss_coef "
-                         "(the KL as a loss term), or train in one process")
-    if r.engine == "transformers":
+                         "(the KL as a loss term), or train on one rank")
+    if r.engine == "transformers" and world.launch == "torchrun":
         raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
                          "policy itself, and ranks stopping at different lengths would wait on each other forever; "
                          "use rollout.engine=vllm")
     if config.model.lora.rank:
-        raise ValueError("model.lora.rank > 0 under torchrun: LoRA with FSDP2 sharding is not supported yet; train "
-                         "LoRA in one process (or the Ray mode), or set model.lora.rank=0")
-    if r.seed is None:
-        return config
-    return config.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + dist.rank})})
+        raise ValueError("model.lora.rank > 0 with several training ranks: LoRA with FSDP2 sharding is not supported "
+                         "yet; train LoRA on one rank, or set model.lora.rank=0")
 
 
 def build_prompt_source(config: MMRLHFConfig) -> Any:

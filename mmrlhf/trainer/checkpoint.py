@@ -172,28 +172,6 @@ class CheckpointManager:
                     p.unlink(missing_ok=True)
 
 
-def write_policy_and_updaters(folder: Path, policy: Any, critic: Any | None, processor: Any) -> None:
-    """The model half of a one-process checkpoint, shared by every launch mode that trains unsharded (one process,
-    the Ray trainer actor): the policy in Hugging Face format (``model/``; a LoRA policy merged, plus its peft
-    ``adapter/``), the processor beside it, the critic (``critic.safetensors``) and the optimiser / scheduler states
-    of both updaters (``optimizer.pt``)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from mmrlhf.models.lora import save_lora_checkpoint
-
-    model = policy.actor.model
-    if not save_lora_checkpoint(model, folder):  # LoRA: merged model/ plus the peft adapter/
-        model.save_pretrained(folder / "model", safe_serialization=True)
-    processor.save_pretrained(folder / "model")
-    optim = {"policy": policy.stepper.state_dict()}
-    if critic is not None:
-        save_file({k: v.contiguous() for k, v in critic.critic.state_dict().items()},
-                  str(folder / "critic.safetensors"))
-        optim["critic"] = critic.stepper.state_dict()
-    torch.save(optim, folder / "optimizer.pt")
-
-
 def read_trainer_state(folder: Path) -> dict[str, Any]:
     """A checkpoint's ``trainer_state.json`` (empty if it has none)."""
     import json
@@ -202,28 +180,48 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
     return json.loads(state_file.read_text()) if state_file.exists() else {}
 
 
-def checkpoint_mode(folder: Path) -> tuple[str, int]:
-    """``(launch mode, ranks)`` that wrote a checkpoint: ``("ray", 1)``, ``("torchrun", N)`` or ``("single", 1)``
-    (read from its ``trainer_state.json``; the three write different files)."""
+def checkpoint_mode(folder: Path) -> tuple[str, int, int]:
+    """``(launch mode, ranks, schema)`` that wrote a checkpoint, read from its ``trainer_state.json``."""
     state = read_trainer_state(folder)
-    if state.get("launch") == "ray":
-        return "ray", 1
-    if "world_size" in state:
-        return "torchrun", int(state["world_size"])
-    return "single", 1
+    schema = int(state.get("schema", 1))
+    if schema == 1:  # before the one loop: each mode wrote its own
+        if state.get("launch") == "ray":
+            return "ray", 1, 1
+        return ("torchrun", int(state["world_size"]), 1) if "world_size" in state else ("single", 1, 1)
+    return str(state["launch"]), int(state["world_size"]), schema
 
 
-def check_resume_mode(folder: Path, *, world_size: int | None) -> None:
-    """Refuse, naming the mode that wrote it and how to resume it, a checkpoint another launch mode wrote
-    (``world_size``: the torchrun world resuming it, None for one process)."""
-    mode, ranks = checkpoint_mode(folder)
-    if mode == "ray":
-        raise ValueError(f"{folder} was written by the Ray mode (distributed.backend=ray), which cannot be resumed "
-                         "yet: start a new run from its policy with model.pretrain=" + str(Path(folder) / "model"))
-    if mode == "torchrun" and world_size is None:
-        raise ValueError(f"{folder} was written by torchrun with {ranks} ranks (sharded optimiser state): resume it "
-                         f"with `torchrun --nproc-per-node {ranks} -m mmrlhf train CONFIG --resume`, or start a "
-                         f"new one-process run from model.pretrain={Path(folder) / 'model'}")
-    if mode == "single" and world_size is not None:
-        raise ValueError(f"{folder} was written by one process: resume it with `mmrlhf train CONFIG --resume` (no "
-                         f"torchrun), or start a new torchrun run from model.pretrain={Path(folder) / 'model'}")
+def check_resume_mode(folder: Path, *, launch: str, world_size: int) -> None:
+    """Every launch mode resumes every other's checkpoint (one format, DCP re-shards the optimiser); refused, naming
+    the mode that wrote it: a checkpoint of a newer schema, and the Ray mode's before the one loop (it kept no data
+    position)."""
+    from mmrlhf.trainer.run_checkpoint import SCHEMA
+
+    mode, ranks, schema = checkpoint_mode(folder)
+    if schema > SCHEMA:
+        raise ValueError(f"{folder} was written by a newer mmrlhf (trainer_state schema {schema} > {SCHEMA})")
+    if mode == "ray" and schema == 1:
+        raise ValueError(f"{folder} was written by the Ray mode of an older mmrlhf, which recorded no data position: "
+                         "start a new run from its policy with model.pretrain=" + str(Path(folder) / "model"))
+    if (mode, ranks) != (launch, world_size):
+        logger.warning("resuming a checkpoint written by %s with %d rank(s) as %s with %d", mode, ranks, launch,
+                       world_size)
+
+
+def save_collective(world: Any, manager: CheckpointManager, step: int, write: Callable[[Path], None]) -> Path:
+    """``manager.save(step, write)`` run by every rank: rank 0 owns the (temporary) folder and tells the others where
+    it is; ``write(folder)`` runs on every rank; the folder is renamed into place once all have returned. Returns
+    the final path. In a world of one rank it is ``manager.save`` itself."""
+    if world.is_main:
+        def write_all(tmp: Path) -> None:
+            world.broadcast_object(str(tmp))
+            write(tmp)
+            world.barrier()
+
+        path = manager.save(step, write_all)
+        world.broadcast_object(str(path))
+        return path
+    tmp = Path(world.broadcast_object(None))
+    write(tmp)
+    world.barrier()
+    return Path(world.broadcast_object(None))

@@ -17,6 +17,8 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch import nn
 
+from mmrlhf.parallel.world import World, single
+
 logger = logging.getLogger(__name__)
 
 
@@ -69,13 +71,13 @@ class MetricSums:
             self.sums[k] = self.sums.get(k, 0.0) + float(v) * weight
             self.weights[k] = self.weights.get(k, 0.0) + weight
 
-    def all_reduced(self, dist: Any) -> "MetricSums":
+    def all_reduced(self, world: Any) -> "MetricSums":
         """Sums and weights added over ranks (every rank reports the same metric names)."""
         keys = sorted(self.sums)
-        names = dist.broadcast_object(keys)
+        names = world.broadcast_object(keys)
         if names != keys:
             raise RuntimeError(f"ranks report different update metrics: {keys} vs rank 0's {names}")
-        totals = dist.all_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
+        totals = world.all_sum([self.sums[k] for k in keys] + [self.weights[k] for k in keys])
         return MetricSums(dict(zip(keys, totals[: len(keys)])), dict(zip(keys, totals[len(keys):])))
 
     def means(self, prefix: str) -> dict[str, float]:
@@ -87,9 +89,9 @@ class GuardedStepper:
 
     def __init__(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, *, max_grad_norm: float,
-                 max_consecutive: int, name: str, dist: Any = None) -> None:
+                 max_consecutive: int, name: str, world: World | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.dist = dist  # a DistContext under torchrun (the update loop normalises over all ranks), else None
+        self.world = world or single()  # the training ranks (the update loop normalises over all of them)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.max_grad_norm, self.max_consecutive, self.name = max_grad_norm, max_consecutive, name
         self.skipped_total = 0
@@ -142,14 +144,14 @@ class GuardedStepper:
 PAD = [-1]  # a padding micro-batch (see _aligned_over_ranks)
 
 
-def _aligned_over_ranks(plan: list[tuple[int, list[list[int]]]], dist: Any) -> list[tuple[int, list[list[int]]]]:
+def _aligned_over_ranks(plan: list[tuple[int, list[list[int]]]], world: Any) -> list[tuple[int, list[list[int]]]]:
     """``plan`` padded so that every rank runs as many mini-batches, and as many micro-batches in each, as the rank
     with the most. Ranks hold different numbers of samples when prompts were skipped on one of them; FSDP's
     collectives in each forward and backward (and the denominator's all-reduce) must pair across ranks, or every
     rank waits forever. A padding micro-batch (:data:`PAD`) runs a forward and backward with zero weight."""
-    minis = int(dist.all_max([float(len(plan))])[0])
+    minis = int(world.all_max([float(len(plan))])[0])
     plan = plan + [(plan[-1][0] if plan else 0, [])] * (minis - len(plan))
-    sizes = dist.all_max([float(len(micros)) for _, micros in plan])
+    sizes = world.all_max([float(len(micros)) for _, micros in plan])
     return [(epoch, micros + [PAD] * (int(size) - len(micros))) for (epoch, micros), size in zip(plan, sizes)]
 
 
@@ -164,27 +166,24 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
     mini-batches with nothing to train (count 0: no forward, no optimiser or schedule step), the LR.
     ``groups``: per-item group keys that shuffling keeps together (see :func:`epoch_order`).
 
-    Under torchrun (``stepper.dist``) every rank holds its own share of the items and ``batch_size`` is the GLOBAL
+    With several training ranks (``stepper.world``) every rank holds its own share of the items and ``batch_size`` is the GLOBAL
     mini-batch: each rank takes ``batch_size / world_size`` of its items per optimiser step, the denominator is the
     count summed over ranks, and the loss is scaled by ``world_size`` because FSDP averages the gradients over ranks,
     so the step equals the one a single process would take on the whole mini-batch. Ranks holding different numbers
     of items (a prompt skipped on one) run padding micro-batches of zero weight so their collectives pair
     (:func:`_aligned_over_ranks`)."""
-    dist = stepper.dist
-    world = dist.world_size if dist is not None else 1
-    if batch_size % world:
-        raise ValueError(f"trainer.train_batch_size={batch_size} must be a multiple of the number of ranks ({world})")
-    if dist is not None and dist.all_max([0.0 if counts else 1.0])[0]:
+    world = stepper.world
+    n_ranks = world.world_size
+    if batch_size % n_ranks:
+        raise ValueError(f"trainer.train_batch_size={batch_size} must be a multiple of the number of ranks ({n_ranks})")
+    if world.all_max([0.0 if counts else 1.0])[0]:
         raise RuntimeError("a rank holds no sample to train this step (all its prompts were skipped): every rank "
                            "stops here rather than wait on it; check skipped_prompts and the data")
     sums, norms, skipped, empty = MetricSums(), [], 0, 0
-    plan = list(minibatches(len(counts), batch_size // world, micro_size, epochs, generator, groups))
-    if dist is not None:
-        plan = _aligned_over_ranks(plan, dist)
+    plan = list(minibatches(len(counts), batch_size // n_ranks, micro_size, epochs, generator, groups))
+    plan = _aligned_over_ranks(plan, world)  # as it is in a world of one rank
     for _, micros in plan:
-        denominator = sum(counts[i] for m in micros for i in m if i >= 0)
-        if dist is not None:
-            denominator = dist.all_sum([denominator])[0]
+        denominator = world.all_sum([sum(counts[i] for m in micros for i in m if i >= 0)])[0]
         if denominator == 0:
             # Nothing of this mini-batch trains (every sample masked by the reward engine or the correction): a
             # step would still move the weights through Adam's momentum and advance the schedule. No forward, no
@@ -200,22 +199,19 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
                 continue
             loss, metrics = micro_loss(micro, denominator)
             if not torch.isfinite(loss.detach()).all():
-                finite = False  # no backward: a NaN would poison every gradient of the mini-batch
-                if dist is None:
-                    break
-                # Sharded: every rank must run the same backwards (they reduce-scatter); the agreed flag below
-                # skips the step on every rank.
-            (loss * world if dist is not None else loss).backward()
+                # The step is skipped (the flag below, agreed by every rank); the remaining backwards still run, as
+                # sharded ranks must run the same ones (they reduce-scatter).
+                finite = False
+            # FSDP averages the gradients over ranks: scaled by their number, the step is the whole batch's (x 1.0
+            # is exact in a world of one rank)
+            (loss * n_ranks).backward()
             sums.add(metrics, sum(counts[i] for i in micro))
-        if dist is not None:
-            finite = dist.all_true(finite)
-        grad_norm, ok = stepper.step(finite)
+        grad_norm, ok = stepper.step(world.all_true(finite))
         if ok:
             norms.append(grad_norm)
         else:
             skipped += 1
-    if dist is not None:
-        sums = sums.all_reduced(dist)
+    sums = sums.all_reduced(world)
     out = sums.means(prefix)
     out.update({f"{prefix}grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                 f"{prefix}optimizer_steps": float(len(norms)), f"{prefix}skipped_steps": float(skipped),

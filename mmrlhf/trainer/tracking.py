@@ -269,3 +269,25 @@ class MetricsTracker:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close(failed=exc_type is not None)
+
+
+class SilentTracker:
+    """The metrics tracker of ranks > 0: rank 0 writes the run's metrics (already merged over ranks)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:  # noqa: ARG002
+        return None
+
+    def truncate_after(self, step: int) -> int:  # noqa: ARG002
+        return 0
+
+    def history(self) -> list[dict]:
+        return []
+
+    def close(self, *, failed: bool = False) -> None:  # noqa: ARG002
+        return None
+
+    def __enter__(self) -> "SilentTracker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

@@ -212,7 +212,7 @@ def test_lora_trainer_run_trains_adapters_only(tmp_path):
                         trainer={"max_steps": 2, "save_steps": 2})
     trainer = build_trainer(config)
     actor = trainer.p.policy.actor
-    assert isinstance(trainer.p.maker.initial_model, AdapterOffScorer)  # KL: reference = adapters off
+    assert isinstance(trainer.p.source.maker.initial_model, AdapterOffScorer)  # KL: reference = adapters off
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
     trainer.fit()
     changed = {n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])}

@@ -87,25 +87,27 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     assert mgr.latest().name == "step-00000002"
 
 
-def test_a_checkpoint_of_another_launch_mode_is_refused_naming_the_mode(tmp_path):
+def test_every_launch_mode_resumes_every_other_and_old_or_newer_formats_are_refused_naming_the_mode(tmp_path):
     import json
 
     from mmrlhf.trainer.checkpoint import check_resume_mode, checkpoint_mode
 
-    states = {"single": {"trainer": {}}, "torchrun": {"trainer": {}, "world_size": 4},
-              "ray": {"trainer": {}, "launch": "ray"}}
+    states = {"single-v1": {"trainer": {}}, "torchrun-v1": {"trainer": {}, "world_size": 4},
+              "ray-v1": {"trainer": {}, "launch": "ray"},
+              "ray": {"schema": 2, "launch": "ray", "world_size": 2, "trainer": {}},
+              "future": {"schema": 99, "launch": "single", "world_size": 1, "trainer": {}}}
     for name, state in states.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "trainer_state.json").write_text(json.dumps(state))
-    assert checkpoint_mode(tmp_path / "torchrun") == ("torchrun", 4)
-    check_resume_mode(tmp_path / "single", world_size=None)  # the same mode resumes
-    check_resume_mode(tmp_path / "torchrun", world_size=2)  # DCP re-shards over another number of ranks
-    with pytest.raises(ValueError, match=r"written by torchrun with 4 ranks.*--nproc-per-node 4"):
-        check_resume_mode(tmp_path / "torchrun", world_size=None)
-    with pytest.raises(ValueError, match=r"written by one process.*mmrlhf train CONFIG --resume"):
-        check_resume_mode(tmp_path / "single", world_size=2)
-    with pytest.raises(ValueError, match=r"written by the Ray mode.*model.pretrain="):
-        check_resume_mode(tmp_path / "ray", world_size=None)
+    assert checkpoint_mode(tmp_path / "torchrun-v1") == ("torchrun", 4, 1)
+    assert checkpoint_mode(tmp_path / "ray") == ("ray", 2, 2)
+    for launch, ranks in (("single", 1), ("torchrun", 2), ("ray", 3)):  # one format: DCP re-shards on load
+        for name in ("single-v1", "torchrun-v1", "ray"):
+            check_resume_mode(tmp_path / name, launch=launch, world_size=ranks)
+    with pytest.raises(ValueError, match=r"written by the Ray mode of an older mmrlhf.*model.pretrain="):
+        check_resume_mode(tmp_path / "ray-v1", launch="ray", world_size=1)
+    with pytest.raises(ValueError, match=r"newer mmrlhf \(trainer_state schema 99 > 2\)"):
+        check_resume_mode(tmp_path / "future", launch="single", world_size=1)
 
 
 def test_a_full_disk_names_the_path_and_the_size_removes_the_half_written_folder_and_resume_works(tmp_path):

@@ -69,7 +69,7 @@ def test_float16_and_contradicting_mixed_precision_are_refused_by_key():
 
 
 def test_fsdp_policy_follows_model_dtype():
-    from mmrlhf.distributed.fsdp import mixed_precision_policy
+    from mmrlhf.models.sharding import mixed_precision_policy
 
     assert mixed_precision_policy("float32") is None
     bf16 = mixed_precision_policy("bfloat16")
@@ -97,7 +97,7 @@ def _train_and_load(out, dtype: str, steps: int):
             trainer.fit()
         folder = trainer.p.checkpoints.latest() / "model"
     finally:
-        trainer.p.maker.engine.close()
+        trainer.p.source.maker.engine.close()
     return load_weights(folder)
 
 

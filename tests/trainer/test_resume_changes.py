@@ -48,7 +48,7 @@ def test_resume_applies_a_new_learning_rate_and_kl_target_and_refuses_a_new_mode
                                        algorithm={**algo, "kl_target": 3.0}), resume=True)
     assert _lrs(changed)[0] == pytest.approx(2e-4 * lr_factor)  # the schedule continues, from the new base
     assert changed.p.policy.stepper.scheduler.base_lrs == [2e-4] * len(_lrs(changed))
-    assert changed.p.maker.kl_controller.target == 3.0
+    assert changed.p.source.maker.kl_controller.target == 3.0
     err = capsys.readouterr().err
     assert "resume: trainer.lr: 0.001 -> 0.0002" in err and "resume: algorithm.kl_target: 6.0 -> 3.0" in err
     assert changed.s.config["trainer"]["lr"] == 2e-4  # what the next checkpoint records

@@ -48,8 +48,8 @@ def test_resume_gives_the_same_per_step_metrics_as_an_uninterrupted_run(tmp_path
         assert sa.keys() == sb.keys()
         for k in sa:
             assert sa[k] == pytest.approx(sb[k], rel=1e-5, abs=1e-6), (ra["step"], k)
-    assert resumed.p.stream.state_dict() == full.p.stream.state_dict()
-    assert resumed.p.maker.state_dict() == full.p.maker.state_dict()
+    assert resumed.p.source.stream.state_dict() == full.p.source.stream.state_dict()
+    assert resumed.p.source.maker.state_dict() == full.p.source.maker.state_dict()
     for (n, p), (_, q) in zip(full.p.policy.actor.model.named_parameters(),
                               resumed.p.policy.actor.model.named_parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=n)
@@ -191,7 +191,7 @@ def _recording_sleep_engine(trainer):
     """The trainer's engine with generate / update_weights / sleep / wake_up recorded in order (vLLM sleep needs
     CUDA, so the engine's own sleep is replaced): wake_up is recorded with its tags, update_weights with the
     names it received."""
-    engine = trainer.p.maker.engine
+    engine = trainer.p.source.maker.engine
     calls: list = []
     real_generate, real_update = engine.generate, engine.update_weights
     synced: list[list[str]] = []

@@ -16,14 +16,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def _fit(cfg, *, resume=False, record=None):
     trainer = build_trainer(cfg, resume=resume)
     if record is not None:  # log the record ids each step trains on
-        real = trainer.p.stream.next_batch
+        real = trainer.p.source.stream.next_batch
 
         def next_batch(n):
             records = real(n)
             record.append([r.record_id for r in records])
             return records
 
-        trainer.p.stream.next_batch = next_batch
+        trainer.p.source.stream.next_batch = next_batch
     with trainer.p.tracker:
         trainer.fit()
     return trainer
@@ -40,7 +40,7 @@ def test_sync_keeps_engine_and_trainer_together_and_the_checkpoint_serves_in_vll
     assert all(r["engine_logprob_diff/max"] < 1e-3 for r in rows), [r["engine_logprob_diff/max"] for r in rows]
     assert rows[-1]["policy/optimizer_steps"] >= 1 and rows[-1]["sync/tensors"] > 0
     model_dir = trainer.p.checkpoints.latest() / "model"
-    engine = trainer.p.maker.engine
+    engine = trainer.p.source.maker.engine
     engine.close()
     del trainer
     served = VLLMEngine(str(model_dir), get_adapter(model_dir), max_model_len=128, dtype="float32")
@@ -57,19 +57,19 @@ def test_vllm_resume_restores_data_order_and_state(tmp_path):
     extra = {"trainer": {"max_steps": 3, "save_steps": 2}}
     seen_full: list = []
     full = _fit(toy_config(tmp_path / "full", engine="vllm", **extra), record=seen_full)
-    full_state = (full.p.stream.state_dict(), full.p.maker.state_dict(), full.state.step)
-    full.p.maker.engine.close()
+    full_state = (full.p.source.stream.state_dict(), full.p.source.maker.state_dict(), full.state.step)
+    full.p.source.maker.engine.close()
     del full
     seen_part: list = []
     part = _fit(toy_config(tmp_path / "part", engine="vllm", trainer={**extra["trainer"], "max_steps": 2}),
                 record=seen_part)
-    part.p.maker.engine.close()
+    part.p.source.maker.engine.close()
     del part
     resumed = _fit(toy_config(tmp_path / "part", engine="vllm", **extra), resume=True, record=seen_part)
     assert seen_part == seen_full  # the prompts of every step, in order: the stream continued, not restarted
-    assert (resumed.p.stream.state_dict(), resumed.p.maker.state_dict(), resumed.state.step) == full_state
+    assert (resumed.p.source.stream.state_dict(), resumed.p.source.maker.state_dict(), resumed.state.step) == full_state
     assert [r["step"] for r in metrics_rows(tmp_path / "part")] == [1, 2, 3]
-    resumed.p.maker.engine.close()
+    resumed.p.source.maker.engine.close()
 
 
 def _recipe(out, *overrides):

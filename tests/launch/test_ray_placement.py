@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mmrlhf.config.distributed import DistributedConfig
-from mmrlhf.distributed.ray.runtime import actor_options, plan_placement
+from mmrlhf.launch.ray.runtime import actor_options, plan_placement
 
 
 def _d(**kw) -> DistributedConfig:

@@ -83,7 +83,7 @@ class ExperienceMakerHolder:
         with ``num_returns=2``): the small metadata the driver reads, and the same plus the experiences, which only
         the trainer reads."""
         from mmrlhf.data.stream import record_columns
-        from mmrlhf.distributed.ray.ledger import StaleExperienceError
+        from mmrlhf.launch.ray.ledger import StaleExperienceError
 
         with self._lock:
             start = time.perf_counter()

@@ -34,11 +34,11 @@ def main() -> None:
 
     from mmrlhf.config import load_config
     from mmrlhf.data.stream import record_columns
-    from mmrlhf.distributed.context import destroy, full, init_from_env
-    from mmrlhf.distributed.launch import launched_by_torchrun
+    from mmrlhf.launch.backend import launched_by_torchrun
+    from mmrlhf.parallel.world import full, join_from_env, leave
     from mmrlhf.trainer.builder import build_trainer
 
-    dist = init_from_env("gloo") if launched_by_torchrun() else None
+    dist = join_from_env("gloo") if launched_by_torchrun() else None
     out = Path(args.out)
     config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
         f"model.pretrain={args.model}", f"trainer.output_dir={out / 'run'}", "trainer.overwrite_output_dir=true",
@@ -48,13 +48,14 @@ def main() -> None:
         "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}",
         *(["rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16"] if args.drop_group >= 0
           else [])])
-    trainer = build_trainer(config, dist=dist)
+    trainer = build_trainer(config, world=dist)
+    source = trainer.p.source
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
 
     rollout = None
     if rank == 0:
-        records = trainer.p.stream.next_batch(config.trainer.rollout_batch_size)
-        rollout = trainer.p.maker.generate_rollout(**record_columns(records))
+        records = source.stream.next_batch(config.trainer.rollout_batch_size)
+        rollout = source.maker.generate_rollout(**record_columns(records))
     if dist is not None:
         rollout = dist.broadcast_object(rollout)
     if args.control == "per-rank-norm":  # single-number sums are the loss denominators (and the finite flags)
@@ -75,7 +76,7 @@ def main() -> None:
         return original_step(loss_finite)
 
     stepper.step = recording_step
-    metrics = trainer.train_on(share, dict(share.metrics))
+    metrics = trainer.train_on(source.prepare(share, dict(share.metrics)))
     params = {f"param.{n}": full(p.detach()).clone() for n, p in trainer.p.policy.actor.named_parameters()
               if p.requires_grad}
     if rank == 0:
@@ -85,9 +86,9 @@ def main() -> None:
         keep["valid_rewards"] = float(rollout.rewards.valid.sum())
         keep["rewards_sum"] = float(rollout.rewards.rewards[rollout.rewards.valid].sum())
         (out / "metrics.json").write_text(json.dumps(keep))
-    trainer.p.maker.engine.close()
+    source.engine.close()
     if dist is not None:
-        destroy()
+        leave()
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mmrlhf.distributed.ray.holder import ExperienceMakerHolder, holder_name
+from mmrlhf.launch.ray.holder import ExperienceMakerHolder, holder_name
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.trainer.interrupt import stop_on_interrupt
-from mmrlhf.distributed.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
-from mmrlhf.distributed.ray.runtime import (
+from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, min_rollout_version
+from mmrlhf.launch.ray.runtime import (
     PlacementPlan,
     actor_options,
     actor_threads,
@@ -28,7 +28,7 @@ from mmrlhf.distributed.ray.runtime import (
     describe_actor_error,
     plan_placement,
 )
-from mmrlhf.distributed.ray.trainer_actor import RayPolicyTrainer, trainer_name
+from mmrlhf.launch.ray.trainer_actor import RayPolicyTrainer, trainer_name
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class RayRun:
 
 
 def cluster_placement(config: Any) -> PlacementPlan:
-    """The actors' placement on the connected Ray cluster (:func:`~mmrlhf.distributed.ray.runtime.plan_placement`
+    """The actors' placement on the connected Ray cluster (:func:`~mmrlhf.launch.ray.runtime.plan_placement`
     with the cluster's GPU count)."""
     import ray
 

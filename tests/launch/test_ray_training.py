@@ -63,7 +63,7 @@ def first_step_reaching(history: list[dict], level: float, window: int = 10) -> 
 @pytest.fixture(scope="module")
 def learning_runs(cluster, tmp_path_factory):
     """The synchronous and the k=1 run, same config and seeds, STEPS steps each."""
-    from mmrlhf.distributed.ray.driver import run_ray
+    from mmrlhf.launch.ray.driver import run_ray
 
     out = {}
     for name, k in (("sync", 0), ("async", 1)):
@@ -118,7 +118,7 @@ def test_sync_check_control_without_weight_push(cluster, tmp_path, learning_runs
     """Control: a run whose rollout actor receives every version number but no tensor. Its engine samples with the
     initial policy while the trainer moves on: the check that stays at float noise in the synced runs above must
     then show a large gap."""
-    from mmrlhf.distributed.ray.driver import RayRun
+    from mmrlhf.launch.ray.driver import RayRun
 
     run = RayRun(toy(tmp_path, "trainer.max_steps=4", "trainer.lr=1e-2"), push_weights=False)
     try:
@@ -141,7 +141,7 @@ def kill_rollout_actor_at(step: int):
 
 
 def test_killed_rollout_actor_stops_cleanly_with_checkpoint(cluster, tmp_path, capfd):
-    from mmrlhf.distributed.ray.driver import run_ray
+    from mmrlhf.launch.ray.driver import run_ray
 
     rc = run_ray(toy(tmp_path, "trainer.max_steps=6", "distributed.max_staleness=1"),
                  on_step=kill_rollout_actor_at(2))
@@ -156,7 +156,7 @@ def test_killed_rollout_actor_stops_cleanly_with_checkpoint(cluster, tmp_path, c
 
 
 def test_a_dead_trainer_actor_ends_with_an_error_line(cluster, tmp_path, capfd):
-    from mmrlhf.distributed.ray.driver import run_ray
+    from mmrlhf.launch.ray.driver import run_ray
 
     def kill_trainer_at(run, metrics):
         if run.step == 1:
@@ -173,7 +173,7 @@ def test_sigterm_stops_after_the_step_and_saves(cluster, tmp_path, capsys):
     run exits 0 and says how to continue."""
     import signal
 
-    from mmrlhf.distributed.ray.driver import run_ray
+    from mmrlhf.launch.ray.driver import run_ray
 
     def preempt_at(run, metrics):
         if run.step == 2:
@@ -187,7 +187,7 @@ def test_sigterm_stops_after_the_step_and_saves(cluster, tmp_path, capsys):
 
 
 def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, capfd):
-    from mmrlhf.distributed.ray.driver import run_ray
+    from mmrlhf.launch.ray.driver import run_ray
 
     rc = run_ray(toy(tmp_path, "trainer.max_steps=4", "distributed.max_staleness=1",
                      "distributed.on_rollout_failure=restart"), on_step=kill_rollout_actor_at(1))
@@ -208,7 +208,7 @@ def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
     engine-vs-trainer log-probs, with a reward that gives a gradient from the first step so the adapters move."""
     import torch
 
-    from mmrlhf.distributed.ray.driver import RayRun
+    from mmrlhf.launch.ray.driver import RayRun
 
     run = RayRun(toy(tmp_path, "trainer.max_steps=3", "trainer.lr=1e-2", "model.lora.rank=8",
                      "reward.label_map={first_word: {type: function, "

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmrlhf.distributed.context import local_share
-from mmrlhf.distributed.launch import resolve_backend
+from mmrlhf.parallel.world import World
+from mmrlhf.launch.backend import resolve_backend
 from mmrlhf.testing.tolerances import assert_close_at_scale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,13 +59,11 @@ def test_backend_resolution_follows_the_launch():
 
 
 def test_shares_must_divide_over_ranks():
-    class Two:
-        world_size = 2
-
-    assert local_share(256, None, "x") == 256
-    assert local_share(256, Two(), "trainer.train_batch_size") == 128
+    two = World(rank=1, world_size=2, launch="torchrun")
+    assert World().share(255, "x") == 255
+    assert two.share(256, "trainer.train_batch_size") == 128
     with pytest.raises(ValueError, match="trainer.rollout_batch_size=15 must be a multiple"):
-        local_share(15, Two(), "trainer.rollout_batch_size")
+        two.share(15, "trainer.rollout_batch_size")
 
 
 @pytest.mark.parametrize("override, key", [
@@ -83,20 +81,18 @@ def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     from mmrlhf.config import load_config
     from mmrlhf.trainer.builder import _rank_config
 
-    class Rank1:
-        rank, world_size = 1, 2
-
+    rank1 = World(rank=1, world_size=2, launch="torchrun")
     config = load_config(TOY, override.split())
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        _rank_config(config, Rank1())
-    assert _rank_config(load_config(TOY), Rank1()).rollout.seed == load_config(TOY).rollout.seed + 1  # own stream
+        _rank_config(config, rank1)
+    assert _rank_config(load_config(TOY), rank1).rollout.seed == load_config(TOY).rollout.seed + 1  # own stream
 
 
 class _MirrorGroup:
     """A fake 2-rank group whose other rank holds exactly this rank's data: every sum doubles. One process then
     runs the sharded arithmetic; FSDP's gradient averaging over the two identical ranks is the identity."""
 
-    world_size, rank, is_main = 2, 0, True
+    world_size, rank, is_main, sharded = 2, 0, True, True
 
     def all_sum(self, values):
         return [2 * v for v in values]
@@ -125,7 +121,7 @@ def test_the_update_normalises_over_ranks():
         w = torch.nn.Parameter(w0.clone())
         grads = []
         stepper = GuardedStepper([w], torch.optim.SGD([w], lr=0.0), None, max_grad_norm=1e9, max_consecutive=2,
-                                 name="t", dist=dist)
+                                 name="t", world=dist)
         original = stepper.step
 
         def step(finite):
@@ -289,7 +285,7 @@ def test_two_rank_run_raises_the_reward_and_resumes(tmp_path, toy_model):
 def test_vision_blocks_stay_in_the_root_unit(family):
     """Only the language model's blocks get FSDP units of their own under torchrun: a rank whose micro-batch is
     text-only never runs the vision tower, and a vision unit would then wait for a gather that never comes."""
-    from mmrlhf.distributed.fsdp import language_block_classes
+    from mmrlhf.models.sharding import language_block_classes
     from mmrlhf.models.actor import ActorVL
     from mmrlhf.models.adapters import get_adapter
     from mmrlhf.models.sharding import block_modules

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mmrlhf.distributed.ray.ledger import (
+from mmrlhf.launch.ray.ledger import (
     ExperienceLedger,
     LedgerError,
     StaleExperienceError,
@@ -94,7 +94,7 @@ def test_staleness_stats():
 ])
 def test_unsupported_settings_are_refused_by_key(tmp_path, override, key):
     from mmrlhf.config import build_config
-    from mmrlhf.distributed.ray.driver import check_ray_config
+    from mmrlhf.launch.ray.driver import check_ray_config
 
     data = {"model": {"pretrain": str(tmp_path)}, "trainer": {"rollout_batch_size": 4},
             "distributed": {"backend": "ray"}}

@@ -81,7 +81,7 @@ class RayPolicyTrainer:
     def train_step(self, step: int, *payloads: dict[str, Any]) -> dict[str, Any]:
         """Update on the experiences of ``step`` (one payload per rollout actor, resolved from the object store),
         then push the new version to every rollout actor. Returns metrics and the consumed (share, samples)."""
-        from mmrlhf.distributed.ray.ledger import check_staleness
+        from mmrlhf.launch.ray.ledger import check_staleness
         from mmrlhf.experience.batching import split_experience
         from mmrlhf.trainer.policy_update import prepare_policy_targets
 
@@ -159,7 +159,7 @@ class RayPolicyTrainer:
         driver reports them and applies ``distributed.on_rollout_failure``)."""
         import ray
 
-        from mmrlhf.distributed.ray.runtime import describe_actor_error
+        from mmrlhf.launch.ray.runtime import describe_actor_error
         from mmrlhf.rollout.base import iter_buckets
 
         t0 = time.perf_counter()

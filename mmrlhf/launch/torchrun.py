@@ -1,0 +1,29 @@
+"""``torchrun --nproc-per-node N -m mmrlhf train CONFIG``: N ranks of the one loop, FSDP2 over them.
+
+Every rank builds its own rollout engine (colocated with its shard of the policy), generates its share of each
+step's prompts, scores and trains on its own samples; FSDP2 all-gathers the parameters for each forward and
+reduce-scatters the gradients, and the update loop normalises the loss over all ranks, so a step equals what one
+process would compute on the whole batch. Rank 0 alone writes metrics, reports and the progress bar; every rank
+takes part in checkpoints (:mod:`mmrlhf.trainer.run_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def run_torchrun(config: Any, *, resume: bool = False) -> int:
+    """Join the process group, train this rank; the exit code of ``mmrlhf train``."""
+    from mmrlhf.launch.report import train_and_report
+    from mmrlhf.parallel.world import join_from_env, leave
+
+    try:
+        world = join_from_env(config.distributed.process_group)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        print(f"error: torchrun process group: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return train_and_report(config, resume=resume, world=world)
+    finally:
+        leave()

@@ -1,0 +1,239 @@
+"""Where a step's experiences come from: the one thing a launch mode changes in the training loop.
+
+The loop (:class:`~mmrlhf.trainer.loop.Trainer`) asks its source for this rank's samples of a step
+(:meth:`RolloutSource.collect`), updates the policy and the critic on them, then lets the source make the new weights
+the ones it samples with (:meth:`RolloutSource.publish`). :class:`LocalRollouts` is the in-process engine of one
+process and of every torchrun rank; the Ray mode's rollout actors are :class:`~mmrlhf.launch.ray.source.RayRollouts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Protocol, Sequence
+
+import torch
+
+from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter_groups
+from mmrlhf.data.stream import PromptStream, record_columns
+from mmrlhf.experience.batching import TrainItem, split_experience
+from mmrlhf.experience.fast_maker import scoring_temperature
+from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
+from mmrlhf.parallel.world import World
+from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
+from mmrlhf.trainer.weight_sync import sync_weights
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutSourceError(RuntimeError):
+    """The source can deliver no more experiences (e.g. a rollout actor died and may not be restarted); the run
+    saves the last finished step and stops."""
+
+
+@dataclass
+class StepBatch:
+    """This rank's share of one step, ready to train."""
+
+    items: list[TrainItem]  # empty: nothing kept this step (dynamic sampling found no group with variance)
+    metrics: dict[str, float]  # rollout and experience metrics of this rank's share
+    temperature: float  # the temperature the old log-probs were computed at (the update's too)
+    rollout: ScoredRollout | None = None  # this rank's rollout (the per-step report shows it)
+    seconds: dict[str, float] = field(default_factory=dict)  # phase timings
+
+
+class RolloutSource(Protocol):
+    def start(self, step: int, policy: Any, critic: Any | None) -> None:
+        """Before the first step (``step``: the checkpoint's, 0 on a fresh run): what must hold the current policy
+        gets it."""
+
+    def collect(self, step: int) -> StepBatch:
+        """This rank's experiences of ``step`` (0-based). Every rank calls it."""
+
+    def publish(self, policy: Any, critic: Any | None, *, updated: bool) -> dict[str, float]:
+        """After the update (or its failure, ``updated=False``): the engines sample with the new weights. Every rank
+        calls it (gathering sharded weights is collective)."""
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation with the current weights (rank 0 only)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position and sampling counters a resume restores (JSON; rank 0's is saved)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    rollout_batch_size: int
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_extra_rounds: int = 3
+    dynamic_sampling_tol: float = 0.0
+    sync_only_trainable: bool = True
+
+
+class LocalRollouts:
+    """An engine in this process (vLLM or transformers), its experience maker and the prompt stream.
+
+    Every rank reads the same stream (same seed) and generates its own share of whole prompts (``rank::world``), so
+    GRPO groups never straddle ranks. With ``rollout.enable_sleep`` the engine hands its memory to the forwards and
+    updates from the end of generation until :meth:`publish` wakes it in two parts: its weights before the sync
+    (the trainer still holds its memory), its KV cache after, so the peak is trainer + engine weights."""
+
+    def __init__(self, maker: Any, stream: PromptStream, world: World, settings: LocalSettings,
+                 evaluator: Any | None = None) -> None:
+        self.maker, self.stream, self.world, self.s, self.evaluator = maker, stream, world, settings, evaluator
+        self.engine = maker.engine
+
+    @property
+    def sleeps(self) -> bool:
+        """Whether the engine sleeps between generations (vLLM sleep mode, ``rollout.enable_sleep`` on CUDA)."""
+        return bool(getattr(self.engine, "supports_sleep", False))
+
+    def start(self, step: int, policy: Any, critic: Any | None) -> None:
+        return None  # the engine was built from the policy's weights (or the checkpoint's)
+
+    # ---- collect -------------------------------------------------------------------------------------------------
+    def collect(self, step: int) -> StepBatch:
+        seconds: dict[str, float] = {}
+        with timed(seconds, "rollout"):
+            rollout, metrics = self._rollout()
+        if rollout is None:
+            return StepBatch([], metrics, temperature=1.0, seconds=seconds)
+        return self.prepare(rollout, metrics, seconds)
+
+    def prepare(self, rollout: ScoredRollout, metrics: dict[str, float],
+                seconds: dict[str, float] | None = None) -> StepBatch:
+        """A rollout of this rank turned into its step batch: the engine sleeps (it is woken by :meth:`publish`),
+        the maker scores the samples with the trainer's models."""
+        seconds = {} if seconds is None else seconds
+        if self.sleeps:
+            with timed(seconds, "engine_sleep"):
+                self.engine.sleep()
+        try:
+            with timed(seconds, "experience"):
+                experiences = self.maker.experiences_from(rollout, pad_forwards_to=self._forwards_over_ranks(rollout))
+                items = [item for exp in experiences for item in split_experience(exp)]
+        except BaseException:
+            self._wake(None)
+            raise
+        metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
+        return StepBatch(items, metrics, temperature=scoring_temperature(rollout.sampling), rollout=rollout,
+                         seconds=seconds)
+
+    def _forwards_over_ranks(self, rollout: ScoredRollout) -> int:
+        """The most scoring micro-batches any rank holds this step: a rank with a skipped prompt holds fewer, and
+        its sharded forwards must still pair with the others' (the rank's own count in a world of one)."""
+        micro = self.maker.settings.micro_batch_size
+        return int(self.world.all_max([float(math.ceil(len(rollout) / micro))])[0])
+
+    def _rollout(self) -> tuple[ScoredRollout | None, dict[str, float]]:
+        """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with
+        reward variance are kept. Metrics describe everything sampled; the rollout holds what trains."""
+        s, rounds = self.s, []
+        if not s.dynamic_sampling:
+            rollout = self._sample(s.rollout_batch_size)
+            metrics = dict(rollout.metrics)
+            metrics.update(variance_metrics([rollout], s.dynamic_sampling_tol))
+            return rollout, metrics
+
+        def sample_round() -> SampledGroups:
+            rollout = self._sample(s.rollout_batch_size)
+            rounds.append(rollout)
+            return SampledGroups(*group_rewards(rollout), payload=rollout)
+
+        fill = fill_batch(sample_round, s.rollout_batch_size, s.dynamic_sampling_max_extra_rounds,
+                          tol=s.dynamic_sampling_tol)
+        metrics = merge_round_metrics([r.metrics for r in rounds], [len(r) for r in rounds])
+        metrics.update(variance_metrics(rounds, s.dynamic_sampling_tol))
+        metrics.update(fill.metrics())
+        if not fill.parts:
+            return None, metrics
+        return ScoredRollout.concat([part.payload.select(part.indices.tolist()) for part in fill.parts]), metrics
+
+    def _sample(self, n_prompts: int) -> ScoredRollout:
+        records = self.stream.next_batch(n_prompts)  # every rank draws the same global batch (same seed) ...
+        records = records[self.world.rank::self.world.world_size]  # ... and generates its own share of it
+        return self.maker.generate_rollout(**record_columns(records))
+
+    # ---- publish -------------------------------------------------------------------------------------------------
+    def publish(self, policy: Any, critic: Any | None, *, updated: bool) -> dict[str, float]:
+        """Wake the engine's weights, sync the policy into it (a failed update: wake everything, no sync), wake its
+        KV cache."""
+        seconds: dict[str, float] = {}
+        if not updated:
+            self._wake(None)
+            return {}
+        if self.sleeps:
+            with timed(seconds, "engine_wake"):
+                self.engine.wake_up(tags=WAKE_WEIGHTS)
+        # Sleep level 2 discards the engine's weights: the sync must then restore all of them, frozen ones too.
+        only_trainable = self.s.sync_only_trainable and not (
+            self.sleeps and getattr(self.engine, "sleep_discards_weights", False))
+        try:
+            with timed(seconds, "sync"):
+                metrics = sync_weights(policy.actor.model, self.engine, only_trainable=only_trainable)
+        finally:
+            if self.sleeps:
+                with timed(seconds, "engine_wake_kv"):
+                    self.engine.wake_up(tags=WAKE_KV_CACHE)
+        metrics.update({f"time/{k}": v for k, v in seconds.items()})
+        return metrics
+
+    def _wake(self, tags: Any) -> None:
+        if self.sleeps:
+            self.engine.wake_up(tags=tags)
+
+    # ---- the rest ------------------------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        if self.evaluator is None:
+            return {}
+        return self.evaluator.run()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "maker": self.maker.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["stream"])
+        self.maker.load_state_dict(state["maker"])
+
+    def close(self) -> None:
+        return None
+
+
+# ---- helpers (pure) --------------------------------------------------------------------------------------------
+def group_rewards(rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N] rewards, [N] group ids) for group filtering; samples the reward engine masked out get a group of their
+    own (a singleton has no spread and is dropped), so a masked 0 never fakes variance in its prompt's group."""
+    r = rollout.rewards
+    groups = rollout.group_ids
+    alone = groups.max() + 1 + torch.arange(len(groups))
+    return r.rewards.float(), torch.where(r.valid, groups, alone)
+
+
+def variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, float]:
+    """Share of sampled groups whose rewards vary: the early warning of GRPO collapse (no variance, no signal)."""
+    kept = total = 0
+    for rollout in rounds:
+        rewards, groups = group_rewards(rollout)
+        valid_groups = groups[rollout.rewards.valid]
+        if not valid_groups.numel():
+            continue
+        sel = filter_groups(rewards[rollout.rewards.valid], valid_groups, tol=tol)
+        kept += int(sel.kept_groups.numel())
+        total += sel.num_groups
+    return {"groups/with_variance_frac": kept / total if total else 0.0, "groups/sampled": float(total)}
+
+
+@contextmanager
+def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - t0
