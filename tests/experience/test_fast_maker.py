@@ -225,7 +225,7 @@ def test_scoring_follows_the_call_temperature(parts):
 
 
 def _rebuild(maker, e):
-    from mmrlhf.experience.types import SamplesVL
+    from mmrlhf.models.batch import SamplesVL
 
     return SamplesVL(sequences=e.sequences, attention_mask=e.attention_mask, action_mask=e.action_mask,
                      num_actions=e.action_mask.shape[1], packed_seq_lens=None,
