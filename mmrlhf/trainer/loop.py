@@ -25,13 +25,13 @@ from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics, merge_share_metrics
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
+from mmrlhf.rollout.weight_sync import sync_weights
 from mmrlhf.trainer.checkpoint import CheckpointManager, write_policy_and_updaters
 from mmrlhf.trainer.interrupt import stop_on_interrupt
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
 from mmrlhf.trainer.reporting import StepReporter
 from mmrlhf.trainer.state import TrainerState, restore_rng, rng_state_json, rng_state_tensors
-from mmrlhf.trainer.weight_sync import sync_weights
 
 logger = logging.getLogger(__name__)
 

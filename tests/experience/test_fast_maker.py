@@ -314,7 +314,7 @@ def test_tied_embedding_model_through_the_maker_and_a_weight_sync():
         assert gap() < 1e-4
         perturb_(actor.model)
         assert gap() > DEFAULT_TOLERANCE
-        from mmrlhf.trainer.weight_sync import sync_weights
+        from mmrlhf.rollout.weight_sync import sync_weights
 
         sync_weights(actor.model, engine)
         assert gap() < 1e-4
