@@ -2,7 +2,7 @@
 
 For random Qwen2-VL models of growing size (``tiny`` and ``small`` from ``mmrlhf.testing.tiny_models``, and
 ``larger``: the small model with more decoder layers, built here into a temporary folder), one float32 actor and
-one engine each; ``mmrlhf.trainer.weight_sync.sync_weights`` (what the trainer calls after every update) is timed
+one engine each; ``mmrlhf.rollout.weight_sync.sync_weights`` (what the trainer calls after every update) is timed
 after one warm-up sync. Reported per model: parameters, tensors and bytes moved, seconds per sync (fastest of
 ``--repeats``), seconds per million parameters, and how time grows against parameters (ratios to the smallest
 model, measured in this run).
@@ -103,7 +103,7 @@ def measure(path: Path, repeats: int, engines: list[str]) -> dict[str, Any]:
 
     from mmrlhf.models.actor import ActorVL
     from mmrlhf.models.adapters import get_adapter
-    from mmrlhf.trainer.weight_sync import sync_weights
+    from mmrlhf.rollout.weight_sync import sync_weights
 
     adapter = get_adapter(str(path))
     actor = ActorVL.from_pretrained(str(path), dtype=torch.float32)
@@ -197,7 +197,7 @@ def measure_modes(path: Path, repeats: int, modes: list[str], bucket_mb: int, lo
     from mmrlhf.models.actor import ActorVL
     from mmrlhf.models.lora import adapter_weights, apply_lora, merged_weights
     from mmrlhf.rollout.vllm_engine import VLLMEngine
-    from mmrlhf.trainer.weight_sync import policy_weights, sync_weights
+    from mmrlhf.rollout.weight_sync import policy_weights, sync_weights
 
     actor = ActorVL.from_pretrained(str(path), dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(path))

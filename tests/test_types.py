@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmrlhf.experience import ExperienceVL, SamplesVL, split_vision_inputs
+from mmrlhf.experience.types import ExperienceVL
+from mmrlhf.models.batch import SamplesVL, split_vision_inputs
 
 
 def _all_tensors(obj):

@@ -119,7 +119,7 @@ def _build_scorer(args: argparse.Namespace, options: dict):
     if args.reward:
         from concurrent.futures import ThreadPoolExecutor
 
-        from mmrlhf.rewards.plugins import load_reward_function
+        from mmrlhf.rewards.functions import load_reward_function
         from mmrlhf.rewards.sources import FunctionSource
 
         fn = load_reward_function(args.reward)

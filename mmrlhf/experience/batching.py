@@ -15,9 +15,10 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrlhf.experience.grouped import GroupedSamples, build_grouped_samples
+from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
-from mmrlhf.experience.types import ExperienceVL, SamplesVL
+from mmrlhf.experience.types import ExperienceVL
+from mmrlhf.models.batch import GroupedSamples, SamplesVL
 
 # Per-token [B, A] fields of an Experience that training reads (None-valued ones are skipped).
 TOKEN_FIELDS = ("action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",

@@ -85,7 +85,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                           lora_rank=lora.rank if lora.sync == "vllm_lora" else 0,
                           hf_compute_dtype=actor.compute_dtype)
     if adapter_path:
-        from mmrlhf.trainer.weight_sync import sync_weights
+        from mmrlhf.rollout.weight_sync import sync_weights
 
         sync_weights(actor.model, engine)  # the engine loaded the base model: bring it to the loaded adapter
     data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)

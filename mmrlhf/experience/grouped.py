@@ -18,50 +18,20 @@ Samples share a row when their prompt ids are equal and their vision tensors are
 a group label). A row holds as many responses as fit ``max_row_tokens`` (at least one): attention over a row is
 dense, so the budget bounds its quadratic cost and mask memory when responses are long.
 
+The batch type, ``GroupedSamples``, lives with the models that read it (:mod:`mmrlhf.models.batch`).
 Pure functions: no model, no device. The forward returns [B, A] tensors in the samples' ORIGINAL order, so callers
 see the same result as with the other layouts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from mmrlhf.experience.samples import BuiltSamples, _concat_vision, _prepare, mm_token_type_ids
-from mmrlhf.experience.types import _TensorContainer
 from mmrlhf.models.adapters import FamilyAdapter
-
-PROMPT, PADDING = 0, -1  # segment ids; response k of a row is segment k (1-based)
-
-
-@dataclass
-class GroupedSamples(_TensorContainer):
-    """Samples laid out one shared prompt per row (see the module docstring). Read by ``ActorVL`` / ``CriticVL``."""
-
-    sequences: torch.Tensor  # [G, L] row = prompt + its responses + right padding (pad id)
-    segment_ids: torch.Tensor  # [G, L] long: 0 prompt, k >= 1 the row's k-th response, -1 padding
-    mm_token_type_ids: torch.Tensor  # [G, L] 1 image / 2 video pad tokens, else 0
-    prompt_lengths: torch.Tensor  # [G] prompt tokens of each row
-    sample_row: torch.Tensor  # [B] row holding each sample
-    sample_start: torch.Tensor  # [B] column of each sample's first response token
-    response_length: torch.Tensor  # [B] response tokens per sample (through its stop token)
-    total_length: torch.Tensor  # [B] prompt + response tokens per sample (its own sequence)
-    pixel_values: torch.Tensor | None = None  # [patch rows of the G prompts' images, D], row order
-    image_grid_thws: torch.Tensor | None = None  # [images of the G prompts, 3]
-    pixel_values_videos: torch.Tensor | None = None  # [patch rows of the G prompts' videos, D]
-    video_grid_thws: torch.Tensor | None = None  # [videos of the G prompts, 3]
-    image_num: list[int] = field(default_factory=list)  # G images per row
-    video_num: list[int] = field(default_factory=list)  # G videos per row
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.response_length.shape[0])
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.sequences.shape[0])
+from mmrlhf.models.batch import PADDING, PROMPT, GroupedSamples
 
 
 def _vision_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:

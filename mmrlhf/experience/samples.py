@@ -1,5 +1,5 @@
 """Builders from per-sample pieces (prompt ids, response ids, vision tensors) to the two batch layouts of
-:class:`~mmrlhf.experience.types.SamplesVL`.
+:class:`~mmrlhf.models.batch.SamplesVL`.
 
 Both builders take the same inputs and encode the same samples, so the padded and the packed forward of one batch
 must give the same log-probs (the model tests check exactly that). Pure functions: no model, no device.
@@ -16,8 +16,8 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 import torch
 
-from mmrlhf.experience.types import SamplesVL
 from mmrlhf.models.adapters import FamilyAdapter
+from mmrlhf.models.batch import SamplesVL
 
 # Processor keys of one sample's vision dict -> SamplesVL field names (items concatenated in sample order).
 _VISION_FIELDS = {

@@ -11,9 +11,9 @@ this is the library's own packing path (sdpa and eager verified by the tests on 
 same row to derive varlen boundaries, not verified here). Vision tensors of all samples go in concatenated: the
 vision tower treats each grid independently.
 
-Grouped layout (``GroupedSamples``, :mod:`mmrlhf.experience.grouped`): one row per shared prompt followed by its
-responses, a [G, 1, L, L] mask (:mod:`mmrlhf.models.shared_prompt`) and per-response positions; the prompt and its
-images go through the model once per row instead of once per sample.
+Grouped layout (``GroupedSamples``, built by :mod:`mmrlhf.experience.grouped`): one row per shared prompt followed
+by its responses, a [G, 1, L, L] mask (:mod:`mmrlhf.models.shared_prompt`) and per-response positions; the prompt
+and its images go through the model once per row instead of once per sample.
 
 All layouts return [B, A] tensors (A = longest response) in sample order plus the action mask, so callers are
 layout-agnostic.
@@ -40,15 +40,14 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from mmrlhf.experience.grouped import GroupedSamples
-from mmrlhf.experience.types import SamplesVL, split_vision_inputs
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
+from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
+from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_log_probs
 from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.precision import autocast
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import attention_implementation, grouped_attention_mask
-from mmrlhf.models.sharding import check_wrapper_layout
 
 
 class ActionLogProbs(NamedTuple):

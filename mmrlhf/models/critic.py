@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmrlhf.experience.types import SamplesVL
 from mmrlhf.models.actor import ActorVL, response_index
+from mmrlhf.models.batch import SamplesVL
 from mmrlhf.models.placement import module_device, to_device
 
 

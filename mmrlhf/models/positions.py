@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from mmrlhf.experience.types import SamplesVL, split_vision_inputs
 from mmrlhf.models.adapters import FamilyAdapter
+from mmrlhf.models.batch import SamplesVL, split_vision_inputs
 
 
 def padded_position_ids(
@@ -83,7 +83,7 @@ def packed_position_ids(
 def grouped_position_ids(
     adapter: FamilyAdapter, samples: Any, vision_extra: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """[3, G, L] M-RoPE positions of a grouped batch (:class:`~mmrlhf.experience.grouped.GroupedSamples`).
+    """[3, G, L] M-RoPE positions of a grouped batch (:class:`~mmrlhf.models.batch.GroupedSamples`).
 
     Every response continues from its prompt exactly as in its own sequence: one rule call per row on the prompt
     followed by the row's longest response (positions depend on token TYPES only, and responses are text), then

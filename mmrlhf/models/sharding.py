@@ -17,7 +17,7 @@ applies, and that a distributed trainer must follow:
 
 Never ``fully_shard`` the HF model itself, its lm_head or its input embeddings: the wrapper uses their parameters
 without calling their forward, so FSDP would leave them sharded. The wrapper refuses such a layout with a clear
-error (:func:`check_wrapper_layout`) instead of failing inside a DTensor op. ``ActorVL.hidden_states`` is
+error (:mod:`mmrlhf.models.fsdp_layout`) instead of failing inside a DTensor op. ``ActorVL.hidden_states`` is
 registered as a forward method of a sharded actor, so calling it directly gathers as ``forward`` does.
 """
 
@@ -28,30 +28,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-
-def _fsdp_module_type() -> type | None:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2: nothing can be sharded
-        return None
-    return FSDPModule
-
-
-def check_wrapper_layout(model: Any) -> None:
-    """Raise if ``model`` (an HF ``...ForConditionalGeneration``), its lm_head or its input embeddings is an FSDP unit
-    of its own: the wrapper reads their parameters outside their forward, where FSDP leaves them sharded."""
-    fsdp = _fsdp_module_type()
-    if fsdp is None:
-        return
-    parts = {"the model": model, "its lm_head": model.get_output_embeddings(),
-             "its input embeddings": model.get_input_embeddings()}
-    for name, module in parts.items():
-        if isinstance(module, fsdp):
-            raise RuntimeError(
-                f"{name} was given its own fully_shard; the actor / critic uses its parameters outside its forward, "
-                "where FSDP leaves them sharded. Shard the transformer blocks, then the ActorVL / CriticVL as the "
-                "root (mmrlhf.models.sharding.shard_for_training)."
-            )
+from mmrlhf.models.actor import ActorVL
+from mmrlhf.models.critic import CriticVL
+from mmrlhf.models.fsdp_layout import check_wrapper_layout
 
 
 def block_modules(model: nn.Module, block_classes: Iterable[str] | None = None) -> list[nn.Module]:
@@ -78,9 +57,6 @@ def shard_for_training(wrapper: nn.Module, *, block_classes: Iterable[str] | Non
     """
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    from mmrlhf.models.actor import ActorVL
-    from mmrlhf.models.critic import CriticVL
-
     if isinstance(wrapper, ActorVL):
         actor = wrapper
     elif isinstance(wrapper, CriticVL):
@@ -105,9 +81,6 @@ def checkpoint_blocks(wrapper: nn.Module, *, block_classes: Iterable[str] | None
     Why not transformers' gradient checkpointing: it only acts in training mode, and the trainer keeps the policy in
     eval mode (no dropout, so the PPO ratio compares like with like). Returns the number of blocks."""
     from torch.distributed._composable import checkpoint
-
-    from mmrlhf.models.actor import ActorVL
-    from mmrlhf.models.critic import CriticVL
 
     if isinstance(wrapper, CriticVL):
         wrapper = wrapper.body

@@ -3,9 +3,10 @@
 Modules, each with one job:
 
 - ``types``: ``RewardBatch`` (input), ``RewardResult`` (output), ``SourceScores`` (one source's answer).
-- ``plugins``: the reward-function contract: loading by name, sync/async calls, output checking.
+- ``plugins``: the reward-function contract: sync/async calls, output checking.
 - ``runners``: which thread a synchronous function runs on (a bounded pool, or the main thread), off the loop.
 - ``rules`` / ``math_accuracy``: built-in rule rewards (format checks, matching, math-verify accuracy).
+- ``functions``: the reward-function registry (the built-ins listed by name) and loading a function by name.
 - ``local_model``: torch reward models (e.g. Qwen-VL backbone + scalar head), moved to the device only to score
   (or kept there, when served); ``text_model``: the same, tokenizing text and images with its own processor.
 - ``wire`` / ``remote`` / ``server``: the HTTP protocol, its client (retries, batching) and its server;
@@ -17,7 +18,7 @@ See docs/rewards.md.
 """
 
 from mmrlhf.rewards.engine import RewardComputationEngine
-from mmrlhf.rewards.plugins import REWARD_FUNCTIONS, load_reward_function
+from mmrlhf.rewards.functions import REWARD_FUNCTIONS, load_reward_function
 from mmrlhf.rewards.remote import RemoteRewardClient, RemoteRewardError
 from mmrlhf.rewards.sources import SOURCE_TYPES, FunctionSource, RewardSource, build_source
 from mmrlhf.rewards.types import RewardBatch, RewardError, RewardInputError, RewardResult, SourceScores

@@ -18,7 +18,6 @@ import logging
 import threading
 from typing import Any
 
-from mmrlhf.rewards.plugins import REWARD_FUNCTIONS
 from mmrlhf.rewards.rules import extract_answer
 from mmrlhf.rewards.runners import main_thread
 
@@ -65,7 +64,6 @@ def _as_math(text: str) -> str:
     return text if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text else f"${text}$"
 
 
-@REWARD_FUNCTIONS.register("math_accuracy", aliases=("math",))
 @main_thread
 def math_accuracy(
     responses: list[str], prompts: list[str], labels: list[str], references: list[Any], timeout_s: int = 5

@@ -1,4 +1,5 @@
-"""Reward-function plugins: loading by name, calling (sync or async), and checking what comes back.
+"""Reward-function plugins: calling them (sync or async) and checking what comes back (loading by name:
+:mod:`mmrlhf.rewards.functions`).
 
 The contract (see docs/rewards.md)::
 
@@ -30,14 +31,10 @@ import numbers
 from concurrent.futures import Executor
 from typing import Any, Callable, Mapping
 
-from mmrlhf.registry import Registry
 from mmrlhf.rewards.runners import MAIN_THREAD_ATTR, run_sync
 from mmrlhf.rewards.types import RewardBatch, RewardError, SourceScores
 
 logger = logging.getLogger(__name__)
-
-REWARD_FUNCTIONS: Registry[Callable[..., Any]] = Registry("reward function")
-"""Built-in rule rewards by name; ``package.module:fn`` and ``path/to/file.py:fn`` resolve through it too."""
 
 OVERALL = "overall"
 
@@ -51,21 +48,6 @@ def is_async_callable(fn: Callable[..., Any]) -> bool:
 
 class WrongCountError(RewardError):
     """A reward function returned a number of scores different from the number of samples it was given."""
-
-
-def load_reward_function(spec: str) -> Callable[..., Any]:
-    """The function registered as ``spec``, or imported from ``module:fn`` / ``file.py:fn``; it must be callable."""
-    _ensure_builtins()
-    fn = REWARD_FUNCTIONS.get(spec)
-    if not callable(fn):
-        raise RewardError(f"reward function {spec!r} resolved to a non-callable {type(fn).__name__}")
-    return fn
-
-
-def _ensure_builtins() -> None:
-    # Importing the modules registers the built-ins; done lazily so that loading plugins does not import sympy.
-    import mmrlhf.rewards.math_accuracy  # noqa: F401
-    import mmrlhf.rewards.rules  # noqa: F401
 
 
 def function_name(fn: Callable[..., Any]) -> str:

@@ -5,7 +5,8 @@ end the prompt with ``<think>``, and concatenating prompt and response would let
 own think block look well formatted.
 
 Per-sample helpers (``is_think_answer_format``, ``extract_answer``, ...) are plain functions with examples; the
-registered rewards wrap them in the plugin signature ``fn(responses, prompts, labels, references, **columns)``.
+rewards wrap them in the plugin signature ``fn(responses, prompts, labels, references, **columns)`` and are
+registered by name in :mod:`mmrlhf.rewards.functions`.
 Samples without a reference get ``None`` from the matching rules ("does not apply"), never a silent 0.
 """
 
@@ -14,8 +15,6 @@ from __future__ import annotations
 import math
 import re
 from typing import Any, Callable
-
-from mmrlhf.rewards.plugins import REWARD_FUNCTIONS
 
 _THINK_ANSWER = re.compile(r"\s*<think>(?P<think>.*?)</think>\s*<answer>(?P<answer>.*?)</answer>\s*", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -179,7 +178,6 @@ def _per_sample(
     return [None if ref is None else score(resp, ref) for resp, ref in zip(responses, references)]
 
 
-@REWARD_FUNCTIONS.register("think_answer_format", aliases=("format",))
 def think_answer_format(
     responses: list[str], prompts: list[str], labels: list[str], references: list[Any]
 ) -> list[float]:
@@ -188,14 +186,12 @@ def think_answer_format(
     return [1.0 if is_think_answer_format(r) else 0.0 for r in responses]
 
 
-@REWARD_FUNCTIONS.register("boxed_format")
 def boxed_format(responses: list[str], prompts: list[str], labels: list[str], references: list[Any]) -> list[float]:
     r"""1.0 for responses containing a closed, non-empty ``\boxed{}``, else 0.0 (prompts ignored)."""
     del prompts, labels, references
     return [1.0 if has_boxed_answer(r) else 0.0 for r in responses]
 
 
-@REWARD_FUNCTIONS.register("exact_match")
 def exact_match(
     responses: list[str], prompts: list[str], labels: list[str], references: list[str | None]
 ) -> list[float | None]:
@@ -208,7 +204,6 @@ def exact_match(
     return _per_sample(score, responses, references)
 
 
-@REWARD_FUNCTIONS.register("numeric_match", aliases=("numeric",))
 def numeric_match(
     responses: list[str],
     prompts: list[str],
@@ -233,7 +228,6 @@ def numeric_match(
     return _per_sample(score, responses, references)
 
 
-@REWARD_FUNCTIONS.register("multiple_choice", aliases=("mcq",))
 def multiple_choice(
     responses: list[str], prompts: list[str], labels: list[str], references: list[str | None], letters: str = "ABCDEFGH"
 ) -> list[float | None]:

@@ -10,7 +10,8 @@ from concurrent.futures import Executor
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
 from mmrlhf.registry import Registry
-from mmrlhf.rewards.plugins import call_reward_function, function_name, load_reward_function
+from mmrlhf.rewards.functions import load_reward_function
+from mmrlhf.rewards.plugins import call_reward_function, function_name
 from mmrlhf.rewards.types import RewardBatch, SourceScores
 
 

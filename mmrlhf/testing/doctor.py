@@ -243,7 +243,7 @@ def check_weight_sync(opts: DoctorOptions) -> list[CheckResult]:
     from mmrlhf.testing.engine_check import CheckCase, hf_response_logprobs, solid_image
     from mmrlhf.testing.tiny_models import tiny_model_dir
     from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE
-    from mmrlhf.trainer.weight_sync import sync_weights
+    from mmrlhf.rollout.weight_sync import sync_weights
 
     t0 = time.perf_counter()
     path = str(tiny_model_dir("qwen2_vl"))

@@ -24,7 +24,7 @@ from mmrlhf.experience.fast_maker import scoring_temperature
 from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
 from mmrlhf.parallel.world import World
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
-from mmrlhf.trainer.weight_sync import sync_weights
+from mmrlhf.rollout.weight_sync import sync_weights
 
 logger = logging.getLogger(__name__)
 

@@ -225,7 +225,7 @@ def test_scoring_follows_the_call_temperature(parts):
 
 
 def _rebuild(maker, e):
-    from mmrlhf.experience.types import SamplesVL
+    from mmrlhf.models.batch import SamplesVL
 
     return SamplesVL(sequences=e.sequences, attention_mask=e.attention_mask, action_mask=e.action_mask,
                      num_actions=e.action_mask.shape[1], packed_seq_lens=None,
@@ -314,7 +314,7 @@ def test_tied_embedding_model_through_the_maker_and_a_weight_sync():
         assert gap() < 1e-4
         perturb_(actor.model)
         assert gap() > DEFAULT_TOLERANCE
-        from mmrlhf.trainer.weight_sync import sync_weights
+        from mmrlhf.rollout.weight_sync import sync_weights
 
         sync_weights(actor.model, engine)
         assert gap() < 1e-4

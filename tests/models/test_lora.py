@@ -266,7 +266,7 @@ def _engine_vs_actor(engine, actor, processor) -> float:
 def test_engine_matches_adapted_policy_after_sync(sync):
     pytest.importorskip("vllm")
     from mmrlhf.rollout.vllm_engine import VLLMEngine
-    from mmrlhf.trainer.weight_sync import sync_weights
+    from mmrlhf.rollout.weight_sync import sync_weights
 
     path = str(tiny_model_dir("qwen2_vl"))
     processor = AutoProcessor.from_pretrained(path)

@@ -14,10 +14,11 @@ import torch
 from models_testing import random_value_head
 
 from mmrlhf.algorithms.losses import policy_loss
-from mmrlhf.experience.grouped import GroupedSamples, build_grouped_samples, group_by_prompt
+from mmrlhf.experience.grouped import build_grouped_samples, group_by_prompt
 from mmrlhf.experience.samples import build_packed_samples
 from mmrlhf.models import shared_prompt
 from mmrlhf.models.actor import ActorVL
+from mmrlhf.models.batch import GroupedSamples
 from mmrlhf.models.critic import CriticVL
 from mmrlhf.testing.tolerances import assert_close_at_scale, close_at_scale
 

@@ -15,7 +15,7 @@ import pytest
 from reward_testing import plugin, serve
 
 from mmrlhf.rewards import FunctionSource, RemoteRewardClient, RewardBatch, RewardComputationEngine
-from mmrlhf.rewards.plugins import load_reward_function
+from mmrlhf.rewards.functions import load_reward_function
 from mmrlhf.rewards.sources import ClientSource
 
 TOKEN = "s3cret-token"

@@ -135,7 +135,7 @@ class ExperienceMakerHolder:
 
         ``kind="full"``: the tensors replace the current trainable ones; ``kind="lora"``: they are the adapter tensors
         of a LoRA policy (the rollout actor's copy carries the same adapters). Either way the engine is then synced
-        from the updated copy exactly as in one process (:func:`~mmrlhf.trainer.weight_sync.sync_weights`: the
+        from the updated copy exactly as in one process (:func:`~mmrlhf.rollout.weight_sync.sync_weights`: the
         tensors themselves, or for LoRA the merged layers / the adapter loaded into vLLM)."""
         if kind not in WEIGHT_KINDS:
             raise ValueError(f"update_experience_maker: unknown weight kind {kind!r}; supported: {WEIGHT_KINDS}")
@@ -163,7 +163,7 @@ class ExperienceMakerHolder:
         if critic and self.maker.critic is None:
             raise ValueError("update_experience_maker: critic tensors sent to a rollout actor without a critic")
         from mmrlhf.models.lora import lora_model
-        from mmrlhf.trainer.weight_sync import sync_weights
+        from mmrlhf.rollout.weight_sync import sync_weights
 
         if (kind == "lora") != (lora_model(self.stack.actor.model) is not None):
             raise ValueError(f"update_experience_maker: {kind!r} weights for a rollout actor whose policy "

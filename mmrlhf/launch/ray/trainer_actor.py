@@ -144,7 +144,7 @@ class RayPolicyTrainer:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """What a rollout actor needs after an update: the trainable policy tensors (``policy.``) and the critic's
         (``critic.``), detached CPU tensors."""
-        from mmrlhf.trainer.weight_sync import policy_weights
+        from mmrlhf.rollout.weight_sync import policy_weights
 
         named = [(f"policy.{n}", t.cpu()) for n, t in policy_weights(self.policy.actor.model)]
         if self.critic is not None:

@@ -4,6 +4,9 @@ Only parameters that can have changed are sent (frozen ones, e.g. a frozen visio
 at start or at resume). The engine streams them in size-bounded buckets. Whether a sync worked is not judged by
 the absence of an exception: every rollout compares the engine's log-probs of the sampled tokens with the
 trainer's (``engine_logprob_diff/*``), which is the real check.
+
+It lives with the engines it feeds, below the experience makers and the trainer: the trainer calls it after each
+update, the experience builder after loading a LoRA adapter, and a Ray rollout actor after receiving new weights.
 """
 
 from __future__ import annotations
