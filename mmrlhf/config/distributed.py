@@ -27,7 +27,7 @@ class DistributedConfig(Section):
     process_group: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend of the training ranks: ``auto`` is ``nccl`` on CUDA, ``gloo`` on the CPU."""
     mixed_precision: Literal["auto", "none", "bf16", "fp16"] = "auto"
-    """FSDP2 mixed precision under torchrun, which FOLLOWS ``model.dtype`` (the one source of truth: the compute
+    """FSDP2 mixed precision of several training ranks (torchrun, Ray trainer actors), which FOLLOWS ``model.dtype`` (the one source of truth: the compute
     dtype in every launch mode): ``auto`` (default) casts the float32 parameter shards to ``model.dtype`` for the
     forward and backward and reduces gradients in float32 (none for ``model.dtype=float32``). An explicit value
     must agree with ``model.dtype`` (``bf16`` with ``bfloat16``, ``none`` with ``float32``); a contradiction is
@@ -42,7 +42,8 @@ class DistributedConfig(Section):
     instance is started for the run (and stopped at its end)."""
     num_rollout_actors: int = Field(default=1, ge=1)
     """Rollout actors (``ExperienceMakerHolder``): each owns an engine, the scoring models and the rewards, takes its
-    share of the prompts and sends finished experiences round-robin to the trainer actors."""
+    share of the prompts and sends finished experiences to trainer rank 0, which deals every trainer actor whole
+    prompt groups."""
     rollout_actor_cpus: float = Field(default=1.0, gt=0)
     """CPUs reserved for each rollout actor."""
     rollout_actor_gpus: Optional[float] = Field(default=None, ge=0)
@@ -50,8 +51,9 @@ class DistributedConfig(Section):
     GPUs (the actor's engine owns them), 0 on a CPU cluster. 0 on a GPU cluster is refused (Ray would leave every
     actor on GPU 0); a fraction shares a GPU (tensor_parallel_size 1 only)."""
     num_trainer_actors: int = Field(default=1, ge=1)
-    """Trainer actors: together one data-parallel FSDP2 group; the first pushes the new weights to every rollout
-    actor after each update."""
+    """Trainer actors: the training ranks of the one loop, one torch process group (``process_group``) sharding the
+    policy and critic with FSDP2; all gather the new weights after each update and the first pushes them to every
+    rollout actor. ``trainer.rollout_batch_size`` and ``trainer.train_batch_size`` must be multiples of it."""
     trainer_actor_cpus: float = Field(default=1.0, gt=0)
     """CPUs reserved for each trainer actor."""
     trainer_actor_gpus: Optional[float] = Field(default=None, ge=0)

@@ -13,6 +13,17 @@ import sys
 from typing import Any
 
 
+def check_torchrun_config(config: Any, world_size: int) -> None:
+    """What torchrun ranks, each with its own colocated engine, cannot do: refused by key."""
+    from mmrlhf.rollout.vllm_setup import check_torchrun_tensor_parallel
+
+    check_torchrun_tensor_parallel(config.rollout.tensor_parallel_size, world_size)
+    if world_size > 1 and config.rollout.engine == "transformers":
+        raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
+                         "policy itself, and ranks stopping at different lengths would wait on each other forever; "
+                         "use rollout.engine=vllm")
+
+
 def run_torchrun(config: Any, *, resume: bool = False) -> int:
     """Join the process group, train this rank; the exit code of ``mmrlhf train``."""
     from mmrlhf.launch.report import train_and_report
@@ -20,8 +31,10 @@ def run_torchrun(config: Any, *, resume: bool = False) -> int:
 
     try:
         world = join_from_env(config.distributed.process_group)
+        check_torchrun_config(config, world.world_size)
     except (KeyError, ValueError, RuntimeError) as exc:
-        print(f"error: torchrun process group: {exc}", file=sys.stderr)
+        print(f"error: torchrun: {exc}", file=sys.stderr)
+        leave()
         return 2
     try:
         return train_and_report(config, resume=resume, world=world)

@@ -283,23 +283,19 @@ def _rank_config(config: MMRLHFConfig, world: World) -> MMRLHFConfig:
     """What differs per rank, checked first: every rank samples with its own seed (``rollout.seed + rank``: rank 0's
     is the one-process seed), and what cannot run on several ranks is refused by key (docs/distributed.md lists
     them)."""
-    from mmrlhf.rollout.vllm_setup import check_torchrun_tensor_parallel
-
     t, r = config.trainer, config.rollout
     world.share(t.rollout_batch_size, "trainer.rollout_batch_size")
     world.share(t.train_batch_size, "trainer.train_batch_size")
     if world.sharded:
-        _refuse_on_ranks(config, world)
-    if world.launch == "torchrun":
-        check_torchrun_tensor_parallel(r.tensor_parallel_size, world.world_size)
+        _refuse_on_ranks(config)
     if r.seed is None or not world.rank:
         return config
     return config.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + world.rank})})
 
 
-def _refuse_on_ranks(config: MMRLHFConfig, world: World) -> None:
+def _refuse_on_ranks(config: MMRLHFConfig) -> None:
     """What a world of several training ranks does not support yet, refused by key with the reason."""
-    r, a = config.rollout, config.algorithm
+    a = config.algorithm
     if a.dynamic_sampling:
         raise ValueError("algorithm.dynamic_sampling with several training ranks: ranks would keep different numbers "
                          "of groups; set algorithm.dynamic_sampling=false, or train on one rank")
@@ -315,10 +311,6 @@ def _refuse_on_ranks(config: MMRLHFConfig, world: World) -> None:
         raise ValueError(f"algorithm.kl_controller=adaptive {per_rank} (each rank's coefficient would drift apart, "
                          "and only rank 0's would be saved); use kl_controller=fixed, or algorithm.kl_loss_coef "
                          "(the KL as a loss term), or train on one rank")
-    if r.engine == "transformers" and world.launch == "torchrun":
-        raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
-                         "policy itself, and ranks stopping at different lengths would wait on each other forever; "
-                         "use rollout.engine=vllm")
     if config.model.lora.rank:
         raise ValueError("model.lora.rank > 0 with several training ranks: LoRA with FSDP2 sharding is not supported "
                          "yet; train LoRA on one rank, or set model.lora.rank=0")

@@ -133,7 +133,7 @@ class Trainer:
         updated = False
         try:
             metrics.update(prepare_policy_targets(items, p.policy.s))
-            metrics.update(_entropy_metric(items))
+            metrics.update(_entropy_metric(items, p.world))
             with timed(seconds, "policy_update"):
                 metrics.update(p.policy.update(items, temperature=batch.temperature, generator=p.shuffle))
             if p.critic is not None:
@@ -180,8 +180,8 @@ class Trainer:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
-def _entropy_metric(items: Sequence[TrainItem]) -> dict[str, float]:
-    """Mean old-policy entropy over the trained response tokens (``policy/entropy``)."""
+def _entropy_metric(items: Sequence[TrainItem], world: World) -> dict[str, float]:
+    """Mean old-policy entropy over the trained response tokens of every rank (``policy/entropy``)."""
     num = den = 0.0
     for it in items:
         ent = it.token.get("action_entropy")
@@ -190,4 +190,5 @@ def _entropy_metric(items: Sequence[TrainItem]) -> dict[str, float]:
         mask = it.token["loss_mask"]
         num += float(ent[mask].sum())
         den += int(mask.sum())
+    num, den = world.all_sum([num, den])
     return {"policy/entropy": num / den} if den else {}

@@ -13,6 +13,7 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
@@ -60,10 +61,13 @@ class RolloutSource(Protocol):
     def evaluate(self) -> dict[str, float]:
         """Held-out evaluation with the current weights (rank 0 only)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """The data position and sampling counters a resume restores (JSON; rank 0's is saved)."""
+    def save(self, folder: Path, step: int) -> dict[str, Any]:
+        """At a checkpoint of ``step`` finished steps (every rank; rank 0's return is saved): the data position and
+        sampling counters a resume restores (JSON), files it needs written into ``folder``. One format for every
+        source: the position is ``{"stream": ..., "maker": ...}``, so a run resumes in another launch mode."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
+        """Restore what :meth:`save` returned (every rank)."""
 
     def close(self) -> None: ...
 
@@ -195,10 +199,10 @@ class LocalRollouts:
             return {}
         return self.evaluator.run()
 
-    def state_dict(self) -> dict[str, Any]:
+    def save(self, folder: Path, step: int) -> dict[str, Any]:
         return {"stream": self.stream.state_dict(), "maker": self.maker.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load(self, folder: Path, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state["stream"])
         self.maker.load_state_dict(state["maker"])
 

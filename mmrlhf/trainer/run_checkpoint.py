@@ -42,7 +42,7 @@ def write_run_state(trainer: Any, folder: Path) -> None:
         dcp.save(_dcp_state(p), checkpoint_id=str(folder / "optimizer"))
     torch.save(rng_state_tensors({"shuffle": p.shuffle}), folder / f"rng-rank{world.rank}.pt")
     (folder / f"rng-rank{world.rank}.json").write_text(json.dumps(rng_state_json()))
-    rollouts = p.source.state_dict()  # every rank (a source may need a collective); rank 0's is saved
+    rollouts = p.source.save(folder, trainer.state.step)  # every rank; rank 0's is saved
     if not world.is_main:
         return
     steppers = {"policy": _counters(p.policy.stepper)}
@@ -63,7 +63,7 @@ def load_run_state(trainer: Any, folder: Path) -> None:
     p, world = trainer.p, trainer.p.world
     state = json.loads((folder / "trainer_state.json").read_text())
     trainer.state = TrainerState.from_json(state["trainer"])
-    p.source.load_state_dict(state.get("rollouts") or {"stream": state["stream"], "maker": state["maker"]})
+    p.source.load(folder, state.get("rollouts") or {"stream": state["stream"], "maker": state["maker"]})
     if (folder / "optimizer.pt").exists():  # schema 1, one process
         _load_legacy_single(p, folder)
         return

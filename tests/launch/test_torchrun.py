@@ -68,12 +68,10 @@ def test_shares_must_divide_over_ranks():
 
 @pytest.mark.parametrize("override, key", [
     ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),
-    ("rollout.engine=transformers", "rollout.engine=transformers"),
     ("model.lora.rank=8", "model.lora.rank"),
     ("trainer.rollout_batch_size=15", "trainer.rollout_batch_size"),
     ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
     ("algorithm.high_entropy_top_p=0.2", "algorithm.high_entropy_top_p"),
-    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2 under torchrun"),
     ("algorithm.reward_normalization=true", "algorithm.reward_normalization=true"),
     ("algorithm.kl_controller=adaptive algorithm.kl_reward_coef=0.05", "algorithm.kl_controller=adaptive"),
 ])
@@ -86,6 +84,19 @@ def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _rank_config(config, rank1)
     assert _rank_config(load_config(TOY), rank1).rollout.seed == load_config(TOY).rollout.seed + 1  # own stream
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.engine=transformers", "rollout.engine=transformers"),
+    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2 under torchrun"),
+])
+def test_what_torchrun_ranks_with_their_own_engines_cannot_do_is_refused_by_key(override, key):
+    from mmrlhf.config import load_config
+    from mmrlhf.launch.torchrun import check_torchrun_config
+
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        check_torchrun_config(load_config(TOY, override.split()), world_size=2)
+    check_torchrun_config(load_config(TOY), world_size=2)
 
 
 class _MirrorGroup:

@@ -84,6 +84,7 @@ class ExperienceMakerHolder:
         the trainer reads."""
         from mmrlhf.data.stream import record_columns
         from mmrlhf.launch.ray.ledger import StaleExperienceError
+        from mmrlhf.trainer.rollouts import variance_metrics
 
         with self._lock:
             start = time.perf_counter()
@@ -99,6 +100,7 @@ class ExperienceMakerHolder:
             rollout = self.maker.generate_rollout(**record_columns(records))
             experiences = self.maker.experiences_from(rollout)  # CPU tensors whatever the models' device
             metrics = dict(rollout.metrics)
+            metrics.update(variance_metrics([rollout], self.config.algorithm.dynamic_sampling_tol))
             metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
             self._last_end = time.perf_counter()
         from mmrlhf.experience.fast_maker import scoring_temperature
@@ -111,14 +113,27 @@ class ExperienceMakerHolder:
     def _records(self, step: int) -> list[Any]:
         """All of ``step``'s prompts (every actor reads the same stream and keeps its share); positioned by step, so
         a restarted actor picks up where the run is."""
-        size = self.config.trainer.rollout_batch_size
-        first = step * size
+        self._seek(step)
+        return self.stream.next_batch(self.config.trainer.rollout_batch_size)
+
+    def _seek(self, step: int) -> None:
+        """The stream where step ``step``'s prompts begin."""
+        first = step * self.config.trainer.rollout_batch_size
         if self.stream.size is None:
             state = {"epoch": 0, "position": first}
         else:
             state = {"epoch": first // self.stream.size, "position": first % self.stream.size}
         self.stream.load_state_dict({**state, "seed": self.stream.seed})
-        return self.stream.next_batch(size)
+
+    def stream_state(self, step: int) -> dict[str, Any]:
+        """The prompt stream's state once ``step`` steps' prompts were read (what a checkpoint records)."""
+        with self._lock:
+            self._seek(step)
+            return self.stream.state_dict()
+
+    def stream_index(self, state: dict[str, Any]) -> int:
+        """The prompt index a stream state points at, counted from the first epoch's start."""
+        return int(state["epoch"]) * (self.stream.size or 0) + int(state["position"])
 
     def evaluate(self) -> dict[str, float]:
         """Held-out evaluation with the current weights (rollout actor 0 only)."""

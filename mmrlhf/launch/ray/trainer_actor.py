@@ -1,22 +1,20 @@
-"""The trainer actor of the Ray mode: the policy (and critic) updaters of the single-process loop, fed with
-experiences from the rollout actors, pushing each new version back to every rollout actor in chunks.
-
-Before each update it re-scores the step's samples with its own policy (one no-grad forward). That forward is two
-things: the engine-vs-trainer check of the weight sync (``engine_logprob_diff/trainer_*``: on a fresh experience the
-engine sampled with the very weights the trainer holds, so the two log-probs must agree to float noise; a missed
-sync shows as a large gap), and, with ``max_staleness >= 1``, the old-policy log-probs of the PPO ratio at the
-trainer's current version, so that the rollout correction's importance weight ``pi_current / mu_engine`` covers
-the versions the experience lags behind.
-"""
+"""A trainer actor of the Ray mode: one rank of the one training loop. ``distributed.num_trainer_actors`` of them
+form one torch process group (gloo on the CPU, NCCL on GPUs) and shard the policy and critic with the same FSDP2
+plan as torchrun ranks; their experiences come from the rollout actors (:class:`~mmrlhf.launch.ray.source.
+RayRollouts`), the rest is :class:`~mmrlhf.trainer.loop.Trainer` as in one process."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import logging
-import time
-from pathlib import Path
-from typing import Any, Sequence
+import socket
+from typing import Any, Callable
 
 import torch
+
+from mmrlhf.launch.ray.source import RayRollouts, RaySettings
 
 logger = logging.getLogger(__name__)
 
@@ -27,192 +25,112 @@ def trainer_name(index: int) -> str:
     return f"{TRAINER_NAME}-{index}"
 
 
-class RayPolicyTrainer:
-    """Trainer actor ``index`` (wrapped with ``ray.remote`` by the driver); only one is supported for now.
-    ``push_weights=False`` bumps the rollout actors' version without sending any tensor: the control run of the
-    sync check, never a user setting."""
+def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, freeze: Callable[[Any], None], *,
+                 pool: Any, push_weights: bool) -> Any:
+    """The rollout factory of a trainer rank (:data:`~mmrlhf.trainer.builder.RolloutFactory`): the policy built on
+    this rank's device (no engine here), the rollout actors as the source."""
+    from transformers import AutoProcessor
 
-    def __init__(self, config: dict[str, Any], index: int, threads: int, *, push_weights: bool = True) -> None:
-        from transformers import AutoProcessor
+    from mmrlhf.devices import resolve_device
+    from mmrlhf.experience.builder import check_lora_settings, load_model
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.rollout.base import forbidden_token_ids
+    from mmrlhf.rollout.builder import sampling_settings
+    from mmrlhf.trainer.builder import Rollouts
 
+    m, t, d = config.model, config.trainer, config.distributed
+    adapter = get_adapter(m.pretrain, m.family)
+    check_lora_settings(config)
+    # LoRA: the base model plus adapters (a resumed run's adapter sits beside its model/)
+    actor = load_model(m, m.pretrain if m.lora.rank else (policy_path or m.pretrain), adapter,
+                       trainable=True).to(resolve_device(t.device))
+    freeze(actor)
+    if m.lora.rank:  # the adapters train here; only they travel to the rollout actors (kind "lora")
+        from mmrlhf.models.lora import apply_lora, resume_adapter_path
+
+        apply_lora(actor, m.lora, adapter_path=resume_adapter_path(policy_path) or m.lora.adapter or None)
+    # Score the distribution the engine samples from (a rollout actor's maker does the same to its actor copy).
+    actor.excluded_token_ids = forbidden_token_ids(adapter, sampling_settings(config.rollout))
+    processor = AutoProcessor.from_pretrained(m.pretrain, trust_remote_code=m.trust_remote_code)
+    settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
+                           on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
+                           bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,
+                           weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights)
+    return Rollouts(actor, RayRollouts(pool, world, settings), processor, processor.tokenizer)
+
+
+class RayTrainerRank:
+    """Trainer rank ``rank`` of ``world_size`` (wrapped with ``ray.remote`` by the driver, two threads: the driver
+    asks for progress and passes a stop request while :meth:`fit` runs). ``push_weights=False`` announces new
+    versions to the rollout actors without sending any tensor: the control run of the sync check, never a user
+    setting."""
+
+    def __init__(self, config: dict[str, Any], rank: int, world_size: int, threads: int, pool: Any, *,
+                 push_weights: bool = True) -> None:
         from mmrlhf.config import build_config
-        from mmrlhf.devices import resolve_device
-        from mmrlhf.experience.builder import load_model
-        from mmrlhf.models.adapters import get_adapter
-        from mmrlhf.rollout.base import forbidden_token_ids
-        from mmrlhf.rollout.builder import sampling_settings
-        from mmrlhf.trainer.builder import build_critic, build_updaters
-        from mmrlhf.trainer.checkpoint import CheckpointManager
-        from mmrlhf.trainer.optim import freeze_vision
-        from mmrlhf.trainer.state import seed_everything
 
         torch.set_num_threads(threads)
-        self.config = cfg = build_config(config)
-        m, t, dist = cfg.model, cfg.trainer, cfg.distributed
-        self.index, self.max_staleness, self.push_enabled = index, dist.max_staleness, push_weights
-        seed_everything(t.seed)
-        adapter = get_adapter(m.pretrain, m.family)
-        device = resolve_device(t.device)
-        actor = load_model(m, m.pretrain, adapter, trainable=True).to(device)  # float32 master, model.dtype compute
-        freeze_vision(actor.model, adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
-        if m.lora.rank:  # the adapters train here; only they travel to the rollout actors (kind "lora")
-            from mmrlhf.experience.builder import check_lora_settings
-            from mmrlhf.models.lora import apply_lora
+        self.config = build_config(config)
+        self.rank, self.world_size, self.pool, self.push_weights = rank, world_size, pool, push_weights
+        self.trainer: Any = None
 
-            check_lora_settings(cfg)
-            apply_lora(actor, m.lora)
-        self.weight_kind = "lora" if m.lora.rank else "full"
-        # Score the distribution the engine samples from (the maker does the same to its own actor).
-        actor.excluded_token_ids = forbidden_token_ids(adapter, sampling_settings(cfg.rollout))
-        critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
-        self.processor = AutoProcessor.from_pretrained(m.pretrain, trust_remote_code=m.trust_remote_code)
-        self.policy, self.critic = build_updaters(cfg, actor, critic, pad_id=self.processor.tokenizer.pad_token_id)
-        self.shuffle = torch.Generator().manual_seed(t.seed)
-        self.checkpoints = CheckpointManager(Path(t.output_dir) / "checkpoints", t.keep_last)
-        self.bucket_bytes = cfg.rollout.weight_sync_bucket_mb * 2**20
-        self.version = 0
-        self.holders: list[Any] = []
-
-    def set_holders(self, holders: Sequence[Any]) -> None:
-        """The rollout actors' handles, in share order (replaced when one is restarted)."""
-        self.holders = list(holders)
-
-    # ---- one step ----------------------------------------------------------------------------------------------
-    def train_step(self, step: int, *payloads: dict[str, Any]) -> dict[str, Any]:
-        """Update on the experiences of ``step`` (one payload per rollout actor, resolved from the object store),
-        then push the new version to every rollout actor. Returns metrics and the consumed (share, samples)."""
-        from mmrlhf.launch.ray.ledger import check_staleness
-        from mmrlhf.experience.batching import split_experience
-        from mmrlhf.trainer.policy_update import prepare_policy_targets
-
-        t0 = time.perf_counter()
-        if step != self.version:
-            raise RuntimeError(f"trainer at version {self.version} asked to train step {step}")
-        items, staleness, consumed, fresh = [], [], [], []
-        temperatures = {p["temperature"] for p in payloads}
-        if len(temperatures) != 1:
-            raise ValueError(f"step {step}: experiences scored at different temperatures {sorted(temperatures)}")
-        for p in payloads:
-            s = check_staleness(self.version, p["version"], self.max_staleness)
-            share_items = [it for exp in p["experiences"] for it in split_experience(exp)]
-            if len(share_items) != p["samples"]:
-                raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, "
-                                   f"{len(share_items)} in the experiences")
-            items += share_items
-            staleness.append(s)
-            fresh += [s == 0] * len(share_items)
-            consumed.append((p["share"], len(share_items)))
-        temperature = temperatures.pop()
-        metrics: dict[str, float] = {}
-        with torch.no_grad():
-            current = self._log_probs(items, temperature)  # list of [A_i]
-        metrics.update(_sync_check(items, current, fresh))
-        if self.max_staleness >= 1:
-            for it, lp in zip(items, current):
-                it.token["action_log_probs"] = lp
-        metrics.update(prepare_policy_targets(items, self.policy.s))
-        metrics.update(self.policy.update(items, temperature=temperature, generator=self.shuffle))
-        if self.critic is not None:
-            metrics.update(self.critic.update(items, generator=self.shuffle))
-        self.version += 1
-        metrics["time/update"] = time.perf_counter() - t0
-        sync = self.push_weights()
-        failed = sync.pop("failed")
-        metrics.update(sync)
-        return {"metrics": metrics, "consumed": consumed, "staleness": staleness, "version": self.version,
-                "failed": failed}
-
-    @torch.no_grad()
-    def _log_probs(self, items: list[Any], temperature: float) -> list[torch.Tensor]:
-        """[A_i] log-probs of each item's response under the current policy, in item order."""
-        from mmrlhf.experience.batching import collate
-        from mmrlhf.models.placement import to_host
-
-        s, actor = self.policy.s, self.policy.actor
-        actor.eval()
-        out: list[torch.Tensor] = []
-        for start in range(0, len(items), s.micro_batch_size):
-            part = items[start: start + s.micro_batch_size]
-            batch = collate(part, packed=s.packing, pad_id=self.policy.pad_id, adapter=actor.adapter,
-                            shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
-            # the actor moves the CPU batch to its device; the log-probs join the items' CPU tensors
-            lp = to_host(actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature).log_probs)
-            out += [lp[i, : len(it.response_ids)].float() for i, it in enumerate(part)]  # [b, A] -> [A_i] each
-        return out
-
-    # ---- weights -----------------------------------------------------------------------------------------------
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """What a rollout actor needs after an update: the trainable policy tensors (``policy.``) and the critic's
-        (``critic.``), detached CPU tensors."""
-        from mmrlhf.rollout.weight_sync import policy_weights
-
-        named = [(f"policy.{n}", t.cpu()) for n, t in policy_weights(self.policy.actor.model)]
-        if self.critic is not None:
-            named += [(f"critic.{n}", p.detach().cpu()) for n, p in self.critic.critic.named_parameters()
-                      if p.requires_grad]
-        return named
-
-    def push_weights(self, holders: Sequence[int] | None = None) -> dict[str, Any]:
-        """Send the current version to the rollout actors ``holders`` (indices; default all) in buckets of
-        ``rollout.weight_sync_bucket_mb``; each bucket is put in the object store once and read by every actor.
-        Returns ``sync/*`` metrics and ``failed``: {index: error text} of actors that died during the push (the
-        driver reports them and applies ``distributed.on_rollout_failure``)."""
+    def address(self) -> str:
+        """A rendezvous address on this actor's node (rank 0's), for the ranks' process group."""
         import ray
 
-        from mmrlhf.launch.ray.runtime import describe_actor_error
-        from mmrlhf.rollout.base import iter_buckets
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-        t0 = time.perf_counter()
-        targets = range(len(self.holders)) if holders is None else list(holders)
-        # The control of the sync check (push_weights=False) announces the new version with no tensors at all.
-        named = self.named_weights() if self.push_enabled else []
-        buckets = list(iter_buckets(iter(named), self.bucket_bytes)) or [[]]
-        pending: dict[int, list[Any]] = {i: [] for i in targets}
-        for b, bucket in enumerate(buckets):
-            ref = ray.put(bucket)
-            last = b == len(buckets) - 1
-            for i in targets:
-                pending[i].append(self.holders[i].update_experience_maker.remote(ref, version=self.version,
-                                                                                  last=last, kind=self.weight_kind))
-        failed: dict[int, str] = {}
-        for i, refs in pending.items():
-            try:
-                ray.get(refs)
-            except ray.exceptions.RayActorError as exc:
-                failed[i] = describe_actor_error(exc)
-        nbytes = sum(t.numel() * t.element_size() for _, t in named)
-        return {"sync/seconds": time.perf_counter() - t0, "sync/megabytes": nbytes / 2**20,
-                "sync/buckets": float(len(buckets)), "failed": failed}
+    def setup(self, resume: bool, init_method: str) -> str | None:
+        """Join the ranks' process group and build this rank's trainer; an error line, or None."""
+        from mmrlhf.config import dump_config
+        from mmrlhf.parallel.world import join
+        from mmrlhf.trainer.builder import build_trainer
 
-    # ---- checkpoint --------------------------------------------------------------------------------------------
-    def save(self, step: int) -> str:
-        """The policy in Hugging Face format (``model/``; LoRA: merged, plus ``adapter/``), the critic and the
-        optimiser states, as one process writes them."""
-        import json
+        world = join(self.rank, self.world_size, 0, launch="ray", init_method=init_method,
+                     process_group=self.config.distributed.process_group)
+        factory = functools.partial(ray_rollouts, pool=self.pool, push_weights=self.push_weights)
+        try:
+            self.trainer = build_trainer(self.config, resume=resume, world=world, rollouts=factory)
+        except (OSError, ValueError) as exc:  # the config, the output folder, the checkpoint, the model files
+            return f"error ({trainer_name(self.rank)}): {exc}"
+        if world.is_main:
+            with open(f"{self.trainer.s.output_dir}/config.yaml", "w") as f:
+                f.write(dump_config(self.config))
+        return None
 
-        from mmrlhf.trainer.checkpoint import write_policy_and_updaters
+    def fit(self) -> dict[str, Any]:
+        """Train (the one loop); exit code, last metrics, the step reached, and what was printed (the driver shows
+        it: the interruption's and the errors' lines)."""
+        from mmrlhf.launch.report import fit_or_report
 
-        def write(folder: Path) -> None:
-            write_policy_and_updaters(folder, self.policy, self.critic, self.processor)
-            state = {"trainer": {"step": step}, "policy_version": self.version, "launch": "ray",
-                     "config": self.config.model_dump(mode="json")}
-            (folder / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code, metrics = fit_or_report(self.trainer, f" ({trainer_name(self.rank)})")
+        t = self.trainer
+        out = {"code": code, "metrics": metrics, "step": t.state.step, "stdout": stdout.getvalue(),
+               "stderr": stderr.getvalue(),
+               "interrupted": bool(getattr(t, "interrupted", False)), "checkpoint": None, "summary": {}}
+        if t.main:
+            latest = t.p.checkpoints.latest()
+            out["checkpoint"] = None if latest is None else str(latest)
+            out["summary"] = t.p.source.summary()
+        return out
 
-        return str(self.checkpoints.save(step, write))
+    def request_stop(self) -> None:
+        """Stop after the step in progress (the driver's Ctrl-C / SIGTERM); every rank agrees at the step's end."""
+        if self.trainer is not None:
+            self.trainer.stop_requested = True
+
+    def progress(self) -> int:
+        """Steps finished so far."""
+        return 0 if self.trainer is None else self.trainer.state.step
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """Trainable policy tensors (tests compare them with a rollout actor's copy)."""
-        return {n[len("policy."):]: t.clone() for n, t in self.named_weights() if n.startswith("policy.")}
+        """The trainable policy tensors, full (tests compare them with a rollout actor's copy and other runs'). Every
+        rank must call it when the policy is sharded."""
+        from mmrlhf.rollout.weight_sync import policy_weights
 
-
-def _sync_check(items: Sequence[Any], current: Sequence[torch.Tensor], fresh: Sequence[bool]) -> dict[str, float]:
-    """Mean / max |engine log-prob - trainer log-prob| over the response tokens of fresh (staleness 0) samples."""
-    diffs = [(it.token["rollout_log_probs"] - lp).abs()[it.token["loss_mask"]]
-             for it, lp, f in zip(items, current, fresh) if f and "rollout_log_probs" in it.token]
-    if not diffs:
-        return {}
-    d = torch.cat(diffs)
-    if not d.numel():
-        return {}
-    return {"engine_logprob_diff/trainer_mean": float(d.mean()), "engine_logprob_diff/trainer_max": float(d.max())}
-
+        return {n: t.detach().cpu().clone() for n, t in policy_weights(self.trainer.p.policy.actor.model)}

@@ -1,0 +1,180 @@
+"""One training loop for every launch mode: the same recipe, seed and total batch trains the same in one process,
+under torchrun with one rank and in the Ray mode with one rollout actor and one trainer actor (metrics and weights);
+two Ray trainer actors (one FSDP2 group over gloo) equal one process within fp32 reduction noise; a Ray run that
+stops and resumes (``max_staleness`` 0 and 1) continues exactly as the straight run. The control, a Ray run whose
+rollout actor never receives the new weights, must differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+LR = 3.0e-4  # examples/grpo_toy_shapes_cpu.yaml
+# Metrics compared at rel 1e-5 of their scale. GRPO's policy loss is a mean of advantage x ratio terms whose sum is
+# ~0 (advantages are centred per group): its scale is the terms' (|A| ~ 1), not its own value (~1e-9). The approximate
+# KL and the KL loss are means of differences of log-probs (O(1) each) that are equal up to summation noise.
+TERM_SCALE = {"policy/pg_loss": 1.0, "policy/approx_kl": 1.0, "policy/kl_loss": 1.0}
+# Left out of the comparison: clocks, the engine's own numerics (vLLM in another process), and what only one mode has.
+SKIP = ("time/", "sync/", "throughput/", "async/", "engine_logprob_diff/", "rollout_is/abs_log_ratio", "ledger/")
+
+
+def _config(out: Path, *overrides: str):
+    from mmrlhf.config import load_config
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    return load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
+        f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"trainer.output_dir={out}",
+        f"trainer.max_steps={STEPS}", "trainer.eval_steps=0", "trainer.progress_bar=false",
+        "trainer.tensorboard=false", "trainer.report_steps=0", "trainer.save_steps=1000", *overrides])
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _weights(out: Path, step: int = STEPS) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(next((out / "checkpoints" / f"step-{step:08d}" / "model").glob("*.safetensors"))))
+
+
+def _initial() -> dict:
+    from safetensors.torch import load_file
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    return load_file(str(next(Path(tiny_model_dir("qwen2_vl", "tiny", 0)).glob("*.safetensors"))))
+
+
+def metric_gaps(a: list[dict], b: list[dict]) -> dict[str, float]:
+    """Per metric, the largest |a - b| over the steps, relative to the metric's scale (its largest |value| over
+    both runs, or its terms' scale)."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    keys = {k for r in a for k in r} & {k for r in b for k in r}
+    gaps = {}
+    for k in sorted(keys):
+        if k == "step" or k.startswith(SKIP):
+            continue
+        pairs = [(x[k], y[k]) for x, y in zip(a, b) if k in x and k in y]
+        scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
+        gaps[k] = max(abs(u - v) for u, v in pairs) / scale
+    return gaps
+
+
+def update_gap(out_a: Path, out_b: Path, step: int = STEPS) -> float:
+    """The largest difference between two runs' weight updates (final - initial), in units of the learning rate:
+    Adam moves an element by up to ~lr a step, and float noise in a gradient element near Adam's eps moves its
+    update by up to ~lr / 2, so noise stays well below 1 while different training reaches several."""
+    init, a, b = _initial(), _weights(out_a, step), _weights(out_b, step)
+    return max(float(((a[k] - init[k]) - (b[k] - init[k])).abs().max()) for k in init) / LR
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _ray(out: Path, *overrides: str, stop_at: int | None = None, resume: bool = False, push_weights: bool = True):
+    from mmrlhf.launch.ray.driver import run_ray
+
+    def stop(run, step):  # as the driver does on Ctrl-C / SIGTERM: rank 0 stops every rank after the step
+        if stop_at is not None and step >= stop_at:
+            run.ranks[0].request_stop.remote()
+
+    rc = run_ray(_config(out, "distributed.backend=ray", *overrides), resume=resume, on_step=stop,
+                 push_weights=push_weights)
+    assert rc == 0, rc
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory):
+    from mmrlhf.launch import run
+
+    out = {}
+    out["single"] = tmp_path_factory.mktemp("single")
+    assert run(_config(out["single"])) == 0
+    out["torchrun1"] = tmp_path_factory.mktemp("torchrun1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "mmrlhf",
+           "train", str(ROOT / "examples/grpo_toy_shapes_cpu.yaml"),
+           *[f"{k}={v}" for k, v in _flat(_config(out["torchrun1"], "distributed.backend=torchrun"))]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH",
+                                                                                                         "")]))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out["ray"] = _ray(tmp_path_factory.mktemp("ray"))
+    out["ray_2_trainers"] = _ray(tmp_path_factory.mktemp("ray2"), "distributed.num_trainer_actors=2",
+                                 "distributed.trainer_actor_cpus=0.5", "distributed.rollout_actor_cpus=1")
+    out["control"] = _ray(tmp_path_factory.mktemp("control"), push_weights=False)
+    return out
+
+
+def _flat(config) -> list[tuple[str, str]]:
+    """The overrides that make the YAML recipe ``config`` (the keys these tests set), for the command line."""
+    t = config.trainer
+    return [("model.pretrain", config.model.pretrain), ("trainer.output_dir", t.output_dir),
+            ("trainer.max_steps", t.max_steps), ("trainer.eval_steps", 0), ("trainer.progress_bar", "false"),
+            ("trainer.tensorboard", "false"), ("trainer.report_steps", 0), ("trainer.save_steps", 1000),
+            ("distributed.backend", config.distributed.backend)]
+
+
+@pytest.mark.parametrize("mode", ["torchrun1", "ray"])
+def test_one_rank_in_every_launch_mode_trains_exactly_as_one_process(runs, mode):
+    single, other = _rows(runs["single"]), _rows(runs[mode])
+    assert len(single) == len(other) == STEPS
+    gaps = metric_gaps(single, other)
+    assert {"reward/mean", "policy/grad_norm", "policy/entropy", "policy/pg_loss", "samples"} <= set(gaps)
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(runs["single"], runs[mode]) < 0.02
+
+
+def test_two_ray_trainer_actors_equal_one_process_within_reduction_noise(runs):
+    single, two = _rows(runs["single"]), _rows(runs["ray_2_trainers"])
+    gaps = metric_gaps(single, two)
+    print(f"\n2 trainer actors vs one process, largest metric gaps: {sorted(gaps.items(), key=lambda kv: -kv[1])[:5]}")
+    assert {k for k in gaps if gaps[k] > 1e-5} <= {"policy/pg_loss", "policy/grad_norm", "policy/entropy",
+                                                 "policy/approx_kl", "policy/clip_frac"}, gaps
+    assert max(gaps.values()) <= 1e-4, gaps
+    gap = update_gap(runs["single"], runs["ray_2_trainers"])
+    print(f"\n2 trainer actors vs one process: worst metric gap {max(gaps.values()):.2e}, update gap {gap:.3f} lr")
+    assert gap < 0.2
+
+
+def test_control_without_the_weight_push_differs(runs):
+    """The rollout actor keeps sampling with the first policy: from step 2 its samples, hence the training, differ."""
+    gaps = metric_gaps(_rows(runs["single"]), _rows(runs["control"]))
+    assert gaps["reward/mean"] > 1e-3 or gaps["policy/grad_norm"] > 1e-2, gaps
+    assert update_gap(runs["single"], runs["control"]) > 0.5
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_resumed_ray_run_continues_as_the_straight_run(cluster, tmp_path, k):
+    staleness = f"distributed.max_staleness={k}"
+    straight = _ray(tmp_path / "straight", staleness, "trainer.save_steps=1")
+    part = _ray(tmp_path / "part", staleness, "trainer.save_steps=1", stop_at=2)
+    stopped = len(_rows(part))
+    assert 2 <= stopped < STEPS  # stopped after the step in progress when step 2 was seen
+    _ray(tmp_path / "part", staleness, "trainer.save_steps=1", resume=True)
+    a, b = _rows(straight), _rows(part)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    gaps = metric_gaps(a[stopped:], b[stopped:])
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(straight, part) < 0.02
+    state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
+    assert state["launch"] == "ray" and state["schema"] == 2
+    assert len(state["rollouts"]["inflight"]) == k  # k=1: the next step's rollout was in flight at the save
