@@ -67,15 +67,10 @@ def test_shares_must_divide_over_ranks():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),
     ("rollout.engine=transformers", "rollout.engine=transformers"),
     ("model.lora.rank=8", "model.lora.rank"),
     ("trainer.rollout_batch_size=15", "trainer.rollout_batch_size"),
-    ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
-    ("algorithm.high_entropy_top_p=0.2", "algorithm.high_entropy_top_p"),
     ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2 under torchrun"),
-    ("algorithm.reward_normalization=true", "algorithm.reward_normalization=true"),
-    ("algorithm.kl_controller=adaptive algorithm.kl_reward_coef=0.05", "algorithm.kl_controller=adaptive"),
 ])
 def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     from mmrlhf.config import load_config
@@ -86,6 +81,33 @@ def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _rank_config(config, rank1)
     assert _rank_config(load_config(TOY), rank1).rollout.seed == load_config(TOY).rollout.seed + 1  # own stream
+
+
+STEP_STATISTICS = [  # collectives over the ranks (tests/launch/test_collectives.py): override, key refused for Ray
+    ("algorithm.dynamic_sampling=true", None),  # (the Ray driver refuses it itself: its actors generate fixed batches)
+    ("algorithm.high_entropy_top_p=0.2", None),
+    ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
+    ("algorithm.advantage_whitening=global", "algorithm.advantage_whitening"),
+    ("algorithm.reward_normalization=true", "algorithm.reward_normalization"),
+    ("algorithm.kl_controller=adaptive algorithm.kl_reward_coef=0.05", "algorithm.kl_controller=adaptive"),
+]
+
+
+@pytest.mark.parametrize("override, ray_key", STEP_STATISTICS)
+def test_step_statistics_run_on_torchrun_ranks_and_stay_refused_for_ray_trainer_actors(override, ray_key):
+    """torchrun ranks make their own experiences: the step's statistics are collectives over them. Ray's rollout
+    actors make the experiences outside the trainer ranks' world, so what the maker reduces stays refused there."""
+    from mmrlhf.config import load_config
+    from mmrlhf.trainer.builder import _rank_config
+
+    config = load_config(TOY, override.split())
+    _rank_config(config, World(rank=1, world_size=2, launch="torchrun"))
+    ray = World(rank=1, world_size=2, launch="ray")
+    if ray_key is None:
+        _rank_config(config, ray)
+    else:
+        with pytest.raises(ValueError, match=ray_key.replace(".", r"\.") + ".*Ray trainer actors"):
+            _rank_config(config, ray)
 
 
 class _MirrorGroup:
