@@ -18,7 +18,7 @@ from mmrlhf.algorithms.kl import (
     kl_penalized_rewards,
 )
 from mmrlhf.algorithms.losses import POLICY_LOSSES, policy_loss, value_loss
-from mmrlhf.algorithms.masked import agg_loss, masked_mean, masked_whiten
+from mmrlhf.algorithms.masked import agg_loss, masked_mean
 from mmrlhf.algorithms.shaping import (
     RunningRewardNorm,
     clip_advantages,
@@ -51,7 +51,6 @@ __all__ = [
     "kl_loss",
     "kl_penalized_rewards",
     "masked_mean",
-    "masked_whiten",
     "overlong_penalty",
     "policy_loss",
     "token_level_rewards",

@@ -19,10 +19,17 @@ Edge cases, defined once for those four group estimators:
 A user estimator is any callable ``fn(token_rewards, mask, *, values=None, group_ids=None, **params) ->
 (advantages, returns)``, registered with ``@ADVANTAGE_ESTIMATORS.register("name")`` or named in config as
 ``package.module:function``.
+
+Batch-wide statistics (the whitening of ``reinforce`` / ``reinforce_baseline``, the counts of ``cpgd``'s
+``clip_filter``) are taken over the whole STEP, which several training ranks hold in shares: such an estimator takes
+a ``step_sum`` keyword, a function that turns this share's float64 sums into the step's (the sum over ranks; None:
+this batch is the step). Group statistics need none: a group never straddles ranks. A user estimator with batch-wide
+statistics takes ``step_sum`` the same way, or its statistics are its rank's share's.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -30,10 +37,12 @@ from torch import Tensor
 
 from mmrlhf.algorithms.checks import check_params
 from mmrlhf.algorithms.groups import group_stats
-from mmrlhf.algorithms.masked import as_bool_mask, masked_fill_zero, masked_sum, masked_whiten
+from mmrlhf.algorithms.masked import as_bool_mask, masked_fill_zero, masked_sum
+from mmrlhf.algorithms.shaping import masked_moments, normalize_with_moments
 from mmrlhf.registry import Registry
 
 Estimator = Callable[..., tuple[Tensor, Tensor]]
+StepSum = Callable[[Tensor], Tensor]  # float64 sums of this share -> the same sums over the whole step
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 
@@ -44,12 +53,14 @@ def compute_advantages(
     *,
     values: Tensor | None = None,
     group_ids: Tensor | None = None,
+    step_sum: StepSum | None = None,
     **params,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns ``[B, A]`` from the estimator registered as ``name`` (or ``module:function``).
 
     Runs without autograd (advantages are targets, never differentiated through) and forces the result to 0
-    outside the mask, whatever a user estimator did there.
+    outside the mask, whatever a user estimator did there. ``step_sum``: see the module docstring; handed to the
+    estimators that take it.
     """
     if token_rewards.dim() != 2 or token_rewards.shape != mask.shape:
         raise ValueError(
@@ -62,6 +73,8 @@ def compute_advantages(
     fn = ADVANTAGE_ESTIMATORS.get(name)
     check_params(fn, params, f"advantage estimator {name!r}")
     m = as_bool_mask(mask)
+    if "step_sum" in inspect.signature(fn).parameters:
+        params = {**params, "step_sum": step_sum}
     with torch.no_grad():
         adv, ret = fn(token_rewards, m, values=values, group_ids=group_ids, **params)
     return masked_fill_zero(adv, m), masked_fill_zero(ret, m)
@@ -85,6 +98,12 @@ def sequence_rewards(token_rewards: Tensor, mask: Tensor) -> Tensor:
 def _broadcast(seq_adv: Tensor, mask: Tensor, dtype: torch.dtype) -> Tensor:
     """``[B]`` sequence advantages -> ``[B, A]`` on the response tokens."""
     return masked_fill_zero(seq_adv.to(dtype).unsqueeze(-1).expand(mask.shape), mask)
+
+
+def whiten_over_step(x: Tensor, mask: Tensor, step_sum: StepSum | None, eps: float) -> Tensor:
+    """``x`` whitened over the masked entries of the whole step (zeros where they do not vary)."""
+    moments = masked_moments(x, mask)
+    return normalize_with_moments(x, mask, moments if step_sum is None else step_sum(moments), eps=eps)
 
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -175,18 +194,20 @@ def rloo(token_rewards, mask, *, values=None, group_ids=None):
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce", aliases=("reinforce++",))
-def reinforce(token_rewards, mask, *, values=None, group_ids=None, gamma: float = 1.0, eps: float = 1e-8):
+def reinforce(token_rewards, mask, *, values=None, group_ids=None, gamma: float = 1.0, eps: float = 1e-8,
+              step_sum: StepSum | None = None):
     """REINFORCE++ (Hu 2025): discounted reward-to-go per token, whitened over all response tokens of the batch.
 
     Returns = the un-whitened reward-to-go. The whitening is global (batch-level), not per group: that is the
     point of REINFORCE++ (no per-prompt normalisation). A batch whose reward-to-go is constant gets zeros.
     """
     returns = discounted_returns(token_rewards, mask, gamma)  # [B, A]
-    return masked_whiten(returns, mask, eps=eps), returns
+    return whiten_over_step(returns, mask, step_sum, eps), returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_baseline")
-def reinforce_baseline(token_rewards, mask, *, values=None, group_ids=None, gamma: float = 1.0, eps: float = 1e-8):
+def reinforce_baseline(token_rewards, mask, *, values=None, group_ids=None, gamma: float = 1.0, eps: float = 1e-8,
+                       step_sum: StepSum | None = None):
     """REINFORCE++-baseline: reward-to-go minus the group mean of the sequence returns, then batch whitening.
 
     ``A_t = G_t - mean_g(G_0)``, with ``G_0`` the full (discounted) sequence return. With outcome rewards only
@@ -202,7 +223,7 @@ def reinforce_baseline(token_rewards, mask, *, values=None, group_ids=None, gamm
         g0 = returns.new_zeros(returns.shape[0])  # [B]
     st = group_stats(g0, _need(group_ids, "group_ids", "reinforce_baseline"))
     centred = returns - st.mean.to(returns.dtype).unsqueeze(-1)  # [B, A]
-    return masked_whiten(centred, mask, eps=eps), returns
+    return whiten_over_step(centred, mask, step_sum, eps), returns
 
 
 @ADVANTAGE_ESTIMATORS.register("cpgd")
@@ -215,6 +236,7 @@ def cpgd(
     weight: str = "std",
     eps: float = 1e-6,
     max_weight: float = 3.0,
+    step_sum: StepSum | None = None,
 ):
     """CPGD (Liu et al. 2025, arXiv 2505.12504; released with MM-Eureka): group-relative sequence advantage.
 
@@ -233,8 +255,9 @@ def cpgd(
     rewards = sequence_rewards(token_rewards, mask)  # [B]
     st = group_stats(rewards, _need(group_ids, "group_ids", "cpgd"))
     present = as_bool_mask(mask).any(-1)  # [B] rows with a response token (masked-out samples have none)
-    n_valid = int((~st.constant & present).sum())
-    scale = min(int(present.sum()) / n_valid, max_weight) if n_valid else 0.0
+    counts = torch.stack([present.sum(), (~st.constant & present).sum()]).to(torch.float64)  # [N, N_valid]
+    n_present, n_valid = (step_sum(counts) if step_sum is not None else counts).tolist()
+    scale = min(n_present / n_valid, max_weight) if n_valid else 0.0
     centred = (rewards.to(torch.float64) - st.mean) * scale
     centred = torch.where(st.constant, torch.zeros_like(centred), centred)
     adv = _broadcast(centred, mask, token_rewards.dtype)

@@ -8,12 +8,16 @@ has the target number of informative groups.
 Two pieces, both free of I/O: :func:`filter_groups` (pure: which groups of one batch to keep) and
 :func:`fill_batch` (a small driver that calls a user-supplied ``sample_fn`` for more rounds and accumulates the
 kept groups). The trainer's ``sample_fn`` does the generation and scoring; this module only decides.
+
+With several training ranks each rank samples its share of every round, and the decision must be the step's: which
+informative groups fill the batch is decided in the step's order over every rank's candidates
+(:func:`first_in_step_order`), passed to :func:`fill_batch` as its ``choose`` (the trainer gathers the candidates).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -78,10 +82,10 @@ class FillResult:
     """What :func:`fill_batch` gathered: the kept parts of each round and how the filling went."""
 
     parts: list[KeptPart] = field(default_factory=list)
-    num_groups: int = 0  # kept groups in total (<= target_groups)
+    num_groups: int = 0  # kept groups in total, over the step (<= target_groups)
     target_groups: int = 0
     rounds: int = 0  # calls of sample_fn, the first included
-    sampled_groups: int = 0
+    sampled_groups: int = 0  # over the step
 
     @property
     def extra_rounds(self) -> int:
@@ -107,20 +111,49 @@ class FillResult:
         }
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """What one round adds to the batch: the groups of this share to keep, and the round's counts over the step."""
+
+    group_ids: Tensor  # [k] this share's kept group ids, in order of first appearance
+    kept: int  # groups kept this round, over the whole step (this share's alone in one process)
+    sampled: int  # groups sampled this round, over the whole step
+
+
+def choose_first(sel: GroupSelection, batch: SampledGroups, room: int) -> Chosen:
+    """One process: the first ``room`` informative groups of the round (the batch has a fixed size; the surplus is
+    the cheapest thing to waste)."""
+    chosen = sel.kept_groups[:room]  # [k]
+    return Chosen(chosen, int(chosen.numel()), sel.num_groups)
+
+
+def first_in_step_order(candidates: Sequence[Sequence[int]], room: int) -> list[list[int]]:
+    """Every rank's informative groups, each named by its position in the step's order -> per rank, the indices
+    (into its own list, ascending) of those among the ``room`` first of the step: what one process would keep of the
+    round the ranks sampled together."""
+    ranked = sorted((pos, rank, i) for rank, positions in enumerate(candidates) for i, pos in enumerate(positions))
+    taken: list[list[int]] = [[] for _ in candidates]
+    for _, rank, i in ranked[:room]:
+        taken[rank].append(i)
+    return [sorted(t) for t in taken]
+
+
 def fill_batch(
     sample_fn: Callable[[], SampledGroups | tuple],
     target_groups: int,
     max_extra_rounds: int,
     *,
     tol: float = 0.0,
+    choose: Callable[[GroupSelection, SampledGroups, int], Chosen] = choose_first,
 ) -> FillResult:
     """Call ``sample_fn()`` until ``target_groups`` informative groups are kept or ``max_extra_rounds`` extra rounds
     (after the first) are spent.
 
     ``sample_fn`` returns :class:`SampledGroups` or a ``(rewards, group_ids[, payload])`` tuple. Groups beyond the
-    target are dropped in order of appearance (the batch has a fixed size; the surplus is the cheapest thing to
-    waste). If the rounds run out first the result is partial (``full`` is False, ``fill_rate`` < 1) and the
-    trainer decides whether to train on it; an empty ``parts`` list means no informative group was found at all.
+    target are dropped in order of appearance (:func:`choose_first`; with several ranks ``choose`` decides over the
+    step, and the counts, hence the rounds, are the step's on every rank). If the rounds run out first the result is
+    partial (``full`` is False, ``fill_rate`` < 1) and the trainer decides whether to train on it; ``num_groups`` 0
+    means no informative group was found at all (an empty ``parts`` list with more: the others' shares kept them).
     """
     if target_groups < 1 or max_extra_rounds < 0:
         raise ValueError(f"need target_groups >= 1 and max_extra_rounds >= 0; got {target_groups}, {max_extra_rounds}")
@@ -131,12 +164,12 @@ def fill_batch(
             batch = SampledGroups(*batch)
         result.rounds += 1
         sel = filter_groups(batch.rewards, batch.group_ids, tol=tol)
-        result.sampled_groups += sel.num_groups
-        chosen = sel.kept_groups[: target_groups - result.num_groups]  # [k]
-        if chosen.numel() == 0:
+        chosen = choose(sel, batch, target_groups - result.num_groups)
+        result.sampled_groups += chosen.sampled
+        result.num_groups += chosen.kept
+        if chosen.group_ids.numel() == 0:
             continue
-        ids = torch.as_tensor(batch.group_ids).to(chosen.device)
-        indices = torch.nonzero(torch.isin(ids, chosen)).squeeze(-1)  # [n]
-        result.parts.append(KeptPart(payload=batch.payload, indices=indices, group_ids=chosen))
-        result.num_groups += int(chosen.numel())
+        ids = torch.as_tensor(batch.group_ids).to(chosen.group_ids.device)
+        indices = torch.nonzero(torch.isin(ids, chosen.group_ids)).squeeze(-1)  # [n]
+        result.parts.append(KeptPart(payload=batch.payload, indices=indices, group_ids=chosen.group_ids))
     return result

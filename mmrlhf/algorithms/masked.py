@@ -45,35 +45,6 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / n.clamp(min=1)
 
 
-def masked_var(x: Tensor, mask: Tensor) -> Tensor:
-    """Population variance over all masked positions (0 for fewer than two tokens). Population rather than
-    unbiased: batch whitening runs over thousands of tokens, where the two agree, and the biased form needs no
-    special case for a single token."""
-    mean = masked_mean(x, mask)
-    return masked_mean((x - mean) ** 2, mask)
-
-
-def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """``(x - mean) / sqrt(var + eps)`` over the masked positions, 0 outside the mask.
-
-    Zero variance (every masked value equal, a single token, an empty mask) is detected exactly (max == min) and
-    gives zeros (or, with ``shift_mean=False``, ``x`` unchanged): dividing rounding noise by ``sqrt(eps)`` would
-    otherwise turn ``x - mean ~ 1e-8`` into advantages of order 1e-4 with random signs.
-    """
-    m = as_bool_mask(mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m)
-    centred = x - mean if shift_mean else x
-    out = centred * torch.rsqrt(var + eps)
-    if x.numel() == 0:
-        return out
-    hi = torch.where(m, x, torch.full_like(x, -float("inf"))).amax()
-    lo = torch.where(m, x, torch.full_like(x, float("inf"))).amin()
-    constant = hi <= lo  # also true for an empty mask (hi = -inf, lo = inf)
-    out = torch.where(constant, torch.zeros_like(x) if shift_mean else x, out)
-    return masked_fill_zero(out, m)
-
-
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str = "token-mean", *, norm_len: int | None = None,
              denominator: float | Tensor | None = None) -> Tensor:
     """Reduce a per-token loss ``[B, A]`` to a scalar.

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from mmrlhf.algorithms.masked import as_bool_mask, masked_fill_zero, masked_mean, masked_whiten
+from mmrlhf.algorithms.masked import as_bool_mask, masked_fill_zero, masked_mean
 
 
 def _f(x: float | Tensor, like: Tensor) -> Tensor:
@@ -94,17 +94,19 @@ def clip_advantages(advantages: Tensor, mask: Tensor, clip: float | None) -> tup
 
 
 def whiten_advantages(
-    advantages: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8
+    advantages: Tensor, mask: Tensor, *, moments: Tensor | None = None, shift_mean: bool = True, eps: float = 1e-8
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Batch whitening over response tokens (see ``masked.masked_whiten`` for the zero-variance case).
+    """Batch whitening over response tokens: ``(x - mean) / sqrt(var + eps)``, zeros where the variance is zero.
 
-    Metrics: the statistics before whitening, ``advantage_mean`` / ``advantage_std``.
+    ``moments``: the step's ``[count, sum, sum of squares]`` (:func:`masked_moments` summed over the parts of the
+    step, e.g. over the training ranks); None takes this batch's own. Metrics: the statistics before whitening,
+    ``advantage_mean`` / ``advantage_std`` (population), of the same moments.
     """
     m = as_bool_mask(mask)
-    mean = masked_mean(advantages, m)
-    std = masked_mean((advantages - mean) ** 2, m).sqrt()
-    out = masked_whiten(advantages, m, shift_mean=shift_mean, eps=eps)
-    return out, {"advantage_mean": mean.detach(), "advantage_std": std.detach()}
+    moments = masked_moments(advantages, m) if moments is None else moments
+    mean, std = moment_stats(moments)
+    out = normalize_with_moments(advantages, m, moments, shift_mean=shift_mean, eps=eps)
+    return out, {"advantage_mean": _f(mean, advantages), "advantage_std": _f(std, advantages)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,6 +122,15 @@ def masked_moments(x: Tensor, mask: Tensor) -> Tensor:
     m = as_bool_mask(mask)
     v = masked_fill_zero(x, m).to(torch.float64)
     return torch.stack([m.sum().to(torch.float64), v.sum(), (v * v).sum()])
+
+
+def moment_stats(moments: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, population std) of ``[count, sum, sum of squares]`` (0-d float64 tensors, no host sync); 0 for no
+    entries."""
+    count, total, sq = moments.unbind()
+    n = count.clamp(min=1)
+    mean = total / n
+    return mean, (sq / n - mean * mean).clamp(min=0).sqrt()
 
 
 def normalize_with_moments(
@@ -155,13 +166,11 @@ def cross_batch_normalize(
     if not advantages:
         return [], {}
     total = sum(masked_moments(a, m) for a, m in zip(advantages, masks))
-    count, s, sq = total.unbind()
-    n = count.clamp(min=1)
-    mean = s / n
-    std = (sq / n - mean * mean).clamp(min=0).sqrt()
+    mean, std = moment_stats(total)
     out = [normalize_with_moments(a, m, total, shift_mean=shift_mean, eps=eps) for a, m in zip(advantages, masks)]
     like = advantages[0]
-    return out, {"advantage_mean": _f(mean, like), "advantage_std": _f(std, like), "advantage_tokens": _f(count, like)}
+    return out, {"advantage_mean": _f(mean, like), "advantage_std": _f(std, like),
+                 "advantage_tokens": _f(total[0], like)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -190,12 +199,19 @@ class RunningRewardNorm:
         return math.sqrt(self.m2 / self.count) if self.count > 1 else 1.0
 
     def update(self, rewards: Tensor) -> None:
+        """Fold in a batch of rewards (every reward of the step: the trainer passes the step's statistics to
+        :meth:`update_with` instead when the step is split over ranks)."""
         x = rewards.detach().to(torch.float64).flatten()
         n = int(x.numel())
         if n == 0:
             return
         b_mean = float(x.mean())
-        b_m2 = float(((x - b_mean) ** 2).sum())
+        self.update_with(n, b_mean, float(((x - b_mean) ** 2).sum()))
+
+    def update_with(self, n: int, b_mean: float, b_m2: float) -> None:
+        """Fold in a batch given by its size, mean and sum of squared deviations from that mean."""
+        if n <= 0:
+            return
         tot = self.count + n
         delta = b_mean - self.mean
         self.mean += delta * n / tot

@@ -53,7 +53,8 @@ class AlgorithmConfig(Section):
     reward_clip: float | None = Field(default=None, gt=0.0)
     """Clip rewards to ``[-reward_clip, reward_clip]``; None disables it."""
     advantage_whitening: Literal["none", "batch", "global"] = "none"
-    """Extra advantage whitening: per (micro-)batch, or with statistics pooled over the whole step (cross-batch)."""
+    """Extra advantage whitening over the response tokens. ``batch`` and ``global`` are the same: both whiten with
+    the statistics of the whole step (every micro-batch, and every training rank's samples)."""
     advantage_clip: float | None = Field(default=None, gt=0.0)
     """Clip advantages to ``[-advantage_clip, advantage_clip]``; None disables it."""
 

@@ -8,7 +8,8 @@ run the expensive forwards only on those. :meth:`make_experience_list` is both s
 
 Grouping: the data processor repeats each prompt n times (samples ``k*n .. k*n+n-1`` share prompt ``k``); the
 engine is asked once per unique prompt with ``n`` completions, so vision inputs are encoded once per prompt.
-Rewards, shaping and advantages run over the whole rollout (groups may span micro-batches); the forwards run per
+Rewards, shaping and advantages run over the whole step (groups may span micro-batches; with several training
+ranks the step-wide statistics are summed over them, :mod:`mmrlhf.experience.step_shaping`); the forwards run per
 micro-batch to bound memory. The returned experiences hold CPU tensors and plain values only (no engine or model
 references, whatever device the models run on), so a trainer in another process can consume them: each model moves
 its micro-batch to its own device, and :meth:`_score` brings every output back to the CPU at once
@@ -24,24 +25,17 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrlhf.algorithms.advantages import compute_advantages
-from mmrlhf.algorithms.kl import approx_kl, kl_penalized_rewards
-from mmrlhf.algorithms.shaping import (
-    RunningRewardNorm,
-    clip_advantages,
-    clip_rewards,
-    overlong_penalty,
-    token_level_rewards,
-    whiten_advantages,
-)
+from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.rollout import Rollout, ScoredRollout
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
 from mmrlhf.experience.settings import ExperienceSettings
+from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.models.placement import to_host
+from mmrlhf.parallel.world import World, single
 from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
 from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings, mix_seed
@@ -161,13 +155,15 @@ class FastExperienceMaker(ExperienceMaker):
         return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
 
     def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None, *,
-                         pad_forwards_to: int | None = None) -> list[ExperienceVL]:
+                         pad_forwards_to: int | None = None, world: World | None = None) -> list[ExperienceVL]:
         """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch, shape the
-        rewards and compute KL and advantages over the whole rollout.
+        rewards and compute KL and advantages over the whole step.
 
         ``pad_forwards_to``: run the actor's and the critic's forward at least this many times (the extra ones on
         the first micro-batch, results dropped). Sharded (FSDP) models gather their parameters in collectives
-        inside every forward, so every rank must run as many as the rank with the most micro-batches."""
+        inside every forward, so every rank must run as many as the rank with the most micro-batches. ``world``:
+        the training ranks, each holding its share of the step (default: this rollout is the step); the step-wide
+        statistics of the shaping are theirs (every rank calls this once per step)."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(micro_batch_size or self.settings.micro_batch_size)
@@ -182,7 +178,7 @@ class FastExperienceMaker(ExperienceMaker):
         if pad_forwards_to is not None and pad_forwards_to > len(scoring):
             self._pad_forwards(scoring[0], pad_forwards_to - len(scoring), timer, scoring_temperature(sampling))
         with timer("advantages"):
-            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling)
+            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single())
         info = dict(rollout.metrics)
         info.update(self._experience_metrics(rows, scored, shaped))
         seconds = dict(rollout.seconds)
@@ -343,50 +339,18 @@ class FastExperienceMaker(ExperienceMaker):
                 with timer("critic"):
                     self.critic(b.samples, vision_extra=b.vision_extra)
 
-    def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling) -> dict[str, Any]:
-        """Whole-rollout shaping, KL and advantages; returns [N, A_max] tensors and metrics."""
-        s = self.settings
+    def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling, world: World
+                              ) -> dict[str, Any]:
+        """Whole-step shaping, KL and advantages (:func:`~mmrlhf.experience.step_shaping.shape_step`); returns
+        [N, A_max] tensors and metrics."""
         a_max = max(r["action_mask"].shape[1] for r in scored)
         cat = lambda key: _cat_padded([r[key] for r in scored], a_max)  # noqa: E731
-        mask = cat("action_mask").bool()  # [N, A]
-        valid = rewards.valid.clone()  # [N]
-        seq_reward = rewards.rewards.float().clone()  # [N]
-        metrics: dict[str, float] = {}
-        if s.overlong_buffer_len > 0:
-            lengths = torch.cat([b.samples.response_length for b in built])
-            pen, m = overlong_penalty(lengths, sampling.max_new_tokens, s.overlong_buffer_len,
-                                      s.overlong_penalty_factor)
-            seq_reward = seq_reward + pen
-            metrics.update({k: float(v) for k, v in m.items()})
-        if self.reward_norm is not None and valid.any():
-            normed, m = self.reward_norm(seq_reward[valid])
-            seq_reward = seq_reward.masked_scatter(valid, normed)
-            metrics.update({k: float(v) for k, v in m.items()})
-        seq_reward, m = clip_rewards(seq_reward, s.reward_clip)
-        metrics.update({k: float(v) for k, v in m.items()})
-        # A sample masked out by the reward engine leaves the loss: empty mask, and a group of its own.
-        mask = mask & valid[:, None]
-        groups = torch.tensor(rollout.group, dtype=torch.long)
-        groups = torch.where(valid, groups, groups.max() + 1 + torch.arange(len(groups)))
-        token_rewards = token_level_rewards(seq_reward, mask)  # [N, A]
-        kl = None
-        if s.need_reference:
-            kl = approx_kl(cat("log_probs"), cat("ref_log_probs"), mask, s.kl_estimator)  # [N, A]
-        if s.kl_in_reward:
-            token_rewards, m = kl_penalized_rewards(token_rewards, cat("log_probs"), cat("ref_log_probs"), mask,
-                                                    self.kl_controller.value, estimator=s.kl_estimator)
-            metrics.update({k: float(v) for k, v in m.items()})
-            self.kl_controller.update(metrics.get("kl_seq", 0.0), int(valid.sum()))
-        values = cat("values") if self.critic is not None else None
-        adv, ret = compute_advantages(s.advantage_estimator, token_rewards, mask, values=values, group_ids=groups,
-                                      **dict(s.advantage_params))
-        if s.advantage_whitening:
-            adv, m = whiten_advantages(adv, mask)
-            metrics.update({k: float(v) for k, v in m.items()})
-        adv, m = clip_advantages(adv, mask, s.advantage_clip)
-        metrics.update({k: float(v) for k, v in m.items()})
-        return {"advantages": adv, "returns": ret, "mask": mask, "kl": kl, "seq_reward": seq_reward,
-                "valid": valid, "groups": groups, "metrics": metrics}
+        return shape_step(self.settings, groups=list(rollout.group), rewards=rewards,
+                          lengths=torch.cat([b.samples.response_length for b in built]),
+                          max_new_tokens=sampling.max_new_tokens, mask=cat("action_mask").bool(),
+                          log_probs=cat("log_probs"), ref_log_probs=cat("ref_log_probs"),
+                          values=cat("values") if self.critic is not None else None, reward_norm=self.reward_norm,
+                          kl_controller=self.kl_controller, world=world)
 
     def _experience_metrics(self, rows: Rollout, scored, shaped) -> dict[str, float]:
         valid = shaped["valid"]

@@ -66,7 +66,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *,
         overlong_penalty_factor=algorithm.overlong_penalty_factor,
         reward_normalization=algorithm.reward_normalization,
         reward_clip=algorithm.reward_clip,
-        # One process holds the whole rollout, so "batch" and "global" pool the same statistics here.
+        # "batch" and "global" both pool the whole step's statistics (over every training rank: step_shaping).
         advantage_whitening=algorithm.advantage_whitening != "none",
         advantage_clip=algorithm.advantage_clip,
     )

@@ -294,23 +294,12 @@ def _rank_config(config: MMRLHFConfig, world: World) -> MMRLHFConfig:
 
 
 def _refuse_on_ranks(config: MMRLHFConfig) -> None:
-    """What a world of several training ranks does not support yet, refused by key with the reason."""
-    a = config.algorithm
-    if a.dynamic_sampling:
-        raise ValueError("algorithm.dynamic_sampling with several training ranks: ranks would keep different numbers "
-                         "of groups; set algorithm.dynamic_sampling=false, or train on one rank")
-    per_rank = "with several training ranks: its statistics would be taken over each rank's share instead of the step"
-    if a.advantage_whitening != "none":
-        raise ValueError(f"algorithm.advantage_whitening={a.advantage_whitening} {per_rank}; set it to none")
-    if a.high_entropy_top_p < 1.0:
-        raise ValueError(f"algorithm.high_entropy_top_p={a.high_entropy_top_p} {per_rank}; set it to 1.0")
-    if a.reward_normalization:
-        raise ValueError(f"algorithm.reward_normalization=true {per_rank}, and only rank 0's would be saved; set it "
-                         "to false (GRPO's group normalisation needs no running statistics), or train on one rank")
-    if a.kl_controller == "adaptive":
-        raise ValueError(f"algorithm.kl_controller=adaptive {per_rank} (each rank's coefficient would drift apart, "
-                         "and only rank 0's would be saved); use kl_controller=fixed, or algorithm.kl_loss_coef "
-                         "(the KL as a loss term), or train on one rank")
+    """What a world of several training ranks does not support yet, refused by key with the reason.
+
+    The step-wide statistics of advantage whitening, reward normalisation, the adaptive KL controller, dynamic
+    sampling and high-entropy token selection are collectives over the ranks (:mod:`mmrlhf.experience.step_shaping`,
+    :class:`~mmrlhf.trainer.rollouts.LocalRollouts`, :func:`~mmrlhf.trainer.policy_update.prepare_policy_targets`):
+    every rank computes what one process computes on the whole step."""
     if config.model.lora.rank:
         raise ValueError("model.lora.rank > 0 with several training ranks: LoRA with FSDP2 sharding is not supported "
                          "yet; train LoRA on one rank, or set model.lora.rank=0")

@@ -132,7 +132,7 @@ class Trainer:
             return metrics
         updated = False
         try:
-            metrics.update(prepare_policy_targets(items, p.policy.s))
+            metrics.update(prepare_policy_targets(items, p.policy.s, p.world))
             metrics.update(_entropy_metric(items, p.world))
             with timed(seconds, "policy_update"):
                 metrics.update(p.policy.update(items, temperature=batch.temperature, generator=p.shuffle))

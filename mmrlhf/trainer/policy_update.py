@@ -13,18 +13,20 @@ mini-batch's loss however it is split.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from mmrlhf.algorithms.entropy import high_entropy_mask
+from mmrlhf.algorithms.entropy import high_entropy_mask, masked_scores
 from mmrlhf.algorithms.kl import kl_loss
 from mmrlhf.algorithms.losses import policy_loss
 from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.models.placement import to_device
+from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
 
@@ -63,27 +65,35 @@ def _stack(items: Sequence[TrainItem], name: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings) -> dict[str, float]:
+def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings,
+                           world: World | None = None) -> dict[str, float]:
     """Write each item's ``policy_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response tokens,
-    narrowed by rollout correction and entropy selection) and ``is_weight`` (per token); returns metrics."""
-    if not items:
+    narrowed by rollout correction and entropy selection) and ``is_weight`` (per token); returns metrics.
+
+    ``world``: the training ranks, each holding its share of the step's items (default: one process). The entropy
+    selection ranks the tokens of the whole step: every rank's candidate entropies are gathered, so each rank keeps
+    exactly the tokens of its share that one process would keep (collective when ``high_entropy_top_p < 1``)."""
+    world = world or single()
+    if not items and world.world_size == 1:
         return {}
-    mask = _stack(items, "loss_mask").bool()  # [N, A]
+    mask = _stack(items, "loss_mask").bool() if items else torch.zeros(0, 0, dtype=torch.bool)  # [N, A]
     metrics: dict[str, float] = {}
     weights = torch.ones_like(mask, dtype=torch.float32)  # [N, A]
-    if all("rollout_log_probs" in it.token for it in items):
+    if items and all("rollout_log_probs" in it.token for it in items):
         weights, mask, m = rollout_correction(
             _stack(items, "action_log_probs"), _stack(items, "rollout_log_probs"), mask, mode=s.correction,
             level=s.correction_level, cap=s.correction_cap, lower=s.correction_lower)
         metrics.update({k: float(v) for k, v in m.items()})
-    elif s.correction != "none":
+    elif items and s.correction != "none":
         raise ValueError(f"rollout correction {s.correction!r} needs the engine's log-probs, and this rollout has none")
     if s.high_entropy_top_p < 1.0:
         if not all("action_entropy" in it.token for it in items):
             raise ValueError("high_entropy_top_p < 1 needs token entropies in the experience")
-        before = int(mask.sum())
-        mask = high_entropy_mask(_stack(items, "action_entropy"), mask, s.high_entropy_top_p)
-        metrics["policy/high_entropy_kept_frac"] = int(mask.sum()) / max(before, 1)
+        entropy = _stack(items, "action_entropy") if items else torch.zeros(mask.shape)  # [N, A]
+        step_scores = world.gather_objects(masked_scores(entropy, mask))  # every rank's candidates, in rank order
+        mask = high_entropy_mask(entropy, mask, s.high_entropy_top_p, step_scores=step_scores, rank=world.rank)
+        candidates = sum(int(x.numel()) for x in step_scores)  # the step's: the fraction is the same on every rank
+        metrics["policy/high_entropy_kept_frac"] = math.ceil(s.high_entropy_top_p * candidates) / max(candidates, 1)
     for i, it in enumerate(items):
         a = it.token["loss_mask"].shape[0]
         it.token["policy_mask"] = mask[i, :a].clone()

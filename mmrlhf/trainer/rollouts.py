@@ -8,6 +8,7 @@ process and of every torchrun rank; the Ray mode's rollout actors are :class:`~m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -18,11 +19,19 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
-from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter_groups
+from mmrlhf.algorithms.dynamic_sampling import (
+    Chosen,
+    GroupSelection,
+    SampledGroups,
+    choose_first,
+    fill_batch,
+    filter_groups,
+    first_in_step_order,
+)
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
-from mmrlhf.experience.rollout import ScoredRollout, merge_round_metrics
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, merge_round_metrics
 from mmrlhf.parallel.world import World
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
 from mmrlhf.rollout.weight_sync import sync_weights
@@ -85,7 +94,9 @@ class LocalRollouts:
     """An engine in this process (vLLM or transformers), its experience maker and the prompt stream.
 
     Every rank reads the same stream (same seed) and generates its own share of whole prompts (``rank::world``), so
-    GRPO groups never straddle ranks. With ``rollout.enable_sleep`` the engine hands its memory to the forwards and
+    GRPO groups never straddle ranks. With dynamic sampling every rank samples its share of each round and the ranks
+    decide together which groups fill the batch, as one process would on the whole round; each keeps its own (see
+    :meth:`_rollout`). With ``rollout.enable_sleep`` the engine hands its memory to the forwards and
     updates from the end of generation until :meth:`publish` wakes it in two parts: its weights before the sync
     (the trainer still holds its memory), its KV cache after, so the peak is trainer + engine weights."""
 
@@ -106,29 +117,32 @@ class LocalRollouts:
     def collect(self, step: int) -> StepBatch:
         seconds: dict[str, float] = {}
         with timed(seconds, "rollout"):
-            rollout, metrics = self._rollout()
+            rollout, metrics, trains = self._rollout()
         if rollout is None:
             return StepBatch([], metrics, temperature=1.0, seconds=seconds)
-        return self.prepare(rollout, metrics, seconds)
+        return self.prepare(rollout, metrics, seconds, describe=trains)
 
     def prepare(self, rollout: ScoredRollout, metrics: dict[str, float],
-                seconds: dict[str, float] | None = None) -> StepBatch:
+                seconds: dict[str, float] | None = None, *, describe: bool = True) -> StepBatch:
         """A rollout of this rank turned into its step batch: the engine sleeps (it is woken by :meth:`publish`),
-        the maker scores the samples with the trainer's models."""
+        the maker scores the samples with the trainer's models. ``describe=False``: an inert sample
+        (:func:`inert`), whose experience metrics describe nothing (the other ranks' make the step's)."""
         seconds = {} if seconds is None else seconds
         if self.sleeps:
             with timed(seconds, "engine_sleep"):
                 self.engine.sleep()
         try:
             with timed(seconds, "experience"):
-                experiences = self.maker.experiences_from(rollout, pad_forwards_to=self._forwards_over_ranks(rollout))
+                experiences = self.maker.experiences_from(rollout, pad_forwards_to=self._forwards_over_ranks(rollout),
+                                                          world=self.world)
                 items = [item for exp in experiences for item in split_experience(exp)]
         except BaseException:
             self._wake(None)
             raise
-        metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
-        return StepBatch(items, metrics, temperature=scoring_temperature(rollout.sampling), rollout=rollout,
-                         seconds=seconds)
+        if describe:
+            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
+        return StepBatch(items, metrics, temperature=scoring_temperature(rollout.sampling),
+                         rollout=rollout if describe else None, seconds=seconds)
 
     def _forwards_over_ranks(self, rollout: ScoredRollout) -> int:
         """The most scoring micro-batches any rank holds this step: a rank with a skipped prompt holds fewer, and
@@ -136,34 +150,55 @@ class LocalRollouts:
         micro = self.maker.settings.micro_batch_size
         return int(self.world.all_max([float(math.ceil(len(rollout) / micro))])[0])
 
-    def _rollout(self) -> tuple[ScoredRollout | None, dict[str, float]]:
+    def _rollout(self) -> tuple[ScoredRollout | None, dict[str, float], bool]:
         """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with
-        reward variance are kept. Metrics describe everything sampled; the rollout holds what trains."""
+        reward variance are kept. Metrics describe everything sampled; the rollout holds what trains.
+
+        With several ranks the rounds are the step's: the informative groups are taken in the order of the whole
+        round (prompts interleave ranks, ``rank::world``) over every rank's candidates, so the kept set, and the
+        number of rounds, are one process's; every rank keeps its own groups of that set. A rank whose share kept
+        none trains one inert sample (:func:`inert`) while the others train theirs: its forwards and updates must
+        pair with theirs (the flag: False for it). None: no rank kept a group."""
         s, rounds = self.s, []
         if not s.dynamic_sampling:
-            rollout = self._sample(s.rollout_batch_size)
+            rollout, _ = self._sample(s.rollout_batch_size)
             metrics = dict(rollout.metrics)
             metrics.update(variance_metrics([rollout], s.dynamic_sampling_tol))
-            return rollout, metrics
+            return rollout, metrics, True
 
         def sample_round() -> SampledGroups:
-            rollout = self._sample(s.rollout_batch_size)
+            rollout, asked = self._sample(s.rollout_batch_size)
             rounds.append(rollout)
-            return SampledGroups(*group_rewards(rollout), payload=rollout)
+            positions = share_positions(rollout.rows, asked) if self.world.sharded else {}
+            return SampledGroups(*group_rewards(rollout), payload=_Round(rollout, positions))
 
         fill = fill_batch(sample_round, s.rollout_batch_size, s.dynamic_sampling_max_extra_rounds,
-                          tol=s.dynamic_sampling_tol)
+                          tol=s.dynamic_sampling_tol, choose=self._choose if self.world.sharded else choose_first)
         metrics = merge_round_metrics([r.metrics for r in rounds], [len(r) for r in rounds])
         metrics.update(variance_metrics(rounds, s.dynamic_sampling_tol))
         metrics.update(fill.metrics())
+        if not fill.num_groups:
+            return None, metrics, False
         if not fill.parts:
-            return None, metrics
-        return ScoredRollout.concat([part.payload.select(part.indices.tolist()) for part in fill.parts]), metrics
+            return inert(rounds[-1]), metrics, False
+        parts = [part.payload.rollout.select(part.indices.tolist()) for part in fill.parts]
+        return ScoredRollout.concat(parts), metrics, True
 
-    def _sample(self, n_prompts: int) -> ScoredRollout:
+    def _choose(self, sel: GroupSelection, batch: SampledGroups, room: int) -> Chosen:
+        """The step's choice of a round's informative groups (collective): every rank's candidates, named by their
+        prompt's position in the whole round, gathered; the first ``room`` of the round are kept."""
+        w, positions = self.world, batch.payload.positions
+        candidates = sel.kept_groups.tolist()
+        shares = w.gather_objects((sel.num_groups, [positions[g] * w.world_size + w.rank for g in candidates]))
+        taken = first_in_step_order([c for _, c in shares], room)
+        mine = sel.kept_groups[torch.tensor(taken[w.rank], dtype=torch.long)]
+        return Chosen(mine, sum(len(t) for t in taken), sum(n for n, _ in shares))
+
+    def _sample(self, n_prompts: int) -> tuple[ScoredRollout, list[Any]]:
+        """This rank's share of a round, and the record ids of the prompts it asked for, in order."""
         records = self.stream.next_batch(n_prompts)  # every rank draws the same global batch (same seed) ...
-        records = records[self.world.rank::self.world.world_size]  # ... and generates its own share of it
-        return self.maker.generate_rollout(**record_columns(records))
+        columns = record_columns(records[self.world.rank::self.world.world_size])  # ... and generates its share
+        return self.maker.generate_rollout(**columns), columns["record_ids"]
 
     # ---- publish -------------------------------------------------------------------------------------------------
     def publish(self, policy: Any, critic: Any | None, *, updated: bool) -> dict[str, float]:
@@ -232,6 +267,34 @@ def variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, f
         kept += int(sel.kept_groups.numel())
         total += sel.num_groups
     return {"groups/with_variance_frac": kept / total if total else 0.0, "groups/sampled": float(total)}
+
+
+def share_positions(rows: Rollout, record_ids: Sequence[Any]) -> dict[int, int]:
+    """Group id -> position of its prompt among the ``record_ids`` asked for: groups come in prompt order, each
+    record's id travels with its samples, and a skipped prompt (data error, too long) has no group."""
+    free: dict[Any, list[int]] = {}
+    for pos, rid in enumerate(record_ids):
+        free.setdefault(rid, []).append(pos)
+    out: dict[int, int] = {}
+    for group, rid in zip(rows.group, rows.record_ids):
+        if group not in out:
+            out[group] = free[rid].pop(0)
+    return out
+
+
+def inert(rollout: ScoredRollout) -> ScoredRollout:
+    """The first sample of ``rollout`` masked out as the reward engine masks a failed one: it trains nothing and
+    counts in no statistic of the step (rewards, KL, advantages, entropies, loss denominators), yet runs every
+    forward and update."""
+    one = rollout.select([0])
+    one.rewards = dataclasses.replace(one.rewards, rewards=torch.zeros(1), valid=torch.zeros(1, dtype=torch.bool))
+    return one
+
+
+@dataclass(frozen=True)
+class _Round:
+    rollout: ScoredRollout
+    positions: dict[int, int]  # group id -> its prompt's position in this rank's share of the round
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter_groups
+from mmrlhf.algorithms.dynamic_sampling import SampledGroups, fill_batch, filter_groups, first_in_step_order
 
 
 def _ref_filter(rewards, gids, tol=0.0):
@@ -128,3 +128,11 @@ def test_fill_batch_gives_up_after_extra_rounds_and_accepts_tuples():
     assert len(calls) == 4 and result.parts == [] and result.fill_rate == 0.0 and not result.full
     with pytest.raises(ValueError):
         fill_batch(sample, target_groups=0, max_extra_rounds=1)
+
+
+def test_first_in_step_order_takes_the_step_order_over_ranks():
+    """Rank 0 holds the step's positions 0, 4, 6, rank 1 holds 1, 3, 9, rank 2 none: the 4 first are 0, 1, 3, 4."""
+    assert first_in_step_order([[0, 4, 6], [1, 3, 9], []], room=4) == [[0, 1], [0, 1], []]
+    assert first_in_step_order([[0, 4, 6], [1, 3, 9], []], room=10) == [[0, 1, 2], [0, 1, 2], []]
+    assert first_in_step_order([[5], [2]], room=1) == [[], [0]]
+    assert first_in_step_order([[5], [2]], room=0) == [[], []]

@@ -86,7 +86,8 @@ def test_staleness_stats():
 
 
 @pytest.mark.parametrize("override, key", [
-    ({"distributed": {"backend": "ray", "num_trainer_actors": 2}}, "distributed.num_trainer_actors"),
+    ({"distributed": {"backend": "ray", "num_trainer_actors": 5}}, "distributed.num_trainer_actors"),
+    ({"algorithm": {"reward_normalization": True}}, "algorithm.reward_normalization"),
     ({"algorithm": {"dynamic_sampling": True}}, "algorithm.dynamic_sampling"),
     ({"distributed": {"backend": "ray", "max_staleness": 1}, "algorithm": {"rollout_correction": "none"}},
      "algorithm.rollout_correction"),

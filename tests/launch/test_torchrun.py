@@ -67,13 +67,8 @@ def test_shares_must_divide_over_ranks():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),
     ("model.lora.rank=8", "model.lora.rank"),
     ("trainer.rollout_batch_size=15", "trainer.rollout_batch_size"),
-    ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
-    ("algorithm.high_entropy_top_p=0.2", "algorithm.high_entropy_top_p"),
-    ("algorithm.reward_normalization=true", "algorithm.reward_normalization=true"),
-    ("algorithm.kl_controller=adaptive algorithm.kl_reward_coef=0.05", "algorithm.kl_controller=adaptive"),
 ])
 def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     from mmrlhf.config import load_config
@@ -97,6 +92,38 @@ def test_what_torchrun_ranks_with_their_own_engines_cannot_do_is_refused_by_key(
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         check_torchrun_config(load_config(TOY, override.split()), world_size=2)
     check_torchrun_config(load_config(TOY), world_size=2)
+
+
+STEP_STATISTICS = [  # collectives over the ranks (tests/launch/test_collectives.py): override, key the Ray mode refuses
+    ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling"),  # its rollout actors generate fixed batches
+    ("algorithm.high_entropy_top_p=0.2", None),  # the trainer ranks select: a collective there too
+    ("algorithm.advantage_whitening=batch", "algorithm.advantage_whitening"),
+    ("algorithm.advantage_whitening=global", "algorithm.advantage_whitening"),
+    ("algorithm.advantage_estimator=reinforce_baseline", "algorithm.advantage_estimator=reinforce_baseline"),
+    ("algorithm.reward_normalization=true", "algorithm.reward_normalization"),
+    ("algorithm.kl_controller=adaptive algorithm.kl_reward_coef=0.05", "algorithm.kl_controller=adaptive"),
+]
+
+
+@pytest.mark.parametrize("override, ray_key", STEP_STATISTICS)
+def test_step_statistics_run_on_several_ranks_and_the_ray_mode_refuses_what_its_rollout_actors_would_split(
+        override, ray_key):
+    """Training ranks that make their own experiences (torchrun) reduce the step's statistics over all ranks. In
+    the Ray mode the rollout actors make the experiences, each over its own share: what a maker reduces is refused
+    there with more than one rollout actor."""
+    from mmrlhf.config import load_config
+    from mmrlhf.launch.ray.driver import check_ray_config
+    from mmrlhf.trainer.builder import _rank_config
+
+    config = load_config(TOY, override.split())
+    _rank_config(config, World(rank=1, world_size=2, launch="torchrun"))
+    _rank_config(config, World(rank=1, world_size=2, launch="ray"))
+    two_actors = load_config(TOY, [*override.split(), "distributed.num_rollout_actors=2"])
+    if ray_key is None:
+        check_ray_config(two_actors)
+    else:
+        with pytest.raises(ValueError, match=ray_key.replace(".", r"\.") + ".*(rollout actor|fixed batches)"):
+            check_ray_config(two_actors)
 
 
 class _MirrorGroup:

@@ -41,7 +41,16 @@ def check_ray_config(config: Any) -> None:
         key = "algorithm.reward_normalization=true" if a.reward_normalization else "algorithm.kl_controller=adaptive"
         raise ValueError(f"{key} with distributed.backend=ray: each rollout actor would keep its own running state "
                          "from its share, and no checkpoint would hold it; use GRPO's group normalisation, a fixed "
-                         "KL coefficient or algorithm.kl_loss_coef, or train in one process")
+                         "KL coefficient or algorithm.kl_loss_coef, or train in one process or with torchrun")
+    batch_statistics = {"algorithm.advantage_whitening": a.advantage_whitening != "none",
+                        f"algorithm.advantage_estimator={a.advantage_estimator}":
+                            a.advantage_estimator in ("reinforce", "reinforce_baseline"),
+                        "algorithm.cpgd_weight=clip_filter": a.advantage_estimator == "cpgd"
+                            and a.cpgd_weight == "clip_filter"}
+    for key in (k for k, on in batch_statistics.items() if on and d.num_rollout_actors > 1):
+        raise ValueError(f"{key} with distributed.num_rollout_actors={d.num_rollout_actors}: each rollout actor's "
+                         "maker would take the step's batch statistics over its own share; use one rollout actor, "
+                         "or train with torchrun (where they are collectives over the ranks)")
     if t.rollout_batch_size < d.num_rollout_actors:
         raise ValueError(f"trainer.rollout_batch_size={t.rollout_batch_size} < distributed.num_rollout_actors="
                          f"{d.num_rollout_actors}: every rollout actor needs at least one prompt a step")
