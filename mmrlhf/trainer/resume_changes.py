@@ -31,7 +31,6 @@ REFUSED: dict[str, str] = {
     "algorithm.advantage_estimator": "the critic and its optimiser exist only for gae",
     "algorithm.kl_controller": "the saved KL controller is of the other kind",
     "algorithm.reward_normalization": "the running reward statistics would be dropped or made up",
-    "distributed.backend": "checkpoints of the launch modes are written differently",
 }
 
 # keys whose value the restored state holds, and what applying them means

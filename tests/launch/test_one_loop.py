@@ -106,7 +106,7 @@ def runs(cluster, tmp_path_factory):
 
     out = {}
     out["single"] = tmp_path_factory.mktemp("single")
-    assert run(_config(out["single"])) == 0
+    assert run(_config(out["single"], "trainer.save_steps=2")) == 0  # (the saves do not change the training)
     out["torchrun1"] = tmp_path_factory.mktemp("torchrun1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "mmrlhf",
            "train", str(ROOT / "examples/grpo_toy_shapes_cpu.yaml"),
@@ -178,3 +178,28 @@ def test_a_resumed_ray_run_continues_as_the_straight_run(cluster, tmp_path, k):
     state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
     assert state["launch"] == "ray" and state["schema"] == 2
     assert len(state["rollouts"]["inflight"]) == k  # k=1: the next step's rollout was in flight at the save
+
+
+def test_a_one_process_checkpoint_resumes_in_the_ray_mode(runs, tmp_path):
+    """One checkpoint format: the one-process run's step-2 checkpoint, resumed by Ray (1 rollout actor, 1 trainer
+    actor), trains steps 3 and 4 exactly as the one process did."""
+    import shutil
+
+    single = runs["single"]
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    shutil.copytree(single / "checkpoints" / "step-00000002", folder / "step-00000002")
+    (folder / "latest").write_text("step-00000002\n")
+    state_file = folder / "step-00000002" / "trainer_state.json"  # as if the run had been in this folder
+    state = json.loads(state_file.read_text())
+    state["config"]["trainer"]["output_dir"] = str(tmp_path)
+    state_file.write_text(json.dumps(state))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(single)[:2]))
+    _ray(tmp_path, resume=True)
+    resumed = _rows(tmp_path)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    worst = sorted(metric_gaps(_rows(single)[2:], resumed[2:]).items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(single, tmp_path) < 0.02
+    state = json.loads((tmp_path / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert (state["launch"], state["world_size"]) == ("ray", 1)

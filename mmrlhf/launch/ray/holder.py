@@ -106,6 +106,7 @@ class ExperienceMakerHolder:
         from mmrlhf.experience.fast_maker import scoring_temperature
 
         meta = {"step": step, "share": self.index, "version": version, "samples": len(rollout),
+                "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
                 "temperature": scoring_temperature(rollout.sampling), "metrics": metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
         return meta, {**meta, "experiences": experiences}
