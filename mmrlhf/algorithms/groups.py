@@ -17,6 +17,14 @@ import torch
 from torch import Tensor
 
 
+def isolate_invalid(group_ids: Tensor, valid: Tensor) -> Tensor:
+    """``[N]`` group ids where every sample the reward engine masked out (``valid`` False) has a group of its own:
+    a singleton has no spread, so a masked sample's placeholder reward never fakes variance in its prompt's group
+    (group filtering) nor enters its group's statistics (advantages). The one place this rule is decided."""
+    alone = group_ids.max() + 1 + torch.arange(len(group_ids), device=group_ids.device)  # [N] fresh ids
+    return torch.where(valid, group_ids, alone)
+
+
 @dataclass(frozen=True)
 class GroupStats:
     """Statistics of one ``[N]`` vector of sequence-level values split by group, each gathered back to ``[N]``."""

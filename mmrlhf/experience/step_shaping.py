@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from mmrlhf.algorithms.advantages import compute_advantages
+from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.algorithms.kl import approx_kl, kl_penalized_rewards
 from mmrlhf.algorithms.shaping import (
     RunningRewardNorm,
@@ -64,8 +65,7 @@ def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResul
     metrics.update({k: float(v) for k, v in m.items()})
     # A sample masked out by the reward engine leaves the loss: empty mask, and a group of its own.
     mask = mask.bool() & valid[:, None]
-    group_ids = torch.tensor(groups, dtype=torch.long)
-    group_ids = torch.where(valid, group_ids, group_ids.max() + 1 + torch.arange(len(group_ids)))
+    group_ids = isolate_invalid(torch.tensor(groups, dtype=torch.long), valid)
     token_rewards = token_level_rewards(seq_reward, mask)  # [N, A]
     kl = None
     if s.need_reference or s.kl_in_reward:

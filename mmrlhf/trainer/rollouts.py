@@ -28,6 +28,7 @@ from mmrlhf.algorithms.dynamic_sampling import (
     filter_groups,
     first_in_step_order,
 )
+from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.fast_maker import scoring_temperature
@@ -248,11 +249,9 @@ class LocalRollouts:
 # ---- helpers (pure) --------------------------------------------------------------------------------------------
 def group_rewards(rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] rewards, [N] group ids) for group filtering; samples the reward engine masked out get a group of their
-    own (a singleton has no spread and is dropped), so a masked 0 never fakes variance in its prompt's group."""
+    own (:func:`~mmrlhf.algorithms.groups.isolate_invalid`: a singleton has no spread and is dropped)."""
     r = rollout.rewards
-    groups = rollout.group_ids
-    alone = groups.max() + 1 + torch.arange(len(groups))
-    return r.rewards.float(), torch.where(r.valid, groups, alone)
+    return r.rewards.float(), isolate_invalid(rollout.group_ids, r.valid)
 
 
 def variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, float]:

@@ -261,3 +261,16 @@ def test_cpgd_clip_filter_ignores_masked_out_samples():
     with_masked, _ = compute_advantages("cpgd", masked_r, masked_m, group_ids=torch.tensor([0, 0, 1, 1, 7, 8]),
                                         weight="clip_filter")
     torch.testing.assert_close(with_masked[:4], base)  # before the fix the scale grew from 4/2 to 6/2
+
+
+def test_a_masked_sample_gets_a_group_of_its_own():
+    """The one rule for samples the reward engine masked out (group filtering and advantages both use it): fresh ids,
+    distinct from every real group and from each other; valid samples keep theirs."""
+    from mmrlhf.algorithms.groups import isolate_invalid
+
+    groups = torch.tensor([3, 3, 7, 7, 7])
+    valid = torch.tensor([True, False, True, False, False])
+    out = isolate_invalid(groups, valid)
+    assert out[valid].tolist() == [3, 7]
+    alone = out[~valid].tolist()
+    assert len(set(alone)) == 3 and not set(alone) & {3, 7}
