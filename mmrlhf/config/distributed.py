@@ -27,9 +27,10 @@ class DistributedConfig(Section):
     process_group: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend of the training ranks: ``auto`` is ``nccl`` on CUDA, ``gloo`` on the CPU."""
     mixed_precision: Literal["auto", "none", "bf16", "fp16"] = "auto"
-    """FSDP2 mixed precision of several training ranks (torchrun, Ray trainer actors), which FOLLOWS ``model.dtype`` (the one source of truth: the compute
-    dtype in every launch mode): ``auto`` (default) casts the float32 parameter shards to ``model.dtype`` for the
-    forward and backward and reduces gradients in float32 (none for ``model.dtype=float32``). An explicit value
+    """FSDP2 mixed precision of several training ranks (torchrun, Ray trainer actors), which FOLLOWS
+    ``model.dtype`` (the one source of truth: the compute dtype in every launch mode): ``auto`` (default) casts the
+    float32 parameter shards to ``model.dtype`` for the forward and backward and reduces gradients in float32 (none
+    for ``model.dtype=float32``). An explicit value
     must agree with ``model.dtype`` (``bf16`` with ``bfloat16``, ``none`` with ``float32``); a contradiction is
     refused."""
     activation_checkpointing: bool = False

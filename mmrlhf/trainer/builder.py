@@ -180,10 +180,15 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
     t = config.trainer
     out = Path(t.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", t.keep_last)
-    resume_from = None
-    if world.is_main:
-        resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
-    resume_from = world.broadcast_object(resume_from)  # rank 0 alone cleans the folder; the others learn its choice
+    resume_from = refused = None
+    if world.is_main:  # rank 0 alone cleans the folder; the others learn its choice, or its refusal, and stop too
+        try:
+            resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
+        except (OSError, ValueError) as exc:
+            refused = exc
+    resume_from, refused = world.broadcast_object((resume_from, refused))
+    if refused is not None:
+        raise refused
     if resume_from is not None:
         resume_from = Path(resume_from)
         check_resume_mode(resume_from, launch=world.launch, world_size=world.world_size)

@@ -155,6 +155,17 @@ def test_killed_rollout_actor_stops_cleanly_with_checkpoint(cluster, tmp_path, c
     assert len(rows(tmp_path)) == stopped
 
 
+def test_an_output_folder_in_use_is_refused_once_by_every_trainer_actor_without_hanging(cluster, tmp_path, capfd):
+    """Rank 0 owns the output folder; the other trainer actors learn its refusal and stop too (none waits)."""
+    from mmrlhf.launch.ray.driver import run_ray
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # a previous run's
+    rc = run_ray(toy(tmp_path, "trainer.max_steps=2", "distributed.num_trainer_actors=2",
+                     "distributed.trainer_actor_cpus=0.5"))
+    err = capfd.readouterr().err
+    assert rc == 2 and err.count("already holds a run") == 1, err[-2000:]
+
+
 def test_a_dead_trainer_actor_ends_with_an_error_line(cluster, tmp_path, capfd):
     from mmrlhf.launch.ray.driver import run_ray
 

@@ -192,11 +192,12 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, int
             print(f"error: {exc}", file=sys.stderr)
             return 2
         run = RayRun(config, plan=plan, push_weights=push_weights)
-        errors = run.setup(resume)
-        if errors:
-            print("\n".join(errors), file=sys.stderr)
-            return 2
         try:
+            errors = run.setup(resume)
+            if errors:  # every rank reports the same refusal: say it once
+                for message in dict.fromkeys(e.split(": ", 1)[1] for e in errors):
+                    print(f"error: {message}", file=sys.stderr)
+                return 2
             result = run.fit(on_step)
         except ray.exceptions.RayActorError as exc:  # a trainer actor died
             print(f"error: an actor died: {describe_actor_error(exc)}\n  stopped after step {run.step}; the last "
