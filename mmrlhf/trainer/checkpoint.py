@@ -199,7 +199,8 @@ def check_resume_mode(folder: Path, *, launch: str, world_size: int) -> None:
 
     mode, ranks, schema = checkpoint_mode(folder)
     if schema > SCHEMA:
-        raise ValueError(f"{folder} was written by a newer mmrlhf (trainer_state schema {schema} > {SCHEMA})")
+        raise ValueError(f"{folder} was written by a newer version (trainer_state schema {schema} > {SCHEMA}): upgrade "
+                         "mmrlhf to resume it")
     if mode == "ray" and schema == 1:
         raise ValueError(f"{folder} was written by the Ray mode of an older mmrlhf, which recorded no data position: "
                          "start a new run from its policy with model.pretrain=" + str(Path(folder) / "model"))

@@ -106,7 +106,7 @@ def test_every_launch_mode_resumes_every_other_and_old_or_newer_formats_are_refu
             check_resume_mode(tmp_path / name, launch=launch, world_size=ranks)
     with pytest.raises(ValueError, match=r"written by the Ray mode of an older mmrlhf.*model.pretrain="):
         check_resume_mode(tmp_path / "ray-v1", launch="ray", world_size=1)
-    with pytest.raises(ValueError, match=r"newer mmrlhf \(trainer_state schema 99 > 2\)"):
+    with pytest.raises(ValueError, match=r"newer version \(trainer_state schema 99 > 2\): upgrade"):
         check_resume_mode(tmp_path / "future", launch="single", world_size=1)
 
 
