@@ -38,8 +38,8 @@ def write_run_state(trainer: Any, folder: Path) -> None:
 
     p, world = trainer.p, trainer.p.world
     _write_policy(p.policy.actor.model, p.processor, folder, main=world.is_main)
-    with _no_dist_warning():
-        dcp.save(_dcp_state(p), checkpoint_id=str(folder / "optimizer"))
+    with _no_dist_warning():  # one rank: no collectives (whatever group vLLM may have made in this process)
+        dcp.save(_dcp_state(p), checkpoint_id=str(folder / "optimizer"), no_dist=not world.sharded)
     torch.save(rng_state_tensors({"shuffle": p.shuffle}), folder / f"rng-rank{world.rank}.pt")
     (folder / f"rng-rank{world.rank}.json").write_text(json.dumps(rng_state_json()))
     rollouts = p.source.save(folder, trainer.state.step)  # every rank; rank 0's is saved
@@ -69,7 +69,7 @@ def load_run_state(trainer: Any, folder: Path) -> None:
         return
     sharded = _dcp_state(p)
     with _no_dist_warning():
-        dcp.load(sharded, checkpoint_id=str(folder / "optimizer"))
+        dcp.load(sharded, checkpoint_id=str(folder / "optimizer"), no_dist=not world.sharded)
     set_optimizer_state_dict(p.policy.actor, p.policy.stepper.optimizer, optim_state_dict=sharded["policy_optim"])
     steppers = torch.load(folder / "steppers.pt", weights_only=True)
     _set_counters(p.policy.stepper, steppers["policy"])

@@ -169,13 +169,16 @@ def test_an_output_folder_in_use_is_refused_once_by_every_trainer_actor_without_
 def test_a_dead_trainer_actor_ends_with_an_error_line(cluster, tmp_path, capfd):
     from mmrlhf.launch.ray.driver import run_ray
 
-    def kill_trainer_at(run, step):
-        if step == 1:
+    killed = []
+
+    def kill_trainer_at(run, step):  # the driver sees steps as they finish: it may see 2 before 1
+        if step >= 1 and not killed:
+            killed.append(step)
             ray.kill(run.ranks[0], no_restart=True)
 
     rc = run_ray(toy(tmp_path, "trainer.max_steps=6"), on_step=kill_trainer_at)
     err = capfd.readouterr().err
-    assert rc == 1 and "error: an actor died" in err and re.search(r"stopped after step [12]\b", err)
+    assert rc == 1 and "error: an actor died" in err and re.search(r"stopped after step [1-5]\b", err)
     assert "Traceback" not in err
 
 
@@ -186,18 +189,22 @@ def test_sigterm_stops_after_the_step_and_saves_and_resumes(cluster, tmp_path, c
 
     from mmrlhf.launch.ray.driver import run_ray
 
-    def preempt_at(run, step):
-        if step == 2:
+    sent = []
+
+    def preempt_at(run, step):  # the driver sees steps as they finish (it may skip one); the stop request reaches
+        # rank 0 a step or two later (the steps here take ~0.3 s), hence 12 steps
+        if step >= 2 and not sent:
+            sent.append(step)
             signal.raise_signal(signal.SIGTERM)
 
-    rc = run_ray(toy(tmp_path, "trainer.max_steps=6", "distributed.max_staleness=1"), on_step=preempt_at)
+    rc = run_ray(toy(tmp_path, "trainer.max_steps=12", "distributed.max_staleness=1"), on_step=preempt_at)
     out = capsys.readouterr().out
     stopped = int(re.search(r"interrupted at step (\d+)", out).group(1))
-    assert rc == 0 and 2 <= stopped < 6 and "--resume" in out
+    assert rc == 0 and 2 <= stopped < 12 and "--resume" in out
     assert (tmp_path / f"checkpoints/step-{stopped:08d}/model/config.json").exists()
     assert [h["step"] for h in rows(tmp_path)] == list(range(1, stopped + 1))
-    assert run_ray(toy(tmp_path, "trainer.max_steps=6", "distributed.max_staleness=1"), resume=True) == 0
-    assert [h["step"] for h in rows(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert run_ray(toy(tmp_path, "trainer.max_steps=12", "distributed.max_staleness=1"), resume=True) == 0
+    assert [h["step"] for h in rows(tmp_path)] == list(range(1, 13))
 
 
 def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, capfd):

@@ -116,7 +116,7 @@ class RayRun:
         asked = False
         with stop_on_interrupt() as stop:
             while True:
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0.1)
                 for ref in done:
                     ray.get(ref)  # a rank that died or raised ends the run now (the others may wait on it)
                 if len(done) == len(refs):
