@@ -61,7 +61,7 @@ class RayRollouts:
         self.failures: list[str] = []
         self.pending: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.submitted = -1
-        self.deferred: str | None = None  # a rollout actor lost while receiving weights: raised at the next collect
+        self.deferred: str | None = None  # why the run must stop (a rollout actor lost): raised at the next collect
         self.versions: dict[int, list[tuple[str, torch.Tensor]]] = {}  # rank 0, k >= 1: the last k pushed versions
         self.resume: dict[str, Any] | None = None
         self.stream_after: dict[int, dict[str, Any]] = {}  # step -> the prompt stream's state after its prompts
@@ -102,8 +102,8 @@ class RayRollouts:
         if self.world.is_main:
             try:
                 parts = self._parts(step)
-            except RolloutSourceError as exc:
-                self.world.scatter_objects([("error", str(exc))] * self.world.world_size)
+            except Exception as exc:  # the other ranks wait for their parts: they stop too, then this one raises
+                self.world.scatter_objects([("error", f"{type(exc).__name__}: {exc}")] * self.world.world_size)
                 raise
             mine = self.world.scatter_objects(parts)
         else:
