@@ -71,8 +71,8 @@ def _known(name: str, modules: set[str]) -> str | None:
 def imports_of(tree: ast.AST, name: str, is_package: bool, modules: set[str]) -> set[str]:
     """The modules of ``modules`` that the file of module ``name`` imports anywhere in it.
 
-    ``from p import x`` counts as an import of ``p.x`` where that is a module, else of ``p``; relative imports are
-    resolved against the file's package.
+    ``from p import x`` counts as an import of ``p`` (Python runs it first: a package's ``__init__``) and of ``p.x``
+    where that is a module; relative imports are resolved against the file's package.
     """
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -88,10 +88,9 @@ def imports_of(tree: ast.AST, name: str, is_package: bool, modules: set[str]) ->
                 source = ".".join([*base, node.module] if node.module else base)
             else:
                 source = node.module or ""
-            for alias in node.names:
-                target = _known(f"{source}.{alias.name}", modules) or _known(source, modules)
-                if target:
-                    found.add(target)
+            # Python runs ``source`` itself (a package's __init__) before taking ``x`` from it
+            targets = {_known(source, modules), *(_known(f"{source}.{a.name}", modules) for a in node.names)}
+            found.update(target for target in targets if target)
     found.discard(name)
     return found
 
@@ -257,13 +256,26 @@ def test_reader_counts_every_import_form(tmp_path):
     })
     assert read_graph(package) == {
         "pkg": set(),
-        "pkg.a": {"pkg.b", "pkg.c"},
+        "pkg.a": {"pkg", "pkg.b", "pkg.c"},  # ``from pkg import b`` runs pkg's __init__ too
         "pkg.b": {"pkg.sub.x"},
-        "pkg.c": {"pkg.sub.x"},
+        "pkg.c": {"pkg.sub", "pkg.sub.x"},
         "pkg.sub": {"pkg.sub.x"},
-        "pkg.sub.x": {"pkg.c", "pkg.sub.y"},
-        "pkg.sub.y": {"pkg.sub"},
+        "pkg.sub.x": {"pkg.c", "pkg.sub", "pkg.sub.y"},
+        "pkg.sub.y": {"pkg", "pkg.sub"},
     }
+
+
+def test_a_package_init_that_re_exports_a_module_importing_it_back_is_a_circle(tmp_path):
+    """``from pkg import sibling`` inside a module that pkg's __init__ re-exports runs that __init__ again: a circle
+    (the shape the reward registry once had: rewards/__init__ -> engine -> sources -> functions -> rewards)."""
+    package = _write(tmp_path, {
+        "pkg/__init__.py": "from pkg.engine import Engine\n",
+        "pkg/engine.py": "from pkg.functions import table\nclass Engine: ...\n",
+        "pkg/functions.py": "from pkg import rules\ntable = rules\n",
+        "pkg/rules.py": "",
+    })
+    cycles = find_cycles(read_graph(package))
+    assert len(cycles) == 1 and "pkg.functions" in cycles[0] and "pkg.engine" in cycles[0], cycles
 
 
 def test_a_lazy_import_closing_a_circle_is_reported(tmp_path):

@@ -15,18 +15,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from mmrlhf.registry import Registry
-from mmrlhf.rewards import math_accuracy, rules
+from mmrlhf.rewards.math_accuracy import math_accuracy
+from mmrlhf.rewards.rules import boxed_format, exact_match, multiple_choice, numeric_match, think_answer_format
 from mmrlhf.rewards.types import RewardError
 
 
 def _with_builtins() -> Registry[Callable[..., Any]]:
     registry: Registry[Callable[..., Any]] = Registry("reward function")
-    registry.add("think_answer_format", rules.think_answer_format, aliases=("format",))
-    registry.add("boxed_format", rules.boxed_format)
-    registry.add("exact_match", rules.exact_match)
-    registry.add("numeric_match", rules.numeric_match, aliases=("numeric",))
-    registry.add("multiple_choice", rules.multiple_choice, aliases=("mcq",))
-    registry.add("math_accuracy", math_accuracy.math_accuracy, aliases=("math",))
+    registry.add("think_answer_format", think_answer_format, aliases=("format",))
+    registry.add("boxed_format", boxed_format)
+    registry.add("exact_match", exact_match)
+    registry.add("numeric_match", numeric_match, aliases=("numeric",))
+    registry.add("multiple_choice", multiple_choice, aliases=("mcq",))
+    registry.add("math_accuracy", math_accuracy, aliases=("math",))
     return registry
 
 
