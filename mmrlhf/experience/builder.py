@@ -43,7 +43,6 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
 
     from mmrlhf.data.processor import MultimodalDataProcessor
     from mmrlhf.experience.fast_maker import FastExperienceMaker
-    from mmrlhf.models.adapters import get_adapter
     from mmrlhf.rewards.engine import RewardComputationEngine
     from mmrlhf.rollout.builder import build_engine, sampling_settings
 
@@ -52,21 +51,9 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         raise ValueError("model.pretrain is empty: set it to a model directory")
     target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
     lora = model_cfg.lora
-    check_lora_settings(config)
-    resumed_from = policy_path
+    actor, adapter_path = build_policy(config, policy_path, device=target, before_adapters=before_engine)
+    adapter = actor.adapter
     policy_path = policy_path or model_cfg.pretrain
-    adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
-    # LoRA: the actor is always the base model plus adapters (a resumed run's adapter sits beside its model/)
-    actor = load_model(model_cfg, model_cfg.pretrain if lora.rank else policy_path, adapter,
-                       trainable=True).to(target)
-    if before_engine is not None:
-        before_engine(actor)
-    adapter_path = None
-    if lora.rank:
-        from mmrlhf.models.lora import apply_lora, resume_adapter_path
-
-        adapter_path = resume_adapter_path(resumed_from) or lora.adapter or None
-        apply_lora(actor, lora, adapter_path=adapter_path)  # after the freeze: only the adapters train
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
                                    attn_implementation=model_cfg.attn_implementation)
     reference = None
@@ -97,6 +84,31 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                                 sampling_settings(config.rollout), initial_model=reference, critic=critic,
                                 kl_controller=controller)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+
+
+def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch.device,
+                 before_adapters: Any = None) -> tuple[Any, Any]:
+    """The trained policy of every launch mode: an :class:`~mmrlhf.models.actor.ActorVL` of ``model.pretrain`` (or
+    of a resumed run's ``policy_path``) on ``device``; ``before_adapters(actor)`` runs before LoRA adapters are added
+    (the trainer freezes parameters there, so only the adapters train). Returns the actor and the adapter folder it
+    loaded (None: none). With LoRA the actor is always the base model plus adapters: a resumed run's adapter sits
+    beside its ``model/``."""
+    from mmrlhf.models.adapters import get_adapter
+
+    model_cfg, lora = config.model, config.model.lora
+    check_lora_settings(config)
+    adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
+    path = model_cfg.pretrain if lora.rank else (policy_path or model_cfg.pretrain)
+    actor = load_model(model_cfg, path, adapter, trainable=True).to(device)
+    if before_adapters is not None:
+        before_adapters(actor)
+    adapter_path = None
+    if lora.rank:
+        from mmrlhf.models.lora import apply_lora, resume_adapter_path
+
+        adapter_path = resume_adapter_path(policy_path) or lora.adapter or None
+        apply_lora(actor, lora, adapter_path=adapter_path)
+    return actor, adapter_path
 
 
 def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool) -> Any:

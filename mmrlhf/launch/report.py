@@ -21,15 +21,13 @@ def runtime_user_errors() -> tuple[type[BaseException], ...]:
     return DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError, CheckpointSpaceError
 
 
-def build_or_report(config: Any, *, resume: bool, world: World | None = None, rollouts: Any = None,
-                    who: str = "") -> Any:
-    """The rank's trainer, or None after printing the ``error:`` line of a configuration, output folder,
-    checkpoint or model-file problem (exit code 2)."""
+def build_or_report(config: Any, *, resume: bool, world: World | None = None, who: str = "") -> Any:
+    """The rank's trainer (an engine in this process), or None after printing the ``error:`` line of a
+    configuration, output folder, checkpoint or model-file problem (exit code 2)."""
     from mmrlhf.trainer.builder import build_trainer
 
-    kwargs = {} if rollouts is None else {"rollouts": rollouts}
     try:
-        return build_trainer(config, resume=resume, world=world, **kwargs)
+        return build_trainer(config, resume=resume, world=world)
     except (OSError, ValueError) as exc:
         print(f"error{who}: {exc}", file=sys.stderr)
         return None

@@ -73,16 +73,16 @@ class RayRollouts:
     def start(self, step: int, policy: Any, critic: Any | None) -> None:
         self.policy, self.critic = policy, critic
         self.version, self.submitted = step, step - 1
-        inflight = (self.resume or {}).get("inflight", [])
         if self.world.is_main and self.resume is not None:
             self._check_position(step)
-        for entry in inflight:  # regenerate what was in flight at the save, with the versions that generated it
-            if self.world.is_main:
-                self._send(list(self.resume["tensors"][entry["version"]]), range(self.pool.count), entry["version"])
+            # regenerate what was in flight at the save, each step with the version that generated it
+            for entry in self.resume.get("inflight", []):
+                version = entry["version"]
+                self._send(self.resume["tensors"][version], range(self.pool.count), version)
                 self._submit_step(entry["step"])
                 for share in range(self.pool.count):
                     self._await_share(entry["step"], share)
-        self._push(range(self.pool.count))
+        self._push(range(self.pool.count))  # every rank: the gather of sharded weights is collective
 
     def _check_position(self, step: int) -> None:
         import ray
@@ -145,9 +145,11 @@ class RayRollouts:
         staleness, order = [], {}
         for p in payloads:
             s = check_staleness(self.version, p["version"], self.k)
-            # compact: an item's tensors are views of its experience's, and pickling a view (handing the item to
-            # another rank) would copy the whole experience's storage with each item
-            share_items = [_compact(it) for exp in p["experiences"] for it in split_experience(exp)]
+            share_items = [it for exp in p["experiences"] for it in split_experience(exp)]
+            # An item's tensors are views of its experience's: handed to another rank (pickled), a view would carry
+            # the experience's whole storage with it.
+            if n > 1:
+                share_items = [_compact(it) for it in share_items]
             if len(share_items) != p["samples"]:
                 raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, "
                                    f"{len(share_items)} in the experiences")

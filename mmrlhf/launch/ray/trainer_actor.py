@@ -32,25 +32,16 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device
-    from mmrlhf.experience.builder import check_lora_settings, load_model
-    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.experience.builder import build_policy
     from mmrlhf.rollout.base import forbidden_token_ids
     from mmrlhf.rollout.builder import sampling_settings
     from mmrlhf.trainer.builder import Rollouts
 
     m, t, d = config.model, config.trainer, config.distributed
-    adapter = get_adapter(m.pretrain, m.family)
-    check_lora_settings(config)
-    # LoRA: the base model plus adapters (a resumed run's adapter sits beside its model/)
-    actor = load_model(m, m.pretrain if m.lora.rank else (policy_path or m.pretrain), adapter,
-                       trainable=True).to(resolve_device(t.device))
-    freeze(actor)
-    if m.lora.rank:  # the adapters train here; only they travel to the rollout actors (kind "lora")
-        from mmrlhf.models.lora import apply_lora, resume_adapter_path
-
-        apply_lora(actor, m.lora, adapter_path=resume_adapter_path(policy_path) or m.lora.adapter or None)
+    # with LoRA the adapters train here, and only they travel to the rollout actors (kind "lora")
+    actor, _ = build_policy(config, policy_path, device=resolve_device(t.device), before_adapters=freeze)
     # Score the distribution the engine samples from (a rollout actor's maker does the same to its actor copy).
-    actor.excluded_token_ids = forbidden_token_ids(adapter, sampling_settings(config.rollout))
+    actor.excluded_token_ids = forbidden_token_ids(actor.adapter, sampling_settings(config.rollout))
     processor = AutoProcessor.from_pretrained(m.pretrain, trust_remote_code=m.trust_remote_code)
     settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
                            on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
