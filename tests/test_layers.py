@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mmrlhf.models",),
     ("mmrlhf.algorithms",),
     ("mmrlhf.rollout",),
+    ("mmrlhf.agents",),
     ("mmrlhf.rewards",),
     ("mmrlhf.experience",),
     ("mmrlhf.tasks",),

@@ -1,5 +1,6 @@
 """Typed configuration: ``load_config(path, overrides)`` -> frozen :class:`MMRLHFConfig`."""
 
+from mmrlhf.config.agent import AgentConfig, ToolEntry
 from mmrlhf.config.algorithm import AlgorithmConfig
 from mmrlhf.config.base import Section
 from mmrlhf.config.data import DataConfig
@@ -11,6 +12,7 @@ from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.config.trainer import TrainerConfig
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "ConfigError",
     "DataConfig",
@@ -19,6 +21,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "Section",
+    "ToolEntry",
     "TrainerConfig",
     "apply_overrides",
     "build_config",

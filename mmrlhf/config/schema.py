@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from mmrlhf.config.agent import AgentConfig
 from mmrlhf.config.algorithm import AlgorithmConfig
 from mmrlhf.config.base import Section
 from mmrlhf.config.data import DataConfig
@@ -30,6 +31,8 @@ class MMRLHFConfig(Section):
     """Training loop."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Launch mode (single process, torchrun + FSDP2, Ray) and asynchronous training."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Multi-turn, tool-using rollouts (off unless tools or an environment are given)."""
 
     @model_validator(mode="after")
     def _check_precision(self) -> "MMRLHFConfig":

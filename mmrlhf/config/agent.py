@@ -1,0 +1,72 @@
+"""``agent``: multi-turn, tool-using rollouts (off unless tools or an environment are configured)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, model_validator
+
+from mmrlhf.config.base import Section
+
+
+class ToolEntry(Section):
+    """A tool with options: ``{tool: image_zoom, options: {min_side: 28}}``."""
+
+    tool: str
+    """A registered tool name (``image_zoom``, ``image_crop``, ``image_rotate``, ``calculator``) or
+    ``package.module:Name`` / ``path/to/file.py:Name`` (a :class:`mmrlhf.agents.tools.Tool` subclass or instance,
+    or a factory returning one)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the tool's constructor."""
+
+
+class AgentConfig(Section):
+    """Read by the agent rollout (:mod:`mmrlhf.agents.rollout`). Every budget ends a trajectory the same way: it is
+    marked (``agent/out_of_budget_rate``), kept, and scored by ``out_of_budget_reward``."""
+
+    tools: list[Union[str, ToolEntry]] = Field(default_factory=list)
+    """Tools the policy may call (names or ``{tool, options}``); their names, descriptions and argument schemas go
+    into the system prompt through the model's own chat template (``tools=``). Empty and no ``environment``: single
+    turn, as without this section."""
+    environment: Optional[str] = None
+    """An interactive environment instead of tools: ``package.module:Name`` or ``path/to/file.py:Name`` (a class or
+    factory with ``reset(record)`` / ``step(action_text)``, see :mod:`mmrlhf.agents.environment`)."""
+    environment_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
+    max_turns: int = Field(default=4, ge=1)
+    """Most policy turns per trajectory (the first answer counts as one)."""
+    max_tool_calls: int = Field(default=8, ge=0)
+    """Most tool calls per trajectory; a call beyond it is answered with a ``too_many_calls`` error observation."""
+    max_context_tokens: Optional[int] = Field(default=None, ge=16)
+    """Token budget of the whole trajectory (prompt, turns and observations); None: ``rollout.max_model_len``.
+    Each turn may generate what is left of it (capped by ``max_new_tokens_per_turn``); an observation that does not
+    fit ends the trajectory before it is added (ids and pixels never disagree)."""
+    max_new_tokens_per_turn: Optional[int] = Field(default=None, ge=1)
+    """Cap on one turn's new tokens; None: ``rollout.max_new_tokens``."""
+    max_images: int = Field(default=8, ge=0)
+    """Most images per trajectory, the prompt's included; a tool image beyond it becomes a ``too_many_images`` error
+    observation. The vLLM engine's per-prompt image limit is raised to this value."""
+    max_image_pixels: int = Field(default=16_777_216, gt=0)
+    """Largest image (width x height, before the processor's resize) a tool may return; larger ones become an
+    ``image_too_large`` error observation."""
+    tool_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Deadline of one tool call (or environment step); past it the call is answered with a ``timeout`` error."""
+    tool_workers: int = Field(default=16, ge=1)
+    """Tool calls run concurrently in a pool of this many threads (async tools on one event loop)."""
+    stop_at_tool_call: bool = True
+    """End a turn at ``</tool_call>`` (the engine stops there), so nothing the policy writes after a call is kept or
+    trained; the template's end-of-turn token is then part of the observation."""
+    out_of_budget_reward: Literal["score", "zero"] = "score"
+    """Reward of a trajectory ended by a budget (``max_turns``, context, a turn's length limit): ``score`` scores
+    what it has (its last assistant turn is the answer); ``zero`` gives 0 without calling the reward sources."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.environment is not None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "AgentConfig":
+        if self.tools and self.environment is not None:
+            raise ValueError("agent.tools and agent.environment are exclusive: an environment answers every turn "
+                             "itself (give it the tools it needs)")
+        return self
