@@ -33,6 +33,11 @@ class RolloutConfig(Section):
     """Minimum response length in tokens before EOS is allowed."""
     stop: list[str] = Field(default_factory=list)
     """Extra stop strings (the tokenizer's EOS always stops)."""
+    allowed_tokens: list[str] = Field(default_factory=list)
+    """Restrict the policy's vocabulary to these tokens (each exactly one token, e.g. ``"<|im_end|>"``, ``"red"``);
+    empty: the whole vocabulary. The engines never sample the others and the trainer scores the same restricted
+    distribution, so log-probs and ratios stay exact. For toy tasks on tiny random models, where a random policy
+    would otherwise never emit a multi-token answer (docs/agents.md)."""
     micro_rollout_batch_size: int = Field(default=16, ge=1)
     """Samples per forward pass when computing log-probs / values (bounds memory)."""
     prompt_too_long: Literal["skip", "error"] = "skip"

@@ -118,6 +118,45 @@ class MultimodalDataProcessor:
         """Build from a :class:`~mmrlhf.config.data.DataConfig` (``prompt_max_len`` taken from it)."""
         return cls(processor, data_config.prompt_max_len, adapter, data_config=data_config, **kwargs)
 
+    # ---- tools and tool images (multi-turn rollouts) -------------------------------------------------------------
+    def set_tools(self, schemas: Optional[list[dict]]) -> None:
+        """Render these function schemas into every prompt through the chat template's ``tools=`` (None: none)."""
+        self.renderer.tools = list(schemas) if schemas else None
+
+    def original_images(self, items: Sequence[Any], base_dir: Optional[str] = None) -> list[Any]:
+        """A record's images at full resolution (no resize; the pixel limit still applies): what tools that crop
+        or zoom work on, so a zoom shows detail the resized prompt image lost."""
+        import dataclasses
+
+        loader = VisionLoader(dataclasses.replace(self.loader.settings, image_min_pixels=None,
+                                                  image_max_pixels=None))
+        return [loader.load_image(item["image"] if isinstance(item, dict) and "image" in item else item, base_dir)
+                for item in items]
+
+    def process_images(self, images: Sequence[Any]) -> list[dict[str, Any]]:
+        """Images returned by tools as the model sees them: each resized under the data's pixel bounds (as prompt
+        images are), then run through the processor once. Per image: ``image`` (the resized PIL image, what the
+        engine gets), ``pixel_values`` [rows, D], ``image_grid_thw`` [1, 3], ``tokens`` (its pad-token count).
+        Raises ``ValueError`` naming the image on one that cannot be loaded or processed."""
+        if not images:
+            return []
+        loaded = []
+        for i, image in enumerate(images):
+            try:
+                loaded.append(self.loader.load_image(image))
+            except DataError as exc:
+                raise ValueError(f"tool image {i}: {exc}") from exc
+        image_processor = getattr(self.processor, "image_processor", None)
+        if image_processor is None:
+            raise ValueError("tool images need the model's processor (it has no image_processor)")
+        out = image_processor(images=loaded, return_tensors="pt")
+        grid = torch.as_tensor(out["image_grid_thw"]).reshape(-1, 3)  # [images, 3]
+        rows = grid.prod(dim=-1).tolist()
+        pixels = out["pixel_values"].split(rows)  # per image [rows_i, D]
+        tokens = self.adapter.tokens_per_grid(grid).tolist()
+        return [{"image": im, "pixel_values": px, "image_grid_thw": grid[i: i + 1], "tokens": int(tokens[i])}
+                for i, (im, px) in enumerate(zip(loaded, pixels))]
+
     # ---- entry points ---------------------------------------------------------------------------------------
     def process_records(self, records: Sequence[PromptRecord], n_samples_per_prompt: int) -> MultimodalBatch:
         """Process dataset records (see :class:`~mmrlhf.data.datasets.PromptDataset`)."""

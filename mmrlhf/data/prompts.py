@@ -66,6 +66,8 @@ class PromptRenderer:
         self.image_sequence = image_sequence
         self.video_sequence = video_sequence
         self._split = re.compile(f"({re.escape(image_placeholder)}|{re.escape(video_placeholder)})")
+        self.tools: Optional[list[dict]] = None  # function schemas rendered through the template's ``tools=``
+        self._template_takes_tools: Optional[bool] = None
 
     def to_messages(self, prompt: Prompt) -> list:
         """Chat messages for ``prompt``; plain text becomes one user turn (after the system prompt, if any)."""
@@ -90,12 +92,41 @@ class PromptRenderer:
 
     def render(self, prompt: Prompt) -> str:
         if self.apply_chat_template:
-            return self.owner.apply_chat_template(self.to_messages(prompt), tokenize=False,
-                                                  add_generation_prompt=True)
+            messages = self.to_messages(prompt)
+            if self.tools:
+                return self._render_with_tools(messages)
+            return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if not isinstance(prompt, str):
             raise ValueError("chat-message prompts need data.apply_chat_template=true")
         return (prompt.replace(self.image_placeholder, self.image_sequence)
                 .replace(self.video_placeholder, self.video_sequence))
+
+
+    def _render_with_tools(self, messages: list) -> str:
+        """The template's own ``tools=`` rendering; a template that ignores ``tools`` (Qwen2-VL's and Qwen2.5-VL's
+        processor templates do) gets them as a system message instead (:func:`tools_system_text`), so the policy
+        is always told what it may call."""
+        plain = self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.owner.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True)
+        if text != plain:
+            return text
+        system = tools_system_text(self.tools)
+        if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+            messages = [{"role": "system", "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": system}, *messages]
+        return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def tools_system_text(tools: list[dict]) -> str:
+    """Hermes-style tool instructions for templates without ``tools=`` support: one JSON schema per line inside
+    ``<tools>``, and the call form."""
+    import json
+
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call these functions to help with the request:\n<tools>\n" + lines +
+            "\n</tools>\n\nTo call one, write a JSON object with its name and arguments inside <tool_call></tool_call>"
+            ' tags, e.g.:\n<tool_call>\n{"name": "<function-name>", "arguments": {...}}\n</tool_call>')
 
 
 def _clean_message(message: dict) -> dict:

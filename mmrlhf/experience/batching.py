@@ -37,6 +37,7 @@ class TrainItem:
     vision_extra: dict[str, torch.Tensor]  # per-video extras of its videos (e.g. second_per_grid_ts [videos])
     token: dict[str, torch.Tensor]  # per-token [A_i] tensors; "loss_mask" [A_i] bool (the experience's action_mask)
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample 0-d tensors (reward, valid, group, ...)
+    policy_mask: torch.Tensor | None = None  # [A_i] bool multi-turn: policy tokens (None: all response tokens)
 
 
 @dataclass
@@ -75,8 +76,10 @@ def split_experience(exp: ExperienceVL) -> list[TrainItem]:
         token["loss_mask"] = exp.action_mask[i, :r].bool()
         info = {k: exp.info[k][i] for k in SAMPLE_INFO if k in exp.info}
         extra = {k: v[v_starts[i]: v_starts[i + 1]] for k, v in (exp.vision_extra or {}).items()}
+        policy = None if exp.policy_mask is None else exp.policy_mask[i, :r].bool()
         items.append(TrainItem(prompt_ids=row[: len(row) - r], response_ids=row[len(row) - r:],
-                               vision=exp.vision_inputs(i), vision_extra=extra, token=token, info=info))
+                               vision=exp.vision_inputs(i), vision_extra=extra, token=token, info=info,
+                               policy_mask=policy))
     return items
 
 
@@ -94,14 +97,18 @@ def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: A
     if not items:
         raise ValueError("collate needs at least one item")
     prompts, responses = [it.prompt_ids for it in items], [it.response_ids for it in items]
+    multi_turn = [it.policy_mask is not None for it in items]
+    if any(multi_turn) and not all(multi_turn):
+        raise ValueError("collate: multi-turn items (with a policy mask) and single-turn items cannot share a batch")
+    masks = [it.policy_mask for it in items] if all(multi_turn) else None
     if shared_prompt:
         built = build_grouped_samples(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
                                       vision=[{**it.vision, **it.vision_extra} for it in items],
-                                      max_row_tokens=max_row_tokens)
+                                      max_row_tokens=max_row_tokens, response_masks=masks)
     else:
         build = build_packed_samples if packed else build_padded_samples
         built = build(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
-                      vision=[it.vision for it in items])
+                      vision=[it.vision for it in items], response_masks=masks)
     a_max = max(len(it.response_ids) for it in items)
     token: dict[str, torch.Tensor] = {}
     for name in items[0].token:

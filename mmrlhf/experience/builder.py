@@ -44,7 +44,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     from mmrlhf.data.processor import MultimodalDataProcessor
     from mmrlhf.experience.fast_maker import FastExperienceMaker
     from mmrlhf.rewards.engine import RewardComputationEngine
-    from mmrlhf.rollout.builder import build_engine, sampling_settings
+    from mmrlhf.rollout.builder import build_engine
 
     model_cfg = config.model
     if not model_cfg.pretrain:
@@ -70,7 +70,8 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
                           hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code,
                           lora_rank=lora.rank if lora.sync == "vllm_lora" else 0,
-                          hf_compute_dtype=actor.compute_dtype)
+                          hf_compute_dtype=actor.compute_dtype,
+                          images_per_prompt=config.agent.max_images if config.agent.enabled else None)
     if adapter_path:
         from mmrlhf.rollout.weight_sync import sync_weights
 
@@ -80,10 +81,60 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     algo = config.algorithm
     controller = kl_controller(algo.kl_controller, algo.kl_reward_coef, target=algo.kl_target,
                                horizon=algo.kl_horizon) if settings.kl_in_reward else None
-    maker = FastExperienceMaker(actor, engine, data_processor, rewards, tokenizer, settings,
-                                sampling_settings(config.rollout), initial_model=reference, critic=critic,
-                                kl_controller=controller)
+    sampling = policy_sampling(config, tokenizer, actor.model)
+    agent = build_agent_loop(config, engine=engine, tokenizer=tokenizer, adapter=adapter,
+                             data_processor=data_processor, model=actor.model)
+    maker = FastExperienceMaker(actor, engine, data_processor, rewards, tokenizer, settings, sampling,
+                                initial_model=reference, critic=critic, kl_controller=controller, agent=agent,
+                                out_of_budget_reward=config.agent.out_of_budget_reward)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+
+
+def policy_sampling(config: MMRLHFConfig, tokenizer: Any, model: Any) -> Any:
+    """The run's sampling settings, ``rollout.allowed_tokens`` applied: what every engine samples from and every
+    scorer of the policy (experience makers, Ray trainer ranks) excludes."""
+    from mmrlhf.rollout.builder import sampling_settings
+
+    vocab = max(len(tokenizer), int(model.get_output_embeddings().weight.shape[0]))
+    return sampling_settings(config.rollout, forbidden=restricted_vocabulary(config.rollout, tokenizer, vocab))
+
+
+def restricted_vocabulary(rollout_cfg: Any, tokenizer: Any, vocab_size: int) -> list[int]:
+    """The ids ``rollout.allowed_tokens`` forbids: every other token of the vocabulary (none when the list is
+    empty). Each allowed entry must be exactly one token; the engines never sample the rest and the models score
+    the same restricted distribution."""
+    allowed = list(rollout_cfg.allowed_tokens)
+    if not allowed:
+        return []
+    ids = set()
+    for text in allowed:
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if tid is None or tid == getattr(tokenizer, "unk_token_id", None):
+            encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(encoded) != 1:
+                raise ValueError(f"rollout.allowed_tokens: {text!r} is {len(encoded)} tokens, not one")
+            tid = encoded[0]
+        ids.add(int(tid))
+    return sorted(set(range(vocab_size)) - ids)
+
+
+def build_agent_loop(config: MMRLHFConfig, *, engine: Any, tokenizer: Any, adapter: Any, data_processor: Any,
+                     model: Any) -> Any:
+    """The multi-turn turn loop when ``agent`` is configured (None otherwise); the tools' schemas go into every
+    prompt through the chat template."""
+    if not config.agent.enabled:
+        return None
+    from mmrlhf.agents.builder import build_agent, build_tool_map, tool_schemas
+    from mmrlhf.experience.agent_rows import encoder_of
+    from mmrlhf.rollout.base import stop_token_ids
+
+    tools = build_tool_map(config.agent)
+    data_processor.set_tools(tool_schemas(tools) if tools else None)
+    eos = stop_token_ids(model, tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
+    return build_agent(config.agent, engine=engine, tokenizer=tokenizer, adapter=adapter,
+                       encode_images=encoder_of(data_processor), eos_ids=eos,
+                       max_new_tokens=config.rollout.max_new_tokens, max_model_len=config.rollout.max_model_len,
+                       tools=tools)
 
 
 def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch.device,

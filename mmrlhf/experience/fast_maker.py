@@ -63,7 +63,8 @@ class FastExperienceMaker(ExperienceMaker):
 
     def __init__(self, actor: Any, engine: Any, data_processor: Any, reward_engine: Any, tokenizer: Any,
                  settings: ExperienceSettings, sampling: SamplingSettings, *, initial_model: Any = None,
-                 critic: Any = None, kl_controller: Any = None) -> None:
+                 critic: Any = None, kl_controller: Any = None, agent: Any = None,
+                 out_of_budget_reward: str = "score") -> None:
         super().__init__(actor, critic, reward_engine, initial_model)
         if settings.need_reference and initial_model is None:
             raise ValueError("settings need reference log-probs (KL) but no initial_model was given")
@@ -76,6 +77,11 @@ class FastExperienceMaker(ExperienceMaker):
         self.settings = settings
         self.sampling = dataclasses.replace(sampling, n=settings.n_samples_per_prompt)
         self.kl_controller = kl_controller
+        # Multi-turn rollouts (mmrlhf.agents.rollout.AgentLoop) in place of one generation; None: single turn.
+        self.agent = agent
+        if out_of_budget_reward not in ("score", "zero"):
+            raise ValueError(f"out_of_budget_reward must be 'score' or 'zero', got {out_of_budget_reward!r}")
+        self.out_of_budget_reward = out_of_budget_reward
         self.reward_norm = RunningRewardNorm() if settings.reward_normalization else None
         self._calls = 0  # generation calls so far (per-call sampling seeds)
         self.adapter = actor.adapter
@@ -143,14 +149,22 @@ class FastExperienceMaker(ExperienceMaker):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
                 record_ids=record_ids, all_indices=record_indices, base_dirs=base_dirs)
-        with timer("generate"):
-            result = self.engine.generate(self._requests(batch, n), sampling)
-        rows = self._collect(batch, result, n)
+        if self.agent is not None:
+            rows, counts, agent_metrics = self._agent_rollout(batch, n, sampling, timer, prompts=prompts,
+                                                              images=images, videos=videos, references=references,
+                                                              labels=labels, record_ids=record_ids,
+                                                              base_dirs=base_dirs)
+        else:
+            with timer("generate"):
+                result = self.engine.generate(self._requests(batch, n), sampling)
+            rows = self._collect(batch, result, n)
+            counts, agent_metrics = (len(result.outputs), result.skipped, result.num_tokens), {}
         if not len(rows):
-            raise RuntimeError(f"no prompt of the batch could be generated: {result.skipped}")
+            raise RuntimeError(f"no prompt of the batch could be generated: {counts[1]}")
         with timer("reward"):
             rewards = self._rewards(rows)
-        metrics = self._rollout_metrics(batch, result, rows, timer)
+        metrics = self._rollout_metrics(batch, counts, rows, timer)
+        metrics.update(agent_metrics)
         metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
         return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
 
@@ -200,6 +214,21 @@ class FastExperienceMaker(ExperienceMaker):
             # reproducible across a resume through state_dict(); without it every step would replay the same noise.
             call = dataclasses.replace(call, seed=mix_seed(call.seed, self._calls))
         return call
+
+    def _agent_rollout(self, batch: Any, n: int, sampling: SamplingSettings, timer: PhaseTimer, **inputs: Any):
+        """The turn loop over the batch (:mod:`mmrlhf.agents.rollout`): rows, (prompts generated, skipped, tokens)
+        and the agent metrics; its tool time is its own phase (``time/tools``)."""
+        from mmrlhf.experience.agent_rows import rows_from_trajectories, tool_contexts
+
+        contexts = tool_contexts(batch, n, self.data_processor, self.adapter, **inputs)
+        with timer("generate"):
+            result = self.agent.run(batch, n, sampling, contexts)
+        tools = result.seconds.get("tools", 0.0)
+        timer.seconds["generate"] -= tools
+        timer.seconds["tools"] = timer.seconds.get("tools", 0.0) + tools
+        rows = rows_from_trajectories(batch, result)
+        prompts = len({s.group for s in result.samples})
+        return rows, (prompts, result.skipped, result.generated_tokens), result.metrics
 
     def _requests(self, batch: Any, n: int) -> list[GenerationRequest]:
         """One request per unique prompt (its first sample), with both the text and the processor's ids."""
@@ -254,31 +283,43 @@ class FastExperienceMaker(ExperienceMaker):
         (rules, remote servers) or as ids through its stop token (local models), and the prompt the POLICY saw:
         the processor's ids after any truncation (local models), or the chat-templated text of those same ids,
         vision blocks unexpanded (rules, remote servers), plus the sample's images."""
-        responses = self.tokenizer.batch_decode(rows.response_ids, skip_special_tokens=True)
+        if rows.multi_turn:  # rules score the final assistant message; trajectory-aware functions see the rest
+            responses = [t.final_answer for t in rows.trajectories]
+        else:
+            responses = self.tokenizer.batch_decode(rows.response_ids, skip_special_tokens=True)
         sequences, attention_mask = _right_padded(rows.prompt_ids, rows.response_ids, self.pad_id)
         batch = RewardBatch(
             responses=responses, prompts=list(rows.prompts),
             labels=[DEFAULT_LABEL if label is None else str(label) for label in rows.labels],
             references=list(rows.references), sequences=sequences, attention_mask=attention_mask,
             vision=list(rows.vision), images=list(rows.images), index=list(rows.sample_index),
+            trajectories=list(rows.trajectories) if rows.multi_turn else None,
         )
-        return self.reward_engine.compute(batch)
+        result = self.reward_engine.compute(batch)
+        if rows.multi_turn and self.out_of_budget_reward == "zero":
+            over = torch.tensor([t.out_of_budget for t in rows.trajectories], dtype=torch.bool)  # [N]
+            result.rewards[over] = 0.0
+            result.metrics["reward/out_of_budget_zeroed/count"] = float(over.sum())
+        return result
 
-    def _rollout_metrics(self, batch: Any, result: GenerationResult, rows: Rollout,
+    def _rollout_metrics(self, batch: Any, counts: tuple[int, dict, int], rows: Rollout,
                          timer: PhaseTimer) -> dict[str, float]:
-        lengths = torch.tensor([len(r) for r in rows.response_ids], dtype=torch.float32)  # [N]
+        """``counts``: (prompts generated, prompts the engine skipped, tokens generated). Response lengths count
+        policy tokens (a multi-turn response's observation tokens are in ``agent/observation_tokens/mean``)."""
+        prompts, skipped, generated = counts
+        lengths = torch.tensor(rows.policy_lengths(), dtype=torch.float32)  # [N]
         truncated = torch.tensor([not f for f in rows.finished], dtype=torch.float32)  # [N]
         return {
-            "prompts": float(len(result.outputs)),
+            "prompts": float(prompts),
             "samples": float(len(rows)),
-            "skipped_prompts": float(len(result.skipped) + len(batch.skipped)),
+            "skipped_prompts": float(len(skipped) + len(batch.skipped)),
             "truncated_prompts": float(batch.truncated),
-            "generated_tokens": float(result.num_tokens),
+            "generated_tokens": float(generated),
             "response_length/mean": float(lengths.mean()),
             "response_length/max": float(lengths.max()),
             "response_length/min": float(lengths.min()),
             "truncation_rate": float(truncated.mean()),
-            "throughput/gen_tokens_per_s": result.num_tokens / max(timer.seconds["generate"], 1e-9),
+            "throughput/gen_tokens_per_s": generated / max(timer.seconds["generate"], 1e-9),
         }
 
     # ---- stage 2 -----------------------------------------------------------------------------------------------
@@ -287,7 +328,8 @@ class FastExperienceMaker(ExperienceMaker):
         try:
             built = build(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
                           adapter=self.adapter, vision=rows.vision, prompts=rows.prompts,
-                          labels=rows.labels, references=rows.references, raw_images=rows.images)
+                          labels=rows.labels, references=rows.references, raw_images=rows.images,
+                          response_masks=rows.policy_masks or None)
         except ValueError as exc:
             raise ValueError(f"building samples {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: {exc}") from exc
         # Truncation is the engine's call: a response ended by a stop STRING has no stop token yet is complete.
@@ -298,7 +340,8 @@ class FastExperienceMaker(ExperienceMaker):
         try:
             return build_grouped_samples(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
                                          adapter=self.adapter, vision=rows.vision,
-                                         max_row_tokens=self.settings.shared_prompt_max_tokens)
+                                         max_row_tokens=self.settings.shared_prompt_max_tokens,
+                                         response_masks=rows.policy_masks or None)
         except ValueError as exc:
             raise ValueError(f"building shared-prompt rows {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: "
                              f"{exc}") from exc
@@ -345,8 +388,9 @@ class FastExperienceMaker(ExperienceMaker):
         [N, A_max] tensors and metrics."""
         a_max = max(r["action_mask"].shape[1] for r in scored)
         cat = lambda key: _cat_padded([r[key] for r in scored], a_max)  # noqa: E731
+        # Length terms (overlong shaping) count the policy's tokens, never a multi-turn response's observations.
         return shape_step(self.settings, groups=list(rollout.group), rewards=rewards,
-                          lengths=torch.cat([b.samples.response_length for b in built]),
+                          lengths=torch.tensor(rollout.policy_lengths(), dtype=torch.long),
                           max_new_tokens=sampling.max_new_tokens, mask=cat("action_mask").bool(),
                           log_probs=cat("log_probs"), ref_log_probs=cat("ref_log_probs"),
                           values=cat("values") if self.critic is not None else None, reward_norm=self.reward_norm,
@@ -388,6 +432,7 @@ class FastExperienceMaker(ExperienceMaker):
                 kl=None if shaped["kl"] is None else shaped["kl"][sl, :a], action_entropy=row["entropy"],
                 rollout_log_probs=_engine_logprob_tensor(rows.engine_logprobs[sl], row["action_mask"]),
                 packed_seq_lens=smp.packed_seq_lens, num_actions=smp.num_actions,
+                policy_mask=row["action_mask"].bool() if rows.multi_turn else None,
                 pixel_values=smp.pixel_values, image_grid_thws=smp.image_grid_thws,
                 pixel_values_videos=smp.pixel_values_videos, video_grid_thws=smp.video_grid_thws,
                 mm_token_type_ids=smp.mm_token_type_ids, image_num=list(smp.image_num),
@@ -426,14 +471,16 @@ def _cat_padded(tensors: list[torch.Tensor | None], width: int) -> torch.Tensor 
 
 def _engine_logprob_tensor(engine_logprobs: list[list[float] | None], action_mask: torch.Tensor
                            ) -> torch.Tensor | None:
-    """[b, A] float32 engine log-probs of the sampled tokens (0 off the mask), or None if any sample lacks them."""
+    """[b, A] float32 engine log-probs of the sampled tokens (0 off the mask), or None if any sample lacks them.
+    ``engine_logprobs[i]`` holds one value per response token (0.0 on a multi-turn response's observation
+    tokens), in response order."""
     if any(lp is None for lp in engine_logprobs):
         return None
     out = torch.zeros(action_mask.shape, dtype=torch.float32)  # [b, A]
     for i, lp in enumerate(engine_logprobs):
-        n = int(action_mask[i].sum())
+        n = min(len(lp), action_mask.shape[1])
         out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
-    return out
+    return out * action_mask
 
 
 def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
@@ -445,8 +492,8 @@ def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
             eng = rollout.engine_logprobs[row + i]
             if eng is None:
                 continue
-            n = int(mask[i].sum())
-            diffs.append((torch.tensor(eng[:n]) - lp[i, :n]).abs())  # both on the CPU (_score's rule)
+            keep = mask[i, : len(eng)].bool()  # policy tokens of the response (all of a single-turn one)
+            diffs.append((torch.tensor(eng[: keep.shape[0]])[keep] - lp[i, : keep.shape[0]][keep]).abs())
         row += lp.shape[0]
     if not diffs:
         return {}

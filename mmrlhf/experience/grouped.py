@@ -81,6 +81,35 @@ def _rows(groups: list[list[int]], prompt_len: list[int], response_len: list[int
     return rows
 
 
+def split_vision(vision: dict[str, Any], prompt_ids: Sequence[int], adapter: FamilyAdapter
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A multi-turn sample's vision dict split into its prompt's part and its response's (observation images, which
+    follow the prompt's images in the dict as their pads follow in the ids). Videos and per-video extras belong to
+    the prompt (observations carry images only)."""
+    grid = vision.get("image_grid_thw")
+    if grid is None:
+        return dict(vision), {}
+    grid = torch.as_tensor(grid).reshape(-1, 3)
+    pads = int(sum(1 for t in prompt_ids if t == adapter.image_token_id))
+    tokens = adapter.tokens_per_grid(grid).tolist()
+    k, seen = 0, 0
+    while k < len(tokens) and seen < pads:
+        seen += int(tokens[k])
+        k += 1
+    if seen != pads:
+        raise ValueError(f"the prompt's {pads} image pad tokens do not match whole images of the vision dict")
+    rows = grid.prod(dim=-1).tolist()
+    cut = int(sum(rows[:k]))
+    pixels = torch.as_tensor(vision["pixel_values"])
+    prompt = {key: v for key, v in vision.items() if key not in ("pixel_values", "image_grid_thw")}
+    response: dict[str, Any] = {}
+    if k:
+        prompt["pixel_values"], prompt["image_grid_thw"] = pixels[:cut], grid[:k]
+    if k < len(tokens):
+        response["pixel_values"], response["image_grid_thw"] = pixels[cut:], grid[k:]
+    return prompt, response
+
+
 def build_grouped_samples(
     prompt_ids: Sequence[Sequence[int]],
     response_ids: Sequence[Sequence[int]],
@@ -90,20 +119,34 @@ def build_grouped_samples(
     adapter: FamilyAdapter,
     vision: Sequence[dict[str, Any]] | None = None,
     max_row_tokens: int | None = None,
+    response_masks: Sequence[Sequence[int]] | None = None,
 ) -> BuiltSamples:
     """Grouped layout of the samples (same inputs as ``build_padded_samples`` / ``build_packed_samples``).
 
     ``vision``: per-sample processor dicts; per-video extras (e.g. ``second_per_grid_ts``) may ride in them and come
-    back, per row, as ``BuiltSamples.vision_extra``. Raises ``ValueError`` naming the sample when a response holds
-    an image or video token (its positions would depend on the vision layout, which the shared prompt cannot give).
+    back, per row, as ``BuiltSamples.vision_extra``. Single-turn samples: raises ``ValueError`` naming the sample
+    when a response holds an image or video token. Multi-turn samples (``response_masks``: 1 policy, 0 observation
+    token): a group shares its FIRST prompt and its images; each response brings its own observation images (the
+    tail of its vision dict, :func:`split_vision`), placed in the row in column order, and ``action_mask`` marks
+    the policy tokens.
     """
-    prompts, responses, truncated = _prepare(prompt_ids, response_ids, eos_id)
+    prompts, responses, truncated, masks = _prepare(prompt_ids, response_ids, eos_id, response_masks)
     batch = len(prompts)
     vision = list(vision) if vision is not None else [{} for _ in range(batch)]
     if len(vision) != batch:
         raise ValueError(f"{len(vision)} vision dicts for {batch} samples")
+    if masks is None:
+        prompt_vision, response_vision = vision, [{} for _ in range(batch)]
+    else:
+        halves = []
+        for i, v in enumerate(vision):
+            try:
+                halves.append(split_vision(v, prompts[i], adapter))
+            except ValueError as exc:
+                raise ValueError(f"sample {i}: {exc}") from exc
+        prompt_vision, response_vision = [h[0] for h in halves], [h[1] for h in halves]
     p_len, r_len = [len(p) for p in prompts], [len(r) for r in responses]
-    rows = _rows(group_by_prompt(prompts, vision), p_len, r_len, max_row_tokens)
+    rows = _rows(group_by_prompt(prompts, prompt_vision), p_len, r_len, max_row_tokens)
     width = max(p_len[row[0]] + sum(r_len[i] for i in row) for row in rows)
     sequences = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [G, L]
     segments = torch.full((len(rows), width), PADDING, dtype=torch.long)  # [G, L]
@@ -121,14 +164,20 @@ def build_grouped_samples(
             col += r_len[i]
     types = mm_token_type_ids(sequences, adapter)  # [G, L]
     vision_in_response = (types != 0) & (segments > PROMPT)  # [G, L]
-    if bool(vision_in_response.any()):
+    if masks is None and bool(vision_in_response.any()):
         g, col = (int(x) for x in torch.nonzero(vision_in_response)[0])
         i = rows[g][int(segments[g, col]) - 1]
         raise ValueError(f"sample {i}: its response holds image / video tokens; the grouped layout (shared "
                          "prompt) needs text-only responses")
-    types = types * (segments == PROMPT)  # responses and padding are text
-    fields, extra = _concat_vision([vision[row[0]] for row in rows], len(rows), adapter,
-                                   [prompts[row[0]] for row in rows])
+    types = types * (segments != PADDING)  # padding is text
+    row_vision = [_merge_vision([prompt_vision[row[0]]] + [response_vision[i] for i in row]) for row in rows]
+    row_ids = [sequences[g][segments[g] != PADDING].tolist() for g in range(len(rows))]
+    fields, extra = _concat_vision(row_vision, len(rows), adapter, row_ids)
+    action_mask = None
+    if masks is not None:
+        action_mask = torch.zeros((batch, max(r_len)), dtype=torch.bool)  # [B, A]
+        for i, m in enumerate(masks):
+            action_mask[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
     samples = GroupedSamples(
         sequences=sequences,
         segment_ids=segments,
@@ -138,6 +187,19 @@ def build_grouped_samples(
         sample_start=sample_start,
         response_length=torch.tensor(r_len, dtype=torch.long),
         total_length=torch.tensor([p + r for p, r in zip(p_len, r_len)], dtype=torch.long),
+        action_mask=action_mask,
         **fields,
     )
     return BuiltSamples(samples, truncated, extra)  # type: ignore[arg-type]
+
+
+def _merge_vision(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Vision dicts of one row (its prompt's, then each response's observation images) as one, in that order."""
+    if len(parts) == 1 or not any(p for p in parts[1:]):
+        return parts[0]
+    out = dict(parts[0])
+    for key in ("pixel_values", "image_grid_thw"):
+        pieces = [torch.as_tensor(p[key]) for p in parts if key in p]
+        if pieces:
+            out[key] = torch.cat(pieces, dim=0)
+    return out

@@ -36,13 +36,28 @@ class Rollout:
     references: list[Any]
     images: list[list[Any]]
     record_ids: list[Any]  # the caller's record id of each sample (None where none was given)
+    # Multi-turn rollouts only (empty lists otherwise): per response token 1 policy / 0 observation, and the
+    # trajectory (turns, calls, results, how it ended) reward functions and reports read.
+    policy_masks: list[list[int]] = field(default_factory=list)
+    trajectories: list[Any] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sample_index)
 
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.policy_masks)
+
+    def policy_lengths(self) -> list[int]:
+        """Policy tokens per sample (every response token of a single-turn sample)."""
+        if not self.multi_turn:
+            return [len(r) for r in self.response_ids]
+        return [int(sum(m)) for m in self.policy_masks]
+
     def select(self, rows: Sequence[int] | range) -> "Rollout":
         rows = list(rows)
-        return Rollout(*[[getattr(self, f.name)[r] for r in rows] for f in dataclasses.fields(self)])
+        return Rollout(*[[values[r] for r in rows] if values else []
+                         for values in (getattr(self, f.name) for f in dataclasses.fields(self))])
 
     def describe(self, i: int) -> str:
         """``"sample 5 (record 'abc-7')"``: how errors name row ``i``."""
@@ -94,6 +109,8 @@ class ScoredRollout:
         if other is not None:
             raise ValueError(f"rounds sampled with different settings cannot be trained on together: "
                              f"{parts[0].sampling} vs {other}")
+        if len({p.rows.multi_turn for p in parts}) > 1:
+            raise ValueError("single-turn and multi-turn rounds cannot be trained on together")
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
         offset = 0
         for p in parts:

@@ -59,7 +59,10 @@ def _stop_set(eos_id: int | Iterable[int]) -> set[int]:
 def _concat_vision(
     vision: Sequence[dict[str, Any]] | None, batch: int, adapter: FamilyAdapter, prompts: list[list[int]]
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Concatenate per-sample vision dicts in sample order; check pad-token counts against the grids."""
+    """Concatenate per-sample vision dicts in sample order; check pad-token counts against the grids.
+
+    ``prompts``: the ids holding each sample's vision pads (the prompt; prompt + response for a multi-turn sample,
+    whose tool images sit in its response)."""
     vision = list(vision) if vision is not None else [{} for _ in range(batch)]
     if len(vision) != batch:
         raise ValueError(f"{len(vision)} vision dicts for {batch} samples")
@@ -94,17 +97,48 @@ def _concat_vision(
     return fields, extra
 
 
-def _prepare(prompt_ids, response_ids, eos_id):
+def _prepare(prompt_ids, response_ids, eos_id, response_masks=None):
+    """(prompts, responses, truncated, masks). Without ``response_masks`` responses are cut after their first stop
+    token; with them (multi-turn samples: 1 policy token, 0 observation token, one per response token) responses
+    are taken as they are, since a trajectory holds a stop token at the end of every turn."""
     if len(prompt_ids) != len(response_ids):
         raise ValueError(f"{len(prompt_ids)} prompts for {len(response_ids)} responses")
-    stops = _stop_set(eos_id)
-    cut = [cut_at_stop(r, stops) for r in response_ids]
-    responses = [c[0] for c in cut]
-    truncated = torch.tensor([c[1] for c in cut], dtype=torch.bool)  # [B]
     prompts = [list(p) for p in prompt_ids]
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every sample needs at least one prompt token to score its response")
-    return prompts, responses, truncated
+    if response_masks is None:
+        stops = _stop_set(eos_id)
+        cut = [cut_at_stop(r, stops) for r in response_ids]
+        responses = [c[0] for c in cut]
+        truncated = torch.tensor([c[1] for c in cut], dtype=torch.bool)  # [B]
+        return prompts, responses, truncated, None
+    if len(response_masks) != len(response_ids):
+        raise ValueError(f"{len(response_masks)} response masks for {len(response_ids)} responses")
+    responses = [list(r) for r in response_ids]
+    masks = []
+    for i, (r, m) in enumerate(zip(responses, response_masks)):
+        m = [bool(x) for x in (m.tolist() if isinstance(m, torch.Tensor) else m)]
+        if len(m) != len(r):
+            raise ValueError(f"sample {i}: response mask of {len(m)} entries for {len(r)} response tokens")
+        masks.append(m)
+    return prompts, responses, torch.zeros(len(responses), dtype=torch.bool), masks
+
+
+def _vision_ids(prompts: list[list[int]], responses: list[list[int]], masks) -> list[list[int]]:
+    """The ids whose vision pads each sample's vision dict covers: the prompt, plus the response when it may hold
+    observation images (multi-turn samples)."""
+    return prompts if masks is None else [p + r for p, r in zip(prompts, responses)]
+
+
+def policy_action_mask(responses: list[list[int]], masks, width: int) -> torch.Tensor:
+    """[B, width] bool: the response tokens the policy generated (all of them for single-turn samples)."""
+    action_mask = torch.zeros((len(responses), width), dtype=torch.bool)  # [B, A]
+    for i, r in enumerate(responses):
+        if masks is None:
+            action_mask[i, : len(r)] = True
+        else:
+            action_mask[i, : len(r)] = torch.tensor(masks[i], dtype=torch.bool)
+    return action_mask
 
 
 def build_padded_samples(
@@ -115,27 +149,29 @@ def build_padded_samples(
     eos_id: int | Iterable[int],
     adapter: FamilyAdapter,
     vision: Sequence[dict[str, Any]] | None = None,
+    response_masks: Sequence[Sequence[int]] | None = None,
     **meta: Any,
 ) -> BuiltSamples:
     """Batched layout: left-padded prompts + right-padded responses, ``sequences`` [B, P + A].
 
-    ``eos_id``: one stop token id or several. ``meta``: extra SamplesVL fields passed through (prompts, labels,
-    references, raw_images).
+    ``eos_id``: one stop token id or several. ``response_masks``: per response token, 1 for a policy token and 0 for
+    an observation token (multi-turn samples; ``action_mask`` then marks the policy tokens only, and responses are
+    not cut at stop tokens). ``meta``: extra SamplesVL fields passed through (prompts, labels, references,
+    raw_images).
     """
-    prompts, responses, truncated = _prepare(prompt_ids, response_ids, eos_id)
+    prompts, responses, truncated, masks = _prepare(prompt_ids, response_ids, eos_id, response_masks)
     batch = len(prompts)
     p_max = max(len(p) for p in prompts)
     a_max = max(len(r) for r in responses)
     sequences = torch.full((batch, p_max + a_max), pad_id, dtype=torch.long)  # [B, S]
     attention_mask = torch.zeros((batch, p_max + a_max), dtype=torch.long)  # [B, S] 1 real token, 0 padding
-    action_mask = torch.zeros((batch, a_max), dtype=torch.bool)  # [B, A]
     for i, (p, r) in enumerate(zip(prompts, responses)):
         sequences[i, p_max - len(p) : p_max] = torch.tensor(p, dtype=torch.long)
         sequences[i, p_max : p_max + len(r)] = torch.tensor(r, dtype=torch.long)
         attention_mask[i, p_max - len(p) : p_max + len(r)] = 1
-        action_mask[i, : len(r)] = True
+    action_mask = policy_action_mask(responses, masks, a_max)  # [B, A]
     types = mm_token_type_ids(sequences, adapter) * attention_mask  # [B, S]; pad tokens are text
-    fields, extra = _concat_vision(vision, batch, adapter, prompts)
+    fields, extra = _concat_vision(vision, batch, adapter, _vision_ids(prompts, responses, masks))
     samples = SamplesVL(
         sequences=sequences,
         attention_mask=attention_mask,
@@ -159,26 +195,28 @@ def build_packed_samples(
     eos_id: int | Iterable[int],
     adapter: FamilyAdapter,
     vision: Sequence[dict[str, Any]] | None = None,
+    response_masks: Sequence[Sequence[int]] | None = None,
     **meta: Any,
 ) -> BuiltSamples:
     """Packed layout: every sample's prompt + response back to back, ``sequences`` [1, T], no padding.
 
     ``attention_mask`` [1, T] holds the 1-based sample index of each token. ``pad_id`` is unused (kept so both
-    builders take the same arguments).
+    builders take the same arguments). ``response_masks`` (multi-turn samples): ``action_mask`` [B, A] then marks
+    the policy tokens of each response (single-turn packed batches carry none: every response token is one).
     """
     del pad_id
-    prompts, responses, truncated = _prepare(prompt_ids, response_ids, eos_id)
+    prompts, responses, truncated, masks = _prepare(prompt_ids, response_ids, eos_id, response_masks)
     batch = len(prompts)
     seqs = [p + r for p, r in zip(prompts, responses)]
     sequences = torch.tensor([tok for s in seqs for tok in s], dtype=torch.long)[None]  # [1, T]
     lens = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # [B]
     attention_mask = torch.repeat_interleave(torch.arange(1, batch + 1), lens)[None]  # [1, T]
-    fields, extra = _concat_vision(vision, batch, adapter, prompts)
+    fields, extra = _concat_vision(vision, batch, adapter, _vision_ids(prompts, responses, masks))
     response_length = torch.tensor([len(r) for r in responses], dtype=torch.long)  # [B]
     samples = SamplesVL(
         sequences=sequences,
         attention_mask=attention_mask,
-        action_mask=None,
+        action_mask=None if masks is None else policy_action_mask(responses, masks, max(len(r) for r in responses)),
         num_actions=response_length.clone(),
         packed_seq_lens=lens,
         response_length=response_length,

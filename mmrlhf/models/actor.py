@@ -57,7 +57,9 @@ class ActionLogProbs(NamedTuple):
 
 
 def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where the response tokens are, for either layout.
+    """Where the scored response tokens are, for any layout: every response token, or, where the samples carry a
+    policy mask (multi-turn trajectories: ``action_mask`` in every layout), the policy's tokens only; observation
+    tokens are attended to but never scored.
 
     Returns (flat positions of the tokens that PREDICT each response token [N] (into sequences.flatten()),
     flat positions of the response tokens themselves [N], action mask [B, A] bool). N = total response tokens,
@@ -71,6 +73,8 @@ def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torc
         acts = torch.as_tensor(samples.num_actions, device=device).long()  # [B]
         a_max = int(acts.max()) if acts.numel() else 0
         action_mask = torch.arange(a_max, device=device)[None] < acts[:, None]  # [B, A]
+        if samples.action_mask is not None:  # multi-turn: the policy tokens of each response only
+            action_mask = action_mask & samples.action_mask.to(device).bool()[:, :a_max]
         ends = lens.cumsum(0)  # [B] exclusive end of each sample
         first = (ends - acts)[:, None] + torch.arange(a_max, device=device)[None]  # [B, A] response token index
         targets = first[action_mask]  # [N]
@@ -92,6 +96,8 @@ def _grouped_response_index(samples: GroupedSamples) -> tuple[torch.Tensor, torc
     a_max = int(acts.max()) if acts.numel() else 0
     steps = torch.arange(a_max, device=device)[None]  # [1, A]
     action_mask = steps < acts[:, None]  # [B, A]
+    if samples.action_mask is not None:  # multi-turn: the policy tokens of each response only
+        action_mask = action_mask & samples.action_mask.to(device).bool()[:, :a_max]
     row_base = samples.sample_row.to(device)[:, None] * width  # [B, 1] flat offset of each sample's row
     tgt = row_base + samples.sample_start.to(device)[:, None] + steps  # [B, A] flat response-token positions
     last_prompt = row_base + samples.prompt_lengths.to(device)[samples.sample_row.to(device)][:, None] - 1  # [B, 1]
@@ -286,7 +292,7 @@ def select_samples(
         t0, t1 = int(lens[:i0].sum()), int(lens[:i1].sum())
         sub = SamplesVL(
             sequences=samples.sequences[:, t0:t1], attention_mask=samples.attention_mask[:, t0:t1] - i0,
-            action_mask=None, num_actions=torch.as_tensor(samples.num_actions)[i0:i1],
+            action_mask=None if samples.action_mask is None else samples.action_mask[i0:i1], num_actions=torch.as_tensor(samples.num_actions)[i0:i1],
             packed_seq_lens=lens[i0:i1], mm_token_type_ids=samples.mm_token_type_ids[:, t0:t1], **common,
         )
     else:

@@ -40,6 +40,10 @@ class FamilyAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     # vLLM needs video metadata (fps, frame indices) for some families; see ``vllm_video``.
     vllm_video_needs_metadata: ClassVar[bool] = False
+    # How the family writes bounding boxes (tools that crop read it from ToolContext.box_space): "relative1000"
+    # (0-1000 of the image: Qwen2-VL, Qwen3-VL) or "absolute" (pixels of the image as the model saw it, after the
+    # processor's resize: Qwen2.5-VL).
+    box_space: ClassVar[str] = "relative1000"
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "FamilyAdapter":
@@ -230,6 +234,7 @@ class Qwen25VLAdapter(FamilyAdapter):
     model_types = ("qwen2_5_vl",)
     vllm_video_needs_metadata = True
     processor_needs_video_metadata = True  # its second_per_grid_ts comes from the video's fps
+    box_space = "absolute"  # Qwen2.5-VL grounds boxes in the resized image's pixels
     rope_video_keys = ("second_per_grid_ts",)  # seconds per temporal patch: scales video time positions
 
 

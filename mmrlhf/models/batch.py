@@ -74,7 +74,8 @@ class Samples(TensorContainer):
 
     sequences: torch.Tensor  # [B, S] batched | [1, T] packed; prompt + response token ids
     attention_mask: torch.Tensor | None  # [B, S] 0/1 batched | [1, T] 1-based sample index packed
-    action_mask: torch.Tensor | None  # [B, A] bool, response tokens (through EOS) | None packed
+    action_mask: torch.Tensor | None  # [B, A] bool, response tokens (through EOS) | None packed; multi-turn samples
+    #   (any layout): the POLICY tokens only (observation tokens False)
     num_actions: int | torch.Tensor  # A (batched) | [B] response lengths (packed)
     packed_seq_lens: torch.Tensor | None  # [B] total length of each packed sample | None batched
     response_length: torch.Tensor  # [B] response tokens per sample (EOS included)
@@ -187,12 +188,14 @@ class GroupedSamples(TensorContainer):
     sample_start: torch.Tensor  # [B] column of each sample's first response token
     response_length: torch.Tensor  # [B] response tokens per sample (through its stop token)
     total_length: torch.Tensor  # [B] prompt + response tokens per sample (its own sequence)
-    pixel_values: torch.Tensor | None = None  # [patch rows of the G prompts' images, D], row order
-    image_grid_thws: torch.Tensor | None = None  # [images of the G prompts, 3]
+    pixel_values: torch.Tensor | None = None  # [patch rows of the G rows' images, D], row order (in a row: the
+    #   prompt's images, then each response's observation images in column order)
+    image_grid_thws: torch.Tensor | None = None  # [images of the G rows, 3], same order
     pixel_values_videos: torch.Tensor | None = None  # [patch rows of the G prompts' videos, D]
     video_grid_thws: torch.Tensor | None = None  # [videos of the G prompts, 3]
     image_num: list[int] = field(default_factory=list)  # G images per row
     video_num: list[int] = field(default_factory=list)  # G videos per row
+    action_mask: torch.Tensor | None = None  # [B, A] bool policy tokens of multi-turn responses (None: all scored)
 
     @property
     def batch_size(self) -> int:

@@ -88,6 +88,8 @@ def grouped_position_ids(
     Every response continues from its prompt exactly as in its own sequence: one rule call per row on the prompt
     followed by the row's longest response (positions depend on token TYPES only, and responses are text), then
     response k of the row takes the positions of the first ``len(k)`` tokens after the prompt. Padding gets 0.
+    A row whose responses hold observation images (multi-turn) takes one call per response instead, on the prompt
+    and that response with their own images (:func:`_grouped_row_per_response`).
     """
     seqs, types, segments = samples.sequences, samples.mm_token_type_ids, samples.segment_ids  # [G, L] each
     rows, width = seqs.shape
@@ -101,6 +103,9 @@ def grouped_position_ids(
     for g in range(rows):
         p = prompt_len[g]
         seg = segments[g]  # [L]
+        if bool(((types[g] != 0) & (seg > 0)).any()):  # multi-turn responses with observation images
+            _grouped_row_per_response(adapter, out, g, seqs[g], types[g], seg, p, vision[g], extras[g])
+            continue
         longest = int(torch.bincount(seg[seg > 0]).max()) if bool((seg > 0).any()) else 0
         first = int(torch.nonzero(seg > 0)[0]) if longest else p
         row_types = torch.cat([types[g, :p], types.new_zeros(longest)])  # [p + longest] responses are text
@@ -116,3 +121,43 @@ def grouped_position_ids(
             cols = torch.nonzero(seg == k).reshape(-1)  # [R_k] consecutive columns of response k
             out[:, g, cols] = pos[:, p: p + cols.numel()]
     return out
+
+
+def _grouped_row_per_response(adapter: FamilyAdapter, out: torch.Tensor, g: int, ids: torch.Tensor,
+                              types: torch.Tensor, seg: torch.Tensor, p: int, vision: dict[str, torch.Tensor],
+                              extra: dict[str, torch.Tensor]) -> None:
+    """Positions of row ``g`` when its responses carry images: each response's own sequence (the prompt, then the
+    response, with the prompt's images followed by the response's) goes through the rule once, exactly as the
+    padded and packed layouts place it. The row's image grids are the prompt's, then each response's in column
+    order (:mod:`mmrlhf.experience.grouped`)."""
+    grid = vision.get("image_grid_thw")
+    tokens = adapter.tokens_per_grid(grid).tolist() if grid is not None else []
+
+    def take(start: int, pads: int) -> int:  # how many whole images from ``start`` hold ``pads`` pad tokens
+        k, seen = 0, 0
+        while seen < pads:
+            if start + k >= len(tokens):
+                raise ValueError(f"grouped row {g}: {pads} image pad tokens but too few image grids")
+            seen += int(tokens[start + k])
+            k += 1
+        if seen != pads:
+            raise ValueError(f"grouped row {g}: {pads} image pad tokens do not match whole image grids")
+        return k
+
+    prompt_images = take(0, int((types[:p] == 1).sum()))
+    cursor = prompt_images
+    for k in range(1, int(seg.max()) + 1):
+        cols = torch.nonzero(seg == k).reshape(-1)  # [R_k] consecutive columns of response k
+        own = take(cursor, int((types[cols] == 1).sum()))
+        grids = None
+        if grid is not None and prompt_images + own:
+            grids = torch.cat([grid[:prompt_images], grid[cursor: cursor + own]], dim=0)  # [images of the sample, 3]
+        cursor += own
+        try:
+            pos = adapter.rope_index(torch.cat([ids[:p], ids[cols]])[None], torch.cat([types[:p], types[cols]])[None],
+                                     image_grid_thw=grids, video_grid_thw=vision.get("video_grid_thw"),
+                                     attention_mask=None, **extra)[:, 0]  # [3, p + R_k]
+        except ValueError as exc:
+            raise ValueError(f"grouped row {g}, response {k}: {exc}") from exc
+        out[:, g, :p] = pos[:, :p]
+        out[:, g, cols] = pos[:, p:]

@@ -75,6 +75,8 @@ def build_kwargs(fn: Callable[..., Any], batch: RewardBatch, options: Mapping[st
     columns: dict[str, Any] = dict(batch.extra)
     if batch.images is not None:
         columns.setdefault("images", batch.images)
+    if batch.trajectories is not None:  # multi-turn rollouts; a function without the keyword is not given them
+        columns.setdefault("trajectories", batch.trajectories)
     clash = sorted(set(columns) & set(options))
     if clash:
         raise RewardError(f"reward function {name!r}: option(s) {clash} have the same name as data column(s)")

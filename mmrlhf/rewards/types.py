@@ -49,6 +49,10 @@ class RewardBatch:
     """B lists of raw (PIL) images, sent to remote servers."""
     index: list[int] | None = None
     """Position of each sample in the original batch (filled with 0..B-1 when omitted); used in error messages."""
+    trajectories: list[Any] | None = None
+    """Multi-turn rollouts: B :class:`mmrlhf.agents.types.Trajectory` objects (turns, tool calls and results, how it
+    ended); ``responses`` are then each trajectory's final assistant message. Functions that declare a
+    ``trajectories`` keyword receive them; others are called as for single-turn samples."""
 
     def __post_init__(self) -> None:
         n = len(self.responses)
@@ -61,6 +65,7 @@ class RewardBatch:
             "vision": self.vision,
             "images": self.images,
             "index": self.index,
+            "trajectories": self.trajectories,
         }
         columns.update({f"extra[{k!r}]": v for k, v in self.extra.items()})
         for name, column in columns.items():
@@ -108,6 +113,7 @@ class RewardBatch:
             vision=None if self.vision is None else [self.vision[r] for r in rows],
             images=None if self.images is None else [self.images[r] for r in rows],
             index=[self.index[r] for r in rows],
+            trajectories=None if self.trajectories is None else [self.trajectories[r] for r in rows],
         )
 
 

@@ -22,14 +22,15 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
 
 def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", hf_model: Any = None,
                  tokenizer: Any = None, trust_remote_code: bool = False, lora_rank: int = 0,
-                 hf_compute_dtype: Any = None) -> RolloutEngine:
+                 hf_compute_dtype: Any = None, images_per_prompt: int | None = None) -> RolloutEngine:
     """Build the configured engine. The transformers engine needs the (actor) model and tokenizer.
 
     The vLLM engine's precision is ``cfg.dtype`` (never the trainer's ``model.dtype``: an fp32 trainer must not
     make the engine fp32 on a GPU). The transformers engine shares the actor's module and so its precision:
     ``hf_compute_dtype`` (the actor's autocast dtype, with float32 master parameters) or else the parameters' dtype;
     a ``cfg.dtype`` that says otherwise is an error rather than silently ignored. ``lora_rank`` > 0 builds the vLLM
-    engine with its LoRA support on (``model.lora.sync=vllm_lora``).
+    engine with its LoRA support on (``model.lora.sync=vllm_lora``). ``images_per_prompt``: the most images one
+    request may carry (multi-turn trajectories: ``agent.max_images``), raising ``limit_images_per_prompt``.
     """
     adapter = get_adapter(model_path, family)
     if cfg.engine == "vllm":
@@ -38,6 +39,8 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
 
         limits = {k: v for k, v in (("image", cfg.limit_images_per_prompt), ("video", cfg.limit_videos_per_prompt))
                   if v is not None}
+        if images_per_prompt is not None:  # multi-turn: the prompt's images and every tool image of a trajectory
+            limits["image"] = max(limits.get("image", 0), int(images_per_prompt))
         return VLLMEngine(
             model_path, adapter, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
             limit_mm_per_prompt=limits or None, trust_remote_code=trust_remote_code,

@@ -11,7 +11,13 @@ Variants (keywords of ``tiny_model_dir`` / ``build_tiny_model``):
   Qwen2.5-VL-3B do; the checkpoint then stores no ``lm_head.weight`` and ``named_parameters()`` does not list it;
 - ``released_generation_config=True``: ``generation_config.json`` carries the sampling defaults released
   Qwen2.5-VL Instruct checkpoints ship (:data:`RELEASED_GENERATION_DEFAULTS`), which a rollout engine must not
-  apply (the trainer never scores them).
+  apply (the trainer never scores them);
+- ``tools=True``: a tool-calling tokenizer and template (agent tests and the zoom toy task): Qwen's hermes tags
+  ``<tool_call>`` / ``</tool_call>`` / ``<tool_response>`` / ``</tool_response>`` as added (non-special) tokens, as
+  in the released Qwen tokenizers, the toy task's calls (:data:`TOY_CALLS`) as single added tokens (so a tiny
+  random policy can find a call at all: a call is then three tokens, tag, call, tag), and :data:`TOOLS_TEMPLATE`,
+  which renders ``tools=`` into a short system turn and tool turns (images included) in the hermes form that
+  :mod:`mmrlhf.agents.template` writes incrementally.
 
 Why these settings:
 - text ``head_dim`` is 64: vLLM's CPU attention rejects small head sizes (16 fails, 64 works);
@@ -49,6 +55,13 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
+# The tool variant (``tools=True``): Qwen's tool-call tags and the zoom toy task's calls, each one added token.
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOY_CALLS = [
+    '{"name": "image_zoom", "arguments": {"bbox_2d": [0, 0, 500, 500]}}',
+    '{"name": "image_zoom", "arguments": {"bbox_2d": [500, 500, 1000, 1000]}}',
+]
+
 # Words that should be single tokens (toy tasks answer with them).
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "cyan", "pink", "brown", "gray"]
 _WORDS = (
@@ -82,6 +95,40 @@ CHAT_TEMPLATE = (
     "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# The tool variant's template: the plain one, plus ``tools=`` rendered as a short system turn (names only: tiny
+# contexts), assistant ``tool_calls`` as hermes tags, and ``tool`` messages grouped into one user turn of
+# <tool_response> blocks, images first, as mmrlhf.agents.template renders observations. A newline right after a
+# block tag is written as {{ '\\n' }}: HF renders templates with trim_blocks, which would eat a literal one.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '\\n' }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -125,14 +172,14 @@ def cache_root() -> Path:
 
 
 def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *, tied: bool = False,
-                   released_generation_config: bool = False) -> Path:
+                   released_generation_config: bool = False, tools: bool = False) -> Path:
     """Path of a built tiny model (built on first use, then reused from the cache); variants: module docstring.
 
     Safe under concurrent callers: each builds in a private temporary folder and renames it into place; the loser
     of a race discards its copy.
     """
     _check(family, size)
-    variant = ("-tied" if tied else "") + ("-relgen" if released_generation_config else "")
+    variant = ("-tied" if tied else "") + ("-relgen" if released_generation_config else "") + ("-tools" if tools else "")
     target = cache_root() / f"{family}-{size}-seed{seed}{variant}-{_factory_hash()}"
     if (target / "config.json").is_file():
         return target
@@ -140,7 +187,7 @@ def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int =
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build_tiny_model(tmp, family=family, size=size, seed=seed, tied=tied,
-                         released_generation_config=released_generation_config)
+                         released_generation_config=released_generation_config, tools=tools)
         try:
             tmp.rename(target)
         except OSError:
@@ -160,7 +207,7 @@ def _check(family: str, size: str) -> None:
 
 
 def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *,
-                     tied: bool = False, released_generation_config: bool = False) -> Path:
+                     tied: bool = False, released_generation_config: bool = False, tools: bool = False) -> Path:
     """Build a model directory at ``out_dir`` (created if needed). Same arguments -> identical files."""
     import torch
 
@@ -168,8 +215,8 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = _DIMS[size]
-    tokenizer = _build_tokenizer(dims.vocab)
-    processor = _build_processor(family, tokenizer)
+    tokenizer = _build_tokenizer(dims.vocab, tools=tools)
+    processor = _build_processor(family, tokenizer, TOOLS_TEMPLATE if tools else CHAT_TEMPLATE)
     config = _build_config(family, dims, tokenizer, tied=tied)
 
     model_cls = _model_class(family)
@@ -182,7 +229,7 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     processor.save_pretrained(out)
     _write_generation_config(out, tokenizer, RELEASED_GENERATION_DEFAULTS if released_generation_config else {})
     meta = {"family": family, "size": size, "seed": seed, "tied": tied,
-            "released_generation_config": released_generation_config, "factory": _factory_hash()}
+            "released_generation_config": released_generation_config, "tools": tools, "factory": _factory_hash()}
     (out / "mmrlhf_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
@@ -197,7 +244,7 @@ def _model_class(family: str):
     }[family]
 
 
-def _build_tokenizer(vocab_size: int):
+def _build_tokenizer(vocab_size: int, *, tools: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -223,11 +270,16 @@ def _build_tokenizer(vocab_size: int):
         bos_token=None,
         unk_token=None,
         model_max_length=32768,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_TEMPLATE if tools else CHAT_TEMPLATE,
         padding_side="left",
         extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
     )
+    if tools:
+        # Non-special, as in the released Qwen tokenizers: decoding with skip_special_tokens keeps them, so a turn's
+        # text still shows its calls. Added after training, so the BPE merges (and every other token) are the plain
+        # variant's.
+        fast.add_tokens(TOOL_TAGS + TOY_CALLS, special_tokens=False)
     return fast
 
 
@@ -235,7 +287,7 @@ def _patch_size(family: str) -> int:
     return 16 if family == "qwen3_vl" else 14
 
 
-def _build_processor(family: str, tokenizer):
+def _build_processor(family: str, tokenizer, chat_template: str = CHAT_TEMPLATE):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -259,7 +311,7 @@ def _build_processor(family: str, tokenizer):
         )
     cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
-               chat_template=CHAT_TEMPLATE)
+               chat_template=chat_template)
 
 
 def _token_ids(tokenizer) -> dict[str, int]:

@@ -393,4 +393,4 @@ def _compact(item: Any) -> Any:
         return {k: v.clone() for k, v in d.items()}
 
     return replace(item, vision=own(item.vision), vision_extra=own(item.vision_extra), token=own(item.token),
-                   info=own(item.info))
+                   info=own(item.info), policy_mask=None if item.policy_mask is None else item.policy_mask.clone())

@@ -32,17 +32,17 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device
-    from mmrlhf.experience.builder import build_policy
+    from mmrlhf.experience.builder import build_policy, policy_sampling
     from mmrlhf.rollout.base import forbidden_token_ids
-    from mmrlhf.rollout.builder import sampling_settings
     from mmrlhf.trainer.builder import Rollouts
 
     m, t, d = config.model, config.trainer, config.distributed
     # with LoRA the adapters train here, and only they travel to the rollout actors (kind "lora")
     actor, _ = build_policy(config, policy_path, device=resolve_device(t.device), before_adapters=freeze)
-    # Score the distribution the engine samples from (a rollout actor's maker does the same to its actor copy).
-    actor.excluded_token_ids = forbidden_token_ids(actor.adapter, sampling_settings(config.rollout))
     processor = AutoProcessor.from_pretrained(m.pretrain, trust_remote_code=m.trust_remote_code)
+    # Score the distribution the engine samples from (a rollout actor's maker does the same to its actor copy).
+    actor.excluded_token_ids = forbidden_token_ids(actor.adapter, policy_sampling(config, processor.tokenizer,
+                                                                                  actor.model))
     settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
                            on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
                            bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,

@@ -1,0 +1,456 @@
+"""The turn loop: multi-turn, tool-using generation over a rollout engine, token in, token out.
+
+All live trajectories of a step go to the engine together at each turn (their ids so far plus every image so far);
+the first turn asks for ``n`` completions per prompt (a group shares its first prompt), later turns one per
+trajectory. Between turns the policy's calls are parsed strictly, run concurrently under a deadline
+(:class:`~mmrlhf.agents.runner.ToolRunner`), and their results appended as observation tokens
+(:class:`~mmrlhf.agents.template.ObservationRenderer`), each returned image encoded once by the processor (pixel
+values and ``grid_thw`` kept with the trajectory, never re-processed).
+
+Invariants (each checked or built in):
+
+- the engine's ids are the truth: a turn's tokens are appended as sampled and never decoded and re-encoded; each
+  request's ids are the previous request's ids plus the turn plus the observation (append-only);
+- policy tokens (mask 1) carry the engine's log-probs; observation tokens (mask 0) are attended to, never trained;
+- an observation is committed only if it fits the context budget with room for one more token, so ids and pixels
+  never disagree and no image is ever cut;
+- every failure (malformed call, unknown tool, bad arguments, a tool that raises or hangs, an oversize image, a
+  budget) is an observation the model can learn from or a marked ending, counted in :meth:`AgentResult.metrics`;
+  nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from mmrlhf.agents.calls import parse_turn
+from mmrlhf.agents.runner import ToolRunner
+from mmrlhf.agents.template import ObservationRenderer
+from mmrlhf.agents.types import ERROR_KINDS, ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
+from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EncodedImage:
+    """One image as the model sees it: the resized PIL image (what the engine receives), its processor tensors
+    (``pixel_values`` [rows, D], ``image_grid_thw`` [1, 3]) and its token count."""
+
+    image: Any
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    tokens: int
+
+
+ImageEncoder = Callable[[list[Any]], list[EncodedImage]]
+"""Encodes tool-returned images (resize under the data's pixel bounds, then the processor), one result per image;
+raises ``ValueError`` naming the image on one it cannot encode."""
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """The budgets of one trajectory (from :class:`~mmrlhf.config.agent.AgentConfig`)."""
+
+    max_turns: int = 4
+    max_tool_calls: int = 8
+    max_context_tokens: int = 4096
+    max_new_tokens_per_turn: int = 1024
+    max_images: int = 8
+    stop_at_tool_call: bool = True
+
+
+@dataclass
+class AgentSample:
+    """One finished trajectory in the row form the experience maker trains on."""
+
+    sample_index: int  # index into the processor's batch
+    group: int  # the prompt (request) it was sampled from
+    prompt_ids: list[int]  # the first prompt, shared by the group
+    response_ids: list[int]  # every token after the prompt: turns and observations
+    policy_mask: list[int]  # per response token: 1 policy, 0 observation
+    engine_logprobs: list[float] | None  # per response token (0.0 on observation tokens)
+    finished: bool  # ended by an answer or the environment (False: a budget ended it)
+    vision: dict[str, torch.Tensor]  # the prompt's processor tensors with every tool image appended, in order
+    images: list[Any]  # the prompt's images then the tool images (as the model saw them)
+    trajectory: Trajectory
+
+
+@dataclass
+class AgentResult:
+    samples: list[AgentSample]  # in sample order
+    skipped: dict[int, str]  # request index -> reason (the first turn's prompt did not fit)
+    generated_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Live:
+    """A trajectory under construction."""
+
+    sample_index: int
+    group: int
+    prompt_ids: list[int]
+    vision: dict[str, torch.Tensor]
+    images: list[Any]
+    context: ToolContext
+    env: Any = None
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
+    tool_pixels: list[torch.Tensor] = field(default_factory=list)
+    tool_grids: list[torch.Tensor] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
+    calls: int = 0
+    ended: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    last_text: str = ""
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.response
+
+    @property
+    def num_turns(self) -> int:
+        return sum(r.role == "assistant" for r in self.turns)
+
+
+class AgentLoop:
+    """Runs the turns of one step's trajectories.
+
+    Args:
+        engine: a :class:`~mmrlhf.rollout.base.RolloutEngine`.
+        tokenizer: the policy's tokenizer (decoding turns for parsing and rewards; never re-encoding them).
+        adapter: the family's :class:`~mmrlhf.models.adapters.FamilyAdapter`.
+        encode_images: the :data:`ImageEncoder` (the data processor's).
+        limits: :class:`AgentLimits`.
+        eos_ids: ids that end a turn (the tokenizer's and the model's EOS ids).
+        tools: name -> :class:`~mmrlhf.agents.tools.Tool` (tool mode), or
+        environment: a factory of one environment per trajectory (environment mode).
+        runner: the :class:`~mmrlhf.agents.runner.ToolRunner` (deadlines, concurrency, image size limit).
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, adapter: Any, encode_images: ImageEncoder, limits: AgentLimits,
+                 eos_ids: Sequence[int], runner: ToolRunner, *, tools: dict[str, Any] | None = None,
+                 environment: Callable[[], Any] | None = None) -> None:
+        if (tools is None) == (environment is None):
+            raise ValueError("an agent loop needs either tools or an environment")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.adapter = adapter
+        self.encode_images = encode_images
+        self.limits = limits
+        self.runner = runner
+        self.tools = tools
+        self.environment = environment
+        self.renderer = ObservationRenderer(tokenizer, adapter)
+        call_close = tokenizer.convert_tokens_to_ids("</tool_call>")
+        unk = getattr(tokenizer, "unk_token_id", None)
+        self.call_close_id = None if call_close is None or call_close == unk else int(call_close)
+        if tools is not None and limits.stop_at_tool_call and self.call_close_id is None:
+            raise ValueError("agent.stop_at_tool_call: the tokenizer has no '</tool_call>' token; set it to false")
+        self.stop_ids = set(map(int, eos_ids))
+        if tools is not None and limits.stop_at_tool_call:
+            self.stop_ids.add(self.call_close_id)
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def run(self, batch: Any, n: int, sampling: SamplingSettings, contexts: Sequence[ToolContext]) -> AgentResult:
+        """Trajectories of every sample of ``batch`` (a processed, n-expanded batch: sample ``k`` belongs to prompt
+        ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``)."""
+        t0 = time.perf_counter()
+        seconds = {"generate": 0.0, "tools": 0.0}
+        stats = _Stats()
+        live = [self._start(batch, k, n, contexts[k // n]) for k in range(len(batch))]
+        skipped: dict[int, str] = {}
+        if self.environment is not None:
+            self._reset_environments(live, stats, seconds)
+        first_shared = all(not t.response for t in live)
+        turn = 0
+        while True:
+            active = [t for t in live if t.ended is None]
+            if not active:
+                break
+            t_gen = time.perf_counter()
+            if turn == 0 and first_shared:
+                skipped = self._first_turn(active, n, sampling, stats)
+            else:
+                self._next_turn(active, sampling, turn, stats)
+            seconds["generate"] += time.perf_counter() - t_gen
+            turn += 1
+            t_obs = time.perf_counter()
+            self._observe([t for t in active if t.ended is None], stats)
+            seconds["tools"] += time.perf_counter() - t_obs
+        samples = [self._finish(t) for t in live if t.group not in skipped]
+        for t in live:
+            if t.env is not None and hasattr(t.env, "close"):
+                t.env.close()
+        seconds["agent_other"] = max(0.0, time.perf_counter() - t0 - seconds["generate"] - seconds["tools"])
+        return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
+
+    def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> _Live:
+        ctx = dataclasses.replace(context, images=list(context.images), videos=list(context.videos),
+                                  model_image_sizes=list(context.model_image_sizes), state={}, trajectory_index=k)
+        return _Live(sample_index=k, group=k // n, prompt_ids=list(batch.all_prompt_token_ids[k]),
+                     vision=dict(batch.all_vision_inputs[k]), images=list(batch.all_images[k]), context=ctx,
+                     env=self.environment() if self.environment is not None else None)
+
+    def _request(self, t: _Live) -> GenerationRequest:
+        ids = t.ids
+        return GenerationRequest(
+            prompt="", prompt_token_ids=ids, images=list(t.images), vision_inputs=self._vision(t),
+            mm_token_type_ids=list(self.adapter.mm_token_type_ids(ids)),
+            request_id=str(t.context.record.get("id", t.sample_index)))
+
+    def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: "_Stats") -> dict[int, str]:
+        """One request per prompt with ``n`` completions (the group shares its first turn); returns the prompts the
+        engine skipped (request index -> reason)."""
+        heads = active[::n]
+        skipped: dict[int, str] = {}
+        for cap, members in self._buckets(range(len(heads)), [heads[i] for i in range(len(heads))]):
+            settings = self._settings(sampling, n=n, room=cap)
+            settings = dataclasses.replace(settings, seed=None if sampling.seed is None
+                                           else mix_seed(sampling.seed, 0, cap))
+            result = self.engine.generate([self._request(heads[i]) for i in members], settings)
+            for out in result.outputs:
+                head = members[out.request_index]
+                for j, completion in enumerate(out.completions):
+                    self._append_turn(active[head * n + j], completion, stats)
+            for i, reason in result.skipped.items():
+                head = members[i]
+                skipped[head] = reason
+                for t in active[head * n: (head + 1) * n]:
+                    t.ended = "skipped"
+        return skipped
+
+    def _next_turn(self, active: list[_Live], sampling: SamplingSettings, turn: int, stats: "_Stats") -> None:
+        """One request per live trajectory; each may generate what is left of its context (capped per turn)."""
+        ready = []
+        for t in active:
+            if self.limits.max_context_tokens - len(t.ids) < 1:
+                t.ended = "context"
+            else:
+                ready.append(t)
+        for cap, members in self._buckets(range(len(ready)), ready):
+            settings = dataclasses.replace(self._settings(sampling, n=1, room=cap), seed=None if sampling.seed is None
+                                           else mix_seed(sampling.seed, turn, cap))
+            group = [ready[i] for i in members]
+            result = self.engine.generate([self._request(t) for t in group], settings)
+            for out in result.outputs:
+                self._append_turn(group[out.request_index], out.completions[0], stats)
+            for i, reason in result.skipped.items():
+                group[i].ended = "context"
+                logger.warning("trajectory %s ended: %s", group[i].sample_index, reason)
+
+    def _buckets(self, indices: Sequence[int], trajectories: Sequence[_Live]) -> list[tuple[int, list[int]]]:
+        """Requests grouped by their new-token cap (the engine takes one setting per call): the per-turn cap where
+        the context leaves room for it, else the largest power of two that fits (few calls, never past the
+        budget)."""
+        cap = self.limits.max_new_tokens_per_turn
+        buckets: dict[int, list[int]] = {}
+        for i, t in zip(indices, trajectories):
+            room = max(1, self.limits.max_context_tokens - len(t.ids))
+            key = cap if room >= cap else 1 << (room.bit_length() - 1)
+            buckets.setdefault(key, []).append(i)
+        return sorted(buckets.items(), reverse=True)
+
+    def _settings(self, sampling: SamplingSettings, *, n: int, room: int) -> SamplingSettings:
+        stops = tuple(sorted(set(sampling.stop_token_ids) | ({self.call_close_id} if self.tools is not None and
+                                                             self.limits.stop_at_tool_call else set())))
+        return dataclasses.replace(sampling, n=n, max_new_tokens=max(1, room), stop_token_ids=stops,
+                                   min_new_tokens=min(sampling.min_new_tokens, max(1, room)))
+
+    def _append_turn(self, t: _Live, completion: Any, stats: "_Stats") -> None:
+        tokens = list(completion.token_ids)
+        cut = next((j + 1 for j, tok in enumerate(tokens) if tok in self.stop_ids), None)
+        tokens = tokens[:cut] if cut is not None else tokens
+        t.response.extend(tokens)
+        t.mask.extend([1] * len(tokens))
+        if t.logprobs is not None and completion.logprobs is not None:
+            t.logprobs.extend(float(x) for x in completion.logprobs[: len(tokens)])
+        else:
+            t.logprobs = None
+        stats.generated += len(tokens)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        t.turns.append(TurnRecord(role="assistant", text=text))
+        t.last_text = text
+        if cut is None:
+            t.ended = "length"
+
+    # ---- observations ------------------------------------------------------------------------------------------
+    def _observe(self, active: list[_Live], stats: "_Stats") -> None:
+        """Parse every live trajectory's last turn, run all calls of the step together, append observations."""
+        if self.environment is not None:
+            self._observe_environment(active, stats)
+            return
+        plans: list[tuple[_Live, list[Any]]] = []
+        jobs: list[tuple[ToolCall, ToolContext]] = []
+        for t in active:
+            parsed = parse_turn(t.last_text, self.tools, remaining_calls=self.limits.max_tool_calls - t.calls)
+            t.turns[-1].calls = list(parsed.calls)
+            if parsed.is_final:
+                t.ended = "answer"
+                continue
+            if t.num_turns >= self.limits.max_turns:
+                t.ended = "max_turns"
+                continue
+            items = []
+            for kind, item in _ordered(parsed):
+                if kind == "call":
+                    items.append(("job", len(jobs)))
+                    jobs.append((item, t.context))
+                    t.calls += 1
+                else:
+                    items.append(("result", item))
+            plans.append((t, items))
+        ran = self.runner.run(jobs) if jobs else []
+        for t, items in plans:
+            results, latency = [], 0.0
+            for kind, value in items:
+                if kind == "job":
+                    result, sec = ran[value]
+                    stats.latency.append(sec)
+                    stats.calls_by_tool[jobs[value][0].name] = stats.calls_by_tool.get(jobs[value][0].name, 0) + 1
+                    latency = max(latency, sec)
+                    results.append(result)
+                else:
+                    results.append(value)
+            self._commit(t, results, latency, stats, environment=False)
+
+    def _observe_environment(self, active: list[_Live], stats: "_Stats") -> None:
+        ready = []
+        for t in active:
+            if t.num_turns >= self.limits.max_turns:
+                t.ended = "max_turns"
+            else:
+                ready.append(t)
+        steps = self.runner.run_environment_steps([t.env for t in ready], [t.last_text for t in ready])
+        for t, (step, sec) in zip(ready, steps):
+            stats.latency.append(sec)
+            t.info.update(step.info or {})
+            if step.done:
+                t.ended = "done"
+                continue
+            self._commit(t, [step.observation], sec, stats, environment=True)
+
+    def _reset_environments(self, live: list[_Live], stats: "_Stats", seconds: dict[str, float]) -> None:
+        """Each environment's first observation, if it gives one, comes before the first turn (which is then
+        generated per trajectory)."""
+        for t in live:
+            first = t.env.reset(dict(t.context.record))
+            if first is not None:
+                self._commit(t, [first], 0.0, stats, environment=True, opening=True)
+
+    def _commit(self, t: _Live, results: list[ToolResult], latency: float, stats: "_Stats", *, environment: bool,
+                opening: bool = False) -> None:
+        """Encode the results' images (capped), build the observation's tokens, append it if it fits."""
+        results = self._cap_images(t, results)
+        try:
+            encoded = [self.encode_images(list(r.images)) if r.images else [] for r in results]
+        except ValueError as exc:  # an image the processor cannot take: answered as an error, never a crash
+            logger.warning("trajectory %s: a tool image could not be encoded: %s", t.sample_index, exc)
+            results = [ToolResult(text=f"Error: the returned image could not be used: {exc}", error="tool_raised")
+                       if r.images else r for r in results]
+            encoded = [[] for _ in results]
+        close = not opening and not (t.response and self.renderer.ends_turn(t.response[-1]))
+        counts = [e.tokens for enc in encoded for e in enc]
+        obs = self.renderer.tokens(results, counts, close_turn=close, environment=environment)
+        if len(t.ids) + len(obs) + 1 > self.limits.max_context_tokens:
+            t.ended = "context"  # not committed: ids and pixels stay in agreement
+            return
+        t.response.extend(obs)
+        t.mask.extend([0] * len(obs))
+        if t.logprobs is not None:
+            t.logprobs.extend([0.0] * len(obs))
+        stats.observation_tokens += len(obs)
+        for enc in encoded:
+            for e in enc:
+                t.images.append(e.image)
+                t.tool_pixels.append(e.pixel_values)
+                t.tool_grids.append(e.grid_thw)
+                t.context.images.append(e.image)
+                grid = e.grid_thw.reshape(-1)
+                patch = self.adapter.patch_size
+                t.context.model_image_sizes.append((int(grid[2]) * patch, int(grid[1]) * patch))
+        errors = [r.error for r in results if r.error is not None]
+        for e in errors:
+            stats.errors[e] = stats.errors.get(e, 0) + 1
+        t.turns.append(TurnRecord(role="tool", text="\n".join(r.text for r in results if r.text),
+                                  images=[im for enc in encoded for im in (e.image for e in enc)], errors=errors,
+                                  latency_s=latency))
+
+    def _cap_images(self, t: _Live, results: list[ToolResult]) -> list[ToolResult]:
+        """Results whose images would take the trajectory past ``max_images`` become ``too_many_images`` errors."""
+        have, out = len(t.images), []
+        for r in results:
+            if r.images and have + len(r.images) > self.limits.max_images:
+                out.append(ToolResult(text=f"Error: this trajectory may hold at most {self.limits.max_images} "
+                                           "images; the result's images were not added.", error="too_many_images"))
+                continue
+            have += len(r.images)
+            out.append(r)
+        return out
+
+    # ---- results -----------------------------------------------------------------------------------------------
+    def _vision(self, t: _Live) -> dict[str, torch.Tensor]:
+        """The prompt's vision tensors with the tool images appended (image order = pad order in the ids)."""
+        if not t.tool_pixels:
+            return dict(t.vision)
+        out = dict(t.vision)
+        parts = ([t.vision["pixel_values"]] if "pixel_values" in t.vision else []) + t.tool_pixels
+        grids = ([t.vision["image_grid_thw"]] if "image_grid_thw" in t.vision else []) + t.tool_grids
+        out["pixel_values"] = torch.cat(parts, dim=0)  # [rows of every image, D]
+        out["image_grid_thw"] = torch.cat([g.reshape(-1, 3) for g in grids], dim=0)  # [images, 3]
+        return out
+
+    def _finish(self, t: _Live) -> AgentSample:
+        ended = t.ended or "answer"
+        trajectory = Trajectory(turns=t.turns, final_answer=t.last_text, ended=ended, info=t.info)
+        return AgentSample(
+            sample_index=t.sample_index, group=t.group, prompt_ids=t.prompt_ids, response_ids=t.response,
+            policy_mask=t.mask, engine_logprobs=t.logprobs, finished=ended in ("answer", "done"),
+            vision=self._vision(t), images=t.images, trajectory=trajectory)
+
+
+def _ordered(parsed: Any) -> list[tuple[str, Any]]:
+    """The parsed turn's calls and errors in the order they appear in the text."""
+    return parsed.ordered()
+
+
+@dataclass
+class _Stats:
+    generated: int = 0
+    observation_tokens: int = 0
+    latency: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    calls_by_tool: dict[str, int] = field(default_factory=dict)
+
+    def metrics(self, samples: list[AgentSample]) -> dict[str, float]:
+        """Per-step agent metrics (docs/agents.md lists them): means per trajectory and counts."""
+        n = max(len(samples), 1)
+        trajs = [s.trajectory for s in samples]
+        policy = sum(sum(s.policy_mask) for s in samples)
+        out = {
+            "agent/turns/mean": sum(t.num_turns for t in trajs) / n,
+            "agent/tool_calls/mean": sum(t.num_tool_calls for t in trajs) / n,
+            "agent/tool_use_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
+            "agent/errors/mean": sum(len(t.errors) for t in trajs) / n,
+            "agent/out_of_budget_rate": sum(t.out_of_budget for t in trajs) / n,
+            "agent/policy_tokens/mean": policy / n,
+            "agent/observation_tokens/mean": sum(len(s.policy_mask) - sum(s.policy_mask) for s in samples) / n,
+            "agent/tool_latency/mean": sum(self.latency) / len(self.latency) if self.latency else 0.0,
+            "agent/tool_latency/max": max(self.latency, default=0.0),
+        }
+        for kind in ERROR_KINDS:
+            out[f"agent/errors/{kind}/count"] = float(self.errors.get(kind, 0))
+        for name, count in self.calls_by_tool.items():
+            out[f"agent/calls/{name}/count"] = float(count)
+        for ending in ("answer", "done", "max_turns", "context", "length"):
+            out[f"agent/ended/{ending}/count"] = float(sum(t.ended == ending for t in trajs))
+        return out

@@ -1,0 +1,73 @@
+"""Multi-turn rollouts in the experience maker's row form: the tool contexts a step's trajectories start from, and
+:class:`~mmrlhf.experience.rollout.Rollout` rows built from the turn loop's trajectories.
+
+A trajectory is one row: its FIRST prompt (shared by its group, so the shared-prompt layout still encodes it once)
+and everything after it as the response, with a policy mask (1 policy token, 0 observation token), the engine's
+log-probs on policy tokens, and the vision tensors of the prompt's images followed by every tool image in order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mmrlhf.agents.rollout import AgentResult, EncodedImage
+from mmrlhf.agents.types import ToolContext
+from mmrlhf.experience.rollout import Rollout
+
+
+def tool_contexts(batch: Any, n: int, data_processor: Any, adapter: Any, *, prompts: Sequence[Any],
+                  images: Sequence[Any] | None, videos: Sequence[Any] | None, references: Sequence[Any] | None,
+                  labels: Sequence[Any] | None, record_ids: Sequence[Any] | None,
+                  base_dirs: Sequence[str | None] | None) -> list[ToolContext]:
+    """One :class:`ToolContext` per kept prompt of ``batch``: its record, its ORIGINAL images at full resolution
+    (a zoom tool crops these), the sizes the model saw them at (from their ``grid_thw``) and the family's box
+    space."""
+    contexts = []
+    patch = adapter.patch_size
+    for k in range(0, len(batch), n):
+        i = batch.all_prompt_indices[k]
+        raw = list(images[i]) if images is not None and images[i] is not None else []
+        base = base_dirs[i] if base_dirs is not None else None
+        originals = data_processor.original_images(raw, base) if raw else []
+        grid = batch.all_vision_inputs[k].get("image_grid_thw")
+        sizes = [] if grid is None else [(int(g[2]) * patch, int(g[1]) * patch) for g in grid.reshape(-1, 3)]
+        record = {"prompt": prompts[i], "reference": references[i] if references is not None else None,
+                  "label": labels[i] if labels is not None else None,
+                  "id": record_ids[i] if record_ids is not None else None}
+        contexts.append(ToolContext(record=record, images=originals,
+                                    videos=list(videos[i]) if videos is not None and videos[i] else [],
+                                    model_image_sizes=sizes, box_space=adapter.box_space))
+    return contexts
+
+
+def encoder_of(data_processor: Any):
+    """The turn loop's image encoder over the data processor (:meth:`process_images`)."""
+    def encode(images: list[Any]) -> list[EncodedImage]:
+        return [EncodedImage(e["image"], e["pixel_values"], e["image_grid_thw"], e["tokens"])
+                for e in data_processor.process_images(images)]
+
+    return encode
+
+
+def rows_from_trajectories(batch: Any, result: AgentResult) -> Rollout:
+    """The trajectories as rows (sample order), with the batch's per-sample text, labels and references."""
+    cols: dict[str, list] = {name: [] for name in (
+        "sample_index", "group", "prompt_ids", "response_ids", "engine_logprobs", "finished", "vision", "prompts",
+        "labels", "references", "images", "record_ids", "policy_masks", "trajectories")}
+    for s in result.samples:
+        k = s.sample_index
+        cols["sample_index"].append(k)
+        cols["group"].append(s.group)
+        cols["prompt_ids"].append(list(s.prompt_ids))
+        cols["response_ids"].append(list(s.response_ids))
+        cols["engine_logprobs"].append(s.engine_logprobs)
+        cols["finished"].append(s.finished)
+        cols["vision"].append(s.vision)
+        cols["prompts"].append(batch.all_prompts[k])
+        cols["labels"].append(batch.all_labels[k])
+        cols["references"].append(batch.all_references[k])
+        cols["images"].append(list(s.images))
+        cols["record_ids"].append(batch.all_record_ids[k])
+        cols["policy_masks"].append(list(s.policy_mask))
+        cols["trajectories"].append(s.trajectory)
+    return Rollout(**cols)
