@@ -117,11 +117,11 @@ def deepeyes(folder: Path, n: int = 6) -> tuple[Path, list[dict]]:
     """``train.parquet`` in the row layout of DeepEyes-Datasets-47k (verl's): ``prompt`` (a system message with the
     tool schema written out, then ``<image>\\n{question}`` plus, in the tool rows, DeepEyes' format instruction),
     ``images`` (list of ``{bytes, path}``), ``reward_model`` (``{ground_truth, style}``), ``data_source``
-    (``vstar`` / ``chart`` / ``thinklite_eureka``, in turn), ``env_name``, ``ability``, ``extra_info``. The system
+    (``vstar`` / ``thinklite_eureka`` / ``chart``, in turn: any two rows hold both labels), ``env_name``, ``ability``, ``extra_info``. The system
     text is shortened, and the ThinkLite rows' own wording is a stand-in."""
     kinds = [("vstar", "What is the colour of the umbrella?\n(A) red\n(B) blue", "B"),
-             ("chart", "What is the highest value in the bar chart?", "42"),
-             ("thinklite_eureka", "Find the area of the shaded triangle.", "6")]
+             ("thinklite_eureka", "Find the area of the shaded triangle.", "6"),
+             ("chart", "What is the highest value in the bar chart?", "42")]
     rows = []
     for k in range(n):
         source, question, answer = kinds[k % len(kinds)]

@@ -197,7 +197,7 @@ def test_deepeyes_drops_the_tool_prompt_labels_by_source_and_keeps_the_images(tm
     # the question as the user asked it: DeepEyes' system message (its tool schema) and format instruction are gone
     assert [r.prompt for r in records] == [f"<image>\n{row['extra_info']['question']}" for row in rows]
     assert not any("image_zoom_in_tool" in r.prompt or "Think first" in r.prompt for r in records)
-    assert [r.label for r in records] == ["deepeyes", "deepeyes", "math"] * 2
+    assert [r.label for r in records] == ["deepeyes", "math", "deepeyes"] * 2
     assert [r.reference for r in records] == [row["reward_model"]["ground_truth"] for row in rows]
     assert [r.record_id for r in records] == [f"deepeyes-{k}" for k in range(len(rows))]
     for record, row in zip(records, rows):
