@@ -5,7 +5,8 @@ Modules, each with one job:
 - ``types``: ``RewardBatch`` (input), ``RewardResult`` (output), ``SourceScores`` (one source's answer).
 - ``plugins``: the reward-function contract: sync/async calls, output checking.
 - ``runners``: which thread a synchronous function runs on (a bounded pool, or the main thread), off the loop.
-- ``rules`` / ``math_accuracy``: built-in rule rewards (format checks, matching, math-verify accuracy).
+- ``rules`` / ``math_accuracy``: built-in rule rewards (format checks, matching, math-verify accuracy);
+  ``agent``: trajectory-aware rewards of tool-using rollouts (tool bonus gated on correctness, DeepEyes-style).
 - ``functions``: the reward-function registry (the built-ins listed by name) and loading a function by name.
 - ``local_model``: torch reward models (e.g. Qwen-VL backbone + scalar head), moved to the device only to score
   (or kept there, when served); ``text_model``: the same, tokenizing text and images with its own processor.

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from mmrlhf.registry import Registry
+from mmrlhf.rewards.agent import deepeyes_reward, tool_use_bonus
 from mmrlhf.rewards.math_accuracy import math_accuracy
 from mmrlhf.rewards.rules import boxed_format, exact_match, multiple_choice, numeric_match, think_answer_format
 from mmrlhf.rewards.types import RewardError
@@ -28,6 +29,8 @@ def _with_builtins() -> Registry[Callable[..., Any]]:
     registry.add("numeric_match", numeric_match, aliases=("numeric",))
     registry.add("multiple_choice", multiple_choice, aliases=("mcq",))
     registry.add("math_accuracy", math_accuracy, aliases=("math",))
+    registry.add("tool_use_bonus", tool_use_bonus)
+    registry.add("deepeyes_reward", deepeyes_reward, aliases=("deepeyes",))
     return registry
 
 

@@ -105,3 +105,37 @@ def video_qa(folder: Path, n: int = 3) -> tuple[Path, list[dict]]:
     path = folder / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path, rows
+
+
+DEEPEYES_SYSTEM = ("You are a helpful assistant.\n\n# Tools\n<tools>\n{\"type\": \"function\", \"function\": "
+                   "{\"name\": \"image_zoom_in_tool\", \"parameters\": {\"bbox_2d\": \"...\"}}}\n</tools>")
+DEEPEYES_INSTRUCTION = ("\nThink first, call **image_zoom_in_tool** if needed, then answer. Format strictly as:  "
+                        "<think>...</think>  <tool_call>...</tool_call> (if tools needed)  <answer>...</answer> ")
+
+
+def deepeyes(folder: Path, n: int = 6) -> tuple[Path, list[dict]]:
+    """``train.parquet`` in the row layout of DeepEyes-Datasets-47k (verl's): ``prompt`` (a system message with the
+    tool schema written out, then ``<image>\\n{question}`` plus, in the tool rows, DeepEyes' format instruction),
+    ``images`` (list of ``{bytes, path}``), ``reward_model`` (``{ground_truth, style}``), ``data_source``
+    (``vstar`` / ``thinklite_eureka`` / ``chart``, in turn: any two rows hold both labels), ``env_name``, ``ability``, ``extra_info``. The system
+    text is shortened, and the ThinkLite rows' own wording is a stand-in."""
+    kinds = [("vstar", "What is the colour of the umbrella?\n(A) red\n(B) blue", "B"),
+             ("thinklite_eureka", "Find the area of the shaded triangle.", "6"),
+             ("chart", "What is the highest value in the bar chart?", "42")]
+    rows = []
+    for k in range(n):
+        source, question, answer = kinds[k % len(kinds)]
+        tool_row = source != "thinklite_eureka"
+        user = f"<image>\n{question}" + (DEEPEYES_INSTRUCTION if tool_row else "")
+        rows.append({
+            "data_source": source,
+            "prompt": [{"content": DEEPEYES_SYSTEM if tool_row else "You are a helpful assistant.",
+                        "role": "system"}, {"content": user, "role": "user"}],
+            "images": [{"bytes": png_bytes(300 + k, (112, 84)), "path": None}],
+            "ability": "math" if not tool_row else "vl_chart" if source == "chart" else "vqa",
+            "env_name": "visual_toolbox_v2" if tool_row else "",
+            "reward_model": {"ground_truth": answer, "style": "model"},
+            "extra_info": {"answer": answer, "index": k, "question": question, "split": "train"},
+        })
+    folder.mkdir(parents=True, exist_ok=True)
+    return _write_parquet(rows, folder / "train.parquet"), rows

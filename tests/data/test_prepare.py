@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -186,3 +187,51 @@ def test_cli_prints_a_summary_and_reports_errors(tmp_path, capsys):
     assert len(_load(out)) == 1
     assert prepare_main(["multi_image", str(src), "-o", str(tmp_path / "m.jsonl")]) == 2
     assert "error: record 0, field 'images / image_<n>'" in capsys.readouterr().err
+
+
+def test_deepeyes_drops_the_tool_prompt_labels_by_source_and_keeps_the_images(tmp_path):
+    src, rows = published_data.deepeyes(tmp_path / "raw")
+    summary = prepare("deepeyes", [str(src)], str(tmp_path / "out" / "train.jsonl"))
+    assert summary.written == len(rows) and summary.skips.total == 0
+    records = _load(tmp_path / "out" / "train.jsonl")
+    # the question as the user asked it: DeepEyes' system message (its tool schema) and format instruction are gone
+    assert [r.prompt for r in records] == [f"<image>\n{row['extra_info']['question']}" for row in rows]
+    assert not any("image_zoom_in_tool" in r.prompt or "Think first" in r.prompt for r in records)
+    assert [r.label for r in records] == ["deepeyes", "math", "deepeyes"] * 2
+    assert [r.reference for r in records] == [row["reward_model"]["ground_truth"] for row in rows]
+    assert [r.record_id for r in records] == [f"deepeyes-{k}" for k in range(len(rows))]
+    for record, row in zip(records, rows):
+        np.testing.assert_array_equal(_pixels(record.images[0], record.base_dir),
+                                      _raw_pixels(row["images"][0]["bytes"]))
+
+
+def test_deepeyes_reads_content_parts_and_falls_back_to_extra_info_answer(tmp_path):
+    _, rows = published_data.deepeyes(tmp_path / "raw", n=1)
+    row = rows[0]
+    row["prompt"] = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    row["reward_model"] = {"ground_truth": None, "style": "model"}
+    src = _parquet(tmp_path / "parts.parquet", [row])
+    prepare("deepeyes", [src], str(tmp_path / "parts.jsonl"))
+    (record,) = _load(tmp_path / "parts.jsonl")
+    assert (record.prompt, record.reference, record.label) == ("<image>Which colour?", "B", "deepeyes")
+
+
+@pytest.mark.parametrize("change, field, message", [
+    (lambda r: r.update(images=[{"bytes": b"not an image", "path": None}]), "images", "do not decode"),
+    (lambda r: r.update(images=[]), "images", "no image"),
+    (lambda r: r.update(data_source="geoguessr"), "data_source", "unknown data source 'geoguessr'"),
+    (lambda r: r["prompt"][1].update(content="<image>\nZoom with image_zoom_in_tool, then say."), "prompt",
+     "still names DeepEyes' tool"),
+    (lambda r: r.update(reward_model={"ground_truth": "", "style": "model"}, extra_info={"answer": None}),
+     "reward_model.ground_truth", "no reference"),
+])
+def test_deepeyes_bad_rows_raise_naming_the_field_or_are_skipped_and_counted(tmp_path, change, field, message):
+    _, rows = published_data.deepeyes(tmp_path / "raw", n=3)
+    change(rows[1])
+    src = _parquet(tmp_path / "bad.parquet", rows)
+    with pytest.raises(DataError, match=rf"record 1, field '{re.escape(field)}'.*{message}"):
+        prepare("deepeyes", [src], str(tmp_path / "bad.jsonl"))
+    assert not (tmp_path / "bad.jsonl").exists()
+    summary = prepare("deepeyes", [src], str(tmp_path / "kept.jsonl"), on_bad_record="skip")
+    assert summary.written == 2 and summary.skips.counts == {"bad_record": 1}
+    assert [r.record_id for r in _load(tmp_path / "kept.jsonl")] == ["deepeyes-0", "deepeyes-2"]

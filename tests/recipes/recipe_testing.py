@@ -7,6 +7,7 @@ recipe's own preparation command.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -35,6 +36,8 @@ SYNTHETIC = {
     "clevr_count": (published_data.clevr_count, "images"),
     "multi_image": (published_data.multi_image, None),
     "video_qa": (published_data.video_qa, "videos"),
+    # two rows: a V* row and a ThinkLite row, so the one step of 2 prompts holds both labels
+    "deepeyes": (functools.partial(published_data.deepeyes, n=2), None),
 }
 
 
@@ -94,11 +97,23 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     data["trainer"].update(rollout_batch_size=2, train_batch_size=samples, micro_train_batch_size=samples,
                            max_steps=2, warmup_steps=0, eval_steps=0, save_steps=100, report_steps=0,
                            output_dir=str(out), progress_bar=False, tensorboard=False, seed=3)
+    if data.get("agent"):  # the trajectory budgets follow the shrunk engine: whole-trajectory context, per-turn cap
+        data["agent"].update(max_context_tokens=None, max_new_tokens_per_turn=None)
     if data.get("algorithm", {}).get("dynamic_sampling"):
         data["algorithm"]["dynamic_sampling_max_extra_rounds"] = 0  # a random model's groups rarely vary
     for name, fields in reward_urls.items():
         data["reward"]["label_map"][name].update(fields)
     return build_config(data)
+
+
+def agent_loop_missing(recipe: Recipe) -> bool:
+    """Whether the recipe runs tool-using rollouts (an ``agent`` section with tools or an environment) and this
+    checkout has no turn loop (``mmrlhf.agents.rollout``) to run them."""
+    import importlib.util
+
+    agent = recipe.data.get("agent") or {}
+    uses_agent = bool(agent.get("tools") or agent.get("environment"))
+    return uses_agent and importlib.util.find_spec("mmrlhf.agents.rollout") is None
 
 
 def remote_sources(recipe: Recipe) -> list[str]:

@@ -7,7 +7,7 @@ reporting, skipping, writing and the load-back check are shared (:mod:`mmrlhf.da
 
 from __future__ import annotations
 
-from mmrlhf.data.prepare import clevr_count, geometry3k, multi_image, video_qa
+from mmrlhf.data.prepare import clevr_count, deepeyes, geometry3k, multi_image, video_qa
 from mmrlhf.data.prepare.common import Converter, Summary, convert
 
 CONVERTERS: dict[str, Converter] = {
@@ -15,6 +15,7 @@ CONVERTERS: dict[str, Converter] = {
     "clevr_count": clevr_count.convert_row,
     "multi_image": multi_image.convert_row,
     "video_qa": video_qa.convert_row,
+    "deepeyes": deepeyes.convert_row,
 }
 
 
