@@ -75,10 +75,22 @@ class ToolCall:
 @dataclass
 class ParsedTurn:
     """What the policy's turn asked for: the calls it made (possibly none: then the turn is the final answer) and the
-    failures found while parsing (each a :class:`ToolResult` with ``error`` set, answered as an observation)."""
+    failures found while parsing (each a :class:`ToolResult` with ``error`` set, answered as an observation).
+
+    ``order`` says how calls and errors interleaved in the text: ``("call", i)`` is ``calls[i]``, ``("error", j)``
+    is ``errors[j]``; the observation answers them in that order (:meth:`items`). Left empty (a ParsedTurn built by
+    hand), the order is every call, then every error."""
 
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[ToolResult] = field(default_factory=list)
+    order: list[tuple[str, int]] = field(default_factory=list)
+
+    def items(self) -> list[ToolCall | ToolResult]:
+        """Calls (ToolCall) and parse errors (ToolResult) in the order they appeared in the turn's text."""
+        order = self.order or [("call", i) for i in range(len(self.calls))] + [
+            ("error", j) for j in range(len(self.errors))
+        ]
+        return [self.calls[i] if kind == "call" else self.errors[i] for kind, i in order]
 
     @property
     def is_final(self) -> bool:

@@ -1,0 +1,86 @@
+"""Interactive environments (``agent.environment``): instead of tools, an object that answers every policy turn.
+
+One environment object serves one trajectory: the rollout makes it with the factory :func:`load_environment`
+returns, calls ``reset(record)`` once (its return value, if not None, is the first observation, shown before the
+first turn), then ``step(action_text)`` with the decoded text of each policy turn until a step says ``done`` or a
+budget ends the trajectory, then ``close()`` if the object has one. ``reset`` and ``step`` may be ``async def``;
+the runner (:meth:`mmrlhf.agents.runner.ToolRunner.run_environment_steps`) calls steps under the tool deadline.
+
+Example: :class:`mmrlhf.agents.example_env.GuessNumber` (``agent.environment:
+mmrlhf.agents.example_env:GuessNumber``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from mmrlhf.agents.types import StepResult, ToolResult
+from mmrlhf.registry import import_object
+
+
+class EnvironmentSpecError(ValueError):
+    """An environment spec that does not resolve to something making environments; names the spec."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """What an environment provides (``close()`` is optional: see :func:`close_environment`)."""
+
+    def reset(self, record: dict[str, Any]) -> ToolResult | None:
+        """Start the episode of dataset record ``record``; the first observation, or None for none."""
+        ...
+
+    def step(self, action_text: str) -> StepResult:
+        """Answer one policy turn (its decoded text): the next observation, whether the episode is over, info."""
+        ...
+
+
+def _check_environment(env: Any, spec: str) -> Environment:
+    missing = [name for name in ("reset", "step") if not callable(getattr(env, name, None))]
+    if missing:
+        raise EnvironmentSpecError(f"environment {spec!r} made a {type(env).__name__} without "
+                                   f"{' / '.join(f'{m}()' for m in missing)}; an environment needs reset(record) and "
+                                   "step(action_text)")
+    return env
+
+
+def load_environment(spec: str, options: dict[str, Any] | None = None) -> Callable[[], Environment]:
+    """A factory making one environment per trajectory from ``package.module:Name`` or ``path/to/file.py:Name``:
+    a class (instantiated with ``options``) or a factory function (called with ``options``). An instance is
+    refused (trajectories would share its state). Options are checked against the signature here, once."""
+    options = dict(options or {})
+    if not isinstance(spec, str) or ":" not in spec:
+        raise EnvironmentSpecError(f"environment {spec!r} must be 'package.module:Name' or 'path/to/file.py:Name'")
+    target = import_object(spec)
+    if not inspect.isclass(target) and callable(getattr(target, "step", None)):
+        raise EnvironmentSpecError(f"environment {spec!r} is an instance; give its class or a factory so that each "
+                                   "trajectory gets its own")
+    if not callable(target):
+        raise EnvironmentSpecError(f"environment {spec!r} resolved to a {type(target).__name__}, not a class or a "
+                                   "factory function")
+    if inspect.isclass(target):
+        missing = [name for name in ("reset", "step") if not callable(getattr(target, name, None))]
+        if missing:
+            raise EnvironmentSpecError(f"environment {spec!r}: class {target.__name__} has no "
+                                       f"{' / '.join(missing)} method; an environment needs reset(record) and "
+                                       "step(action_text)")
+    try:
+        inspect.signature(target).bind(**options)
+    except TypeError as exc:
+        raise EnvironmentSpecError(f"environment {spec!r}: options {sorted(options)} do not fit "
+                                   f"{inspect.signature(target)}: {exc}") from exc
+    except ValueError:  # no signature to read (a builtin): the call itself will say what is wrong
+        pass
+
+    def make() -> Environment:
+        return _check_environment(target(**options), spec)
+
+    return make
+
+
+def close_environment(env: Any) -> None:
+    """``env.close()`` when the environment has one (closing is optional)."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
