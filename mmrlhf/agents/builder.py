@@ -24,11 +24,6 @@ def build_tool_map(cfg: AgentConfig) -> dict[str, Any]:
     return build_tools(list(cfg.tools)) if cfg.tools else {}
 
 
-def tool_schemas(tools: dict[str, Any]) -> list[dict]:
-    """The function schemas the chat template renders (``tools=``), in configuration order."""
-    return [tool.schema() for tool in tools.values()]
-
-
 def build_agent(cfg: AgentConfig, *, engine: Any, tokenizer: Any, adapter: Any, encode_images: ImageEncoder,
                 eos_ids: Sequence[int], max_new_tokens: int, max_model_len: int,
                 tools: dict[str, Any] | None = None) -> AgentLoop:

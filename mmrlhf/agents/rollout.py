@@ -206,7 +206,7 @@ class AgentLoop:
         return GenerationRequest(
             prompt="", prompt_token_ids=ids, images=list(t.images), vision_inputs=self._vision(t),
             mm_token_type_ids=list(self.adapter.mm_token_type_ids(ids)),
-            request_id=str(t.context.record.get("id", t.sample_index)))
+            request_id=f"{t.context.record.get('id')}#{t.sample_index}")  # record id, then the trajectory
 
     def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: "_Stats") -> dict[int, str]:
         """One request per prompt with ``n`` completions (the group shares its first turn); returns the prompts the
@@ -302,7 +302,7 @@ class AgentLoop:
                 continue
             items = []
             for kind, item in _ordered(parsed):
-                if kind == "call":
+                if kind == "call":  # an error is answered as it is; a call runs with the step's others
                     items.append(("job", len(jobs)))
                     jobs.append((item, t.context))
                     t.calls += 1
@@ -419,8 +419,9 @@ class AgentLoop:
 
 
 def _ordered(parsed: Any) -> list[tuple[str, Any]]:
-    """The parsed turn's calls and errors in the order they appear in the text."""
-    return parsed.ordered()
+    """The parsed turn's calls (``("call", ToolCall)``) and parse errors (``("error", ToolResult)``) in the order
+    they appear in the text."""
+    return [("call", item) if isinstance(item, ToolCall) else ("error", item) for item in parsed.items()]
 
 
 @dataclass

@@ -57,6 +57,7 @@ class _Prompt:
     vision: VisionInputs = field(default_factory=dict)
     expected_pads: dict = field(default_factory=dict)  # pad token id -> count its grids imply
     failed: bool = False  # the HF processor rejected it (skip mode)
+    position: int = -1  # its position in the input batch
 
 
 class MultimodalDataProcessor:
@@ -223,6 +224,7 @@ class MultimodalDataProcessor:
                     i if index is None else index, cols["all_ids"][i], prompt, cols["all_images"][i],
                     cols["all_videos"][i], cols["images_num"][i], cols["videos_num"][i], cols["base_dirs"][i],
                     cols["all_references"][i], cols["all_labels"][i]))
+                prompts[-1].position = i
             except DataError as err:
                 skips.handle(err)
 
@@ -457,6 +459,7 @@ class MultimodalDataProcessor:
             all_labels=rep([p.label for p in kept]),
             all_prompt_indices=rep([p.index for p in kept]),
             all_record_ids=rep([p.record_id for p in kept]),
+            all_positions=rep([p.position for p in kept]),
             skipped=list(skipped),
             truncated=truncated,
         )

@@ -79,6 +79,7 @@ class MultimodalBatch:
     skipped: list[Skipped] = field(default_factory=list)  # input prompts dropped in skip mode, with reasons
     truncated: int = 0  # prompts whose text was shortened to fit ``prompt_max_len``
     all_record_ids: list[Any] = field(default_factory=list)  # per sample: its record's id (None where not given)
+    all_positions: list[int] = field(default_factory=list)  # per sample: its prompt's position in the input lists
 
     def describe_sample(self, k: int) -> str:
         """``record 12 (id='q7'), sample 5``: how messages about sample ``k`` name it (engines, experience maker)."""

@@ -25,7 +25,7 @@ def tool_contexts(batch: Any, n: int, data_processor: Any, adapter: Any, *, prom
     contexts = []
     patch = adapter.patch_size
     for k in range(0, len(batch), n):
-        i = batch.all_prompt_indices[k]
+        i = batch.all_positions[k]  # the prompt's position in the caller's lists
         raw = list(images[i]) if images is not None and images[i] is not None else []
         base = base_dirs[i] if base_dirs is not None else None
         originals = data_processor.original_images(raw, base) if raw else []

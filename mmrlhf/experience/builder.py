@@ -124,7 +124,8 @@ def build_agent_loop(config: MMRLHFConfig, *, engine: Any, tokenizer: Any, adapt
     prompt through the chat template."""
     if not config.agent.enabled:
         return None
-    from mmrlhf.agents.builder import build_agent, build_tool_map, tool_schemas
+    from mmrlhf.agents.builder import build_agent, build_tool_map
+    from mmrlhf.agents.tools import tool_schemas
     from mmrlhf.experience.agent_rows import encoder_of
     from mmrlhf.rollout.base import stop_token_ids
 

@@ -1,4 +1,4 @@
-"""Fixtures for the agent tests (helpers live in agent_testing.py)."""
+"""Fixtures for the agent tests (image helpers live in image_testing.py, multi-turn samples in agent_testing.py)."""
 
 from __future__ import annotations
 

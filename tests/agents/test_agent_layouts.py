@@ -12,7 +12,7 @@ from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.testing.tolerances import assert_close_at_scale, close_at_scale
-from tests.agents.agent_testing import load_tools_model, multi_turn_pieces, reference_log_probs
+from agent_testing import load_tools_model, multi_turn_pieces, reference_log_probs
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
