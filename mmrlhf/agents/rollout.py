@@ -37,6 +37,8 @@ from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed
 
 logger = logging.getLogger(__name__)
 
+CALL_CLOSE = "</tool_call>"  # Qwen's hermes closing tag: a turn that makes calls ends here
+
 
 @dataclass
 class EncodedImage:
@@ -151,7 +153,7 @@ class AgentLoop:
         self.tools = tools
         self.environment = environment
         self.renderer = ObservationRenderer(tokenizer, adapter)
-        call_close = tokenizer.convert_tokens_to_ids("</tool_call>")
+        call_close = tokenizer.convert_tokens_to_ids(CALL_CLOSE)
         unk = getattr(tokenizer, "unk_token_id", None)
         self.call_close_id = None if call_close is None or call_close == unk else int(call_close)
         if tools is not None and limits.stop_at_tool_call and self.call_close_id is None:
@@ -260,16 +262,30 @@ class AgentLoop:
             buckets.setdefault(key, []).append(i)
         return sorted(buckets.items(), reverse=True)
 
+    @property
+    def _stops_at_calls(self) -> bool:
+        return self.tools is not None and self.limits.stop_at_tool_call
+
     def _settings(self, sampling: SamplingSettings, *, n: int, room: int) -> SamplingSettings:
-        stops = tuple(sorted(set(sampling.stop_token_ids) | ({self.call_close_id} if self.tools is not None and
-                                                             self.limits.stop_at_tool_call else set())))
-        return dataclasses.replace(sampling, n=n, max_new_tokens=max(1, room), stop_token_ids=stops,
-                                   min_new_tokens=min(sampling.min_new_tokens, max(1, room)))
+        """A turn's sampling: the run's, with ``n``, the turn's new-token cap and, when turns end at their calls, the
+        closing tag as a stop token (and as a stop string, for a tokenizer that holds it inside a larger token)."""
+        stops, words = set(sampling.stop_token_ids), tuple(sampling.stop)
+        if self._stops_at_calls:
+            stops.add(self.call_close_id)
+            words = tuple(dict.fromkeys(words + (CALL_CLOSE,)))
+        return dataclasses.replace(sampling, n=n, max_new_tokens=max(1, room), stop_token_ids=tuple(sorted(stops)),
+                                   stop=words, min_new_tokens=min(sampling.min_new_tokens, max(1, room)))
 
     def _append_turn(self, t: _Live, completion: Any, stats: "_Stats") -> None:
+        """Append a turn as sampled, through its first stop token (or, when turns end at their calls, the token that
+        closes the first call: what an engine wrote past it is dropped, never trained)."""
         tokens = list(completion.token_ids)
         cut = next((j + 1 for j, tok in enumerate(tokens) if tok in self.stop_ids), None)
         tokens = tokens[:cut] if cut is not None else tokens
+        if self._stops_at_calls:
+            closed = self._call_end(tokens)
+            if closed is not None:
+                tokens, cut = tokens[:closed], closed
         t.response.extend(tokens)
         t.mask.extend([1] * len(tokens))
         if t.logprobs is not None and completion.logprobs is not None:
@@ -280,8 +296,21 @@ class AgentLoop:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         t.turns.append(TurnRecord(role="assistant", text=text))
         t.last_text = text
-        if cut is None:
+        if cut is None and completion.truncated:
             t.ended = "length"
+
+    def _call_end(self, tokens: list[int]) -> int | None:
+        """Length of the shortest prefix of ``tokens`` whose text holds a closing call tag (None: none does)."""
+        if CALL_CLOSE not in self.tokenizer.decode(tokens, skip_special_tokens=True):
+            return None
+        lo, hi = 1, len(tokens)  # the shortest prefix containing the tag: binary search over prefix lengths
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if CALL_CLOSE in self.tokenizer.decode(tokens[:mid], skip_special_tokens=True):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     # ---- observations ------------------------------------------------------------------------------------------
     def _observe(self, active: list[_Live], stats: "_Stats") -> None:

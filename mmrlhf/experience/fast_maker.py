@@ -165,6 +165,8 @@ class FastExperienceMaker(ExperienceMaker):
             rewards = self._rewards(rows)
         metrics = self._rollout_metrics(batch, counts, rows, timer)
         metrics.update(agent_metrics)
+        if rows.multi_turn:
+            metrics.update(_reward_by_tool_use(rows, rewards.rewards))
         metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
         return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
 
@@ -481,6 +483,17 @@ def _engine_logprob_tensor(engine_logprobs: list[list[float] | None], action_mas
         n = min(len(lp), action_mask.shape[1])
         out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
     return out * action_mask
+
+
+def _reward_by_tool_use(rows: Rollout, rewards: torch.Tensor) -> dict[str, float]:
+    """Mean raw reward of the trajectories that called a tool and of those that did not (absent when none did):
+    whether using the tool pays is the first thing to watch in a tool-use run."""
+    used = torch.tensor([t.num_tool_calls > 0 for t in rows.trajectories], dtype=torch.bool)  # [N]
+    out = {}
+    for name, pick in (("with_tool", used), ("without_tool", ~used)):
+        if bool(pick.any()):
+            out[f"agent/reward/{name}"] = float(rewards[pick].float().mean())
+    return out
 
 
 def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:

@@ -12,8 +12,9 @@ to read. The answer is the first colour word of the pair (``red``, ``green``, ``
 returns uniform grey crops) for the control that must stay at chance.
 
 ``make_record(index, split=...)`` is a prompt generator (``data.generator: mmrlhf.tasks.zoom:make_record``): record
-``index`` of a split depends only on ``(seed, split, index)``. Each record also varies the contrast and the
-checkerboard's phase, so the policy cannot memorise four images.
+``index`` of a split depends only on ``(seed, split, index)``. Each record varies the contrast, so the policy
+cannot memorise four images; the checkerboard's phase is fixed (the colour on even squares), so what the crop shows
+is one pattern per answer.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def draw(answer: str, rng: random.Random, size: int) -> Image.Image:
     mid, amount = 127.5, rng.uniform(0.8, 1.0)
     first, second = mid + amount * (colour - mid), mid + amount * ((255.0 - colour) - mid)
     yy, xx = np.mgrid[0:size, 0:size]
-    squares = ((xx + yy + rng.randint(0, 1)) % 2 == 0)[..., None]  # [size, size, 1]
+    squares = ((xx + yy) % 2 == 0)[..., None]  # [size, size, 1] the colour on even squares, its complement on odd
     pixels = np.where(squares, first, second)  # [size, size, 3]
     return Image.fromarray(np.clip(np.round(pixels), 0, 255).astype(np.uint8))
 

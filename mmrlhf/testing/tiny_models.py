@@ -14,8 +14,9 @@ Variants (keywords of ``tiny_model_dir`` / ``build_tiny_model``):
   apply (the trainer never scores them);
 - ``tools=True``: a tool-calling tokenizer and template (agent tests and the zoom toy task): Qwen's hermes tags
   ``<tool_call>`` / ``</tool_call>`` / ``<tool_response>`` / ``</tool_response>`` as added (non-special) tokens, as
-  in the released Qwen tokenizers, the toy task's calls (:data:`TOY_CALLS`) as single added tokens (so a tiny
-  random policy can find a call at all: a call is then three tokens, tag, call, tag), and :data:`TOOLS_TEMPLATE`,
+  in the released Qwen tokenizers, two calls' JSON (:data:`TOY_CALLS`, a call is then three tokens: tag, call,
+  tag) and the zoom toy task's whole call (:data:`TOY_CALL_TOKEN`) as single added tokens (so a tiny random policy
+  finds a call at all), and :data:`TOOLS_TEMPLATE`,
   which renders ``tools=`` into a short system turn and tool turns (images included) in the hermes form that
   :mod:`mmrlhf.agents.template` writes incrementally.
 
@@ -61,6 +62,11 @@ TOY_CALLS = [
     '{"name": "image_zoom", "arguments": {"bbox_2d": [0, 0, 500, 500]}}',
     '{"name": "image_zoom", "arguments": {"bbox_2d": [500, 500, 1000, 1000]}}',
 ]
+# The zoom toy task's whole call, tags included, as ONE added token: a random policy over the task's few tokens
+# then finds the tool in one sample of six at first. Its text is an ordinary hermes call (the parser reads it as
+# any other); the engine stops after it through the ``</tool_call>`` stop string. Its box differs from
+# TOY_CALLS', so a template render of those calls never merges into this token.
+TOY_CALL_TOKEN = '<tool_call>{"name": "image_zoom", "arguments": {"bbox_2d": [250, 250, 750, 750]}}</tool_call>'
 
 # Words that should be single tokens (toy tasks answer with them).
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white", "cyan", "pink", "brown", "gray"]
@@ -279,7 +285,7 @@ def _build_tokenizer(vocab_size: int, *, tools: bool = False):
         # Non-special, as in the released Qwen tokenizers: decoding with skip_special_tokens keeps them, so a turn's
         # text still shows its calls. Added after training, so the BPE merges (and every other token) are the plain
         # variant's.
-        fast.add_tokens(TOOL_TAGS + TOY_CALLS, special_tokens=False)
+        fast.add_tokens(TOOL_TAGS + TOY_CALLS + [TOY_CALL_TOKEN], special_tokens=False)
     return fast
 
 

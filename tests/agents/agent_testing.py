@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from mmrlhf.agents.template import ObservationRenderer
-from mmrlhf.agents.types import ToolResult
+from mmrlhf.agents.types import StepResult, ToolResult
 from mmrlhf.testing.tiny_models import TOY_CALLS
 
 ZOOM_SCHEMA = {"type": "function", "function": {"name": "image_zoom", "description": "zoom",
@@ -95,3 +95,19 @@ def reference_log_probs(model: Any, adapter: Any, prompt: list[int], response: l
     step[:, list(adapter.vision_special_token_ids())] = float("-inf")
     logq = torch.log_softmax(step, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]  # [A]
     return logq[torch.tensor(mask, dtype=torch.bool)]
+
+
+class Colours:
+    """A test environment whose every observation is an image (and whose first one comes from reset)."""
+
+    def __init__(self, steps: int = 2) -> None:
+        self.steps, self.taken = steps, 0
+
+    def reset(self, record):
+        return ToolResult(text="start", images=[Image.new("RGB", (56, 56), (10, 200, 10))])
+
+    def step(self, action_text):
+        self.taken += 1
+        if self.taken > self.steps:
+            return StepResult(ToolResult(text="bye"), done=True, info={"solved": True})
+        return StepResult(ToolResult(text=f"step {self.taken}", images=[Image.new("RGB", (56, 84), (0, 0, 255))]))

@@ -12,12 +12,12 @@ from PIL import Image
 from mmrlhf.agents.rollout import AgentLimits, AgentLoop
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.tools import Tool, build_tools
-from mmrlhf.agents.types import StepResult, ToolContext, ToolResult
+from mmrlhf.agents.types import ToolContext
 from mmrlhf.experience.agent_rows import encoder_of
 from mmrlhf.rollout.types import Completion, GenerationOutput, GenerationResult, SamplingSettings
 from mmrlhf.testing.tiny_models import TOY_CALLS
 
-from agent_testing import ZOOM_SCHEMA, load_tools_model
+from agent_testing import ZOOM_SCHEMA, Colours, load_tools_model
 
 
 class ScriptedEngine:
@@ -227,22 +227,6 @@ def test_images_past_the_cap_become_an_error_observation(tiny):
     s = result.samples[0]
     assert s.trajectory.errors == ["too_many_images"] and s.vision["image_grid_thw"].shape[0] == 2
     assert result.metrics["agent/errors/too_many_images/count"] == 1.0
-
-
-class Colours:
-    """A test environment whose every observation is an image (and whose first one comes from reset)."""
-
-    def __init__(self, steps: int = 2) -> None:
-        self.steps, self.taken = steps, 0
-
-    def reset(self, record):
-        return ToolResult(text="start", images=[Image.new("RGB", (56, 56), (10, 200, 10))])
-
-    def step(self, action_text):
-        self.taken += 1
-        if self.taken > self.steps:
-            return StepResult(ToolResult(text="bye"), done=True, info={"solved": True})
-        return StepResult(ToolResult(text=f"step {self.taken}", images=[Image.new("RGB", (56, 84), (0, 0, 255))]))
 
 
 def test_an_environment_answers_every_turn_with_images(tiny):
