@@ -204,7 +204,14 @@ class AgentLoop:
                      env=self.environment() if self.environment is not None else None)
 
     def _request(self, t: _Live) -> GenerationRequest:
+        """The trajectory so far as a request: its ids (the engine takes them as they are: never re-tokenised)
+        and every image so far, with their processor tensors (the transformers engine reads those)."""
         ids = t.ids
+        if self.adapter.engine_prompt_ids(ids) is None:
+            raise ValueError(
+                f"record {t.context.record.get('id')!r}: a multi-turn rollout sends the engine token ids, and the "
+                f"{self.adapter.family} family's prompts with videos can only be sent as text (their expansion "
+                "interleaves timestamps with the pads); use image inputs for this family's agent runs")
         return GenerationRequest(
             prompt="", prompt_token_ids=ids, images=list(t.images), vision_inputs=self._vision(t),
             mm_token_type_ids=list(self.adapter.mm_token_type_ids(ids)),

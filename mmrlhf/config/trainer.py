@@ -58,7 +58,9 @@ class TrainerConfig(Section):
     each response attending to the prompt and itself only), in the experience forwards (actor, reference, critic)
     and the policy / value updates; results equal the per-sample layouts, the prompt's work is done once per group
     instead of once per sample. ``auto``: on when ``rollout.n_samples_per_prompt > 1`` and
-    ``model.attn_implementation`` reads arbitrary masks (``sdpa``, ``eager``); ``true`` refuses other kernels.
+    ``model.attn_implementation`` reads arbitrary masks (``sdpa``, ``eager``), except for multi-turn rollouts
+    (``agent``), whose long responses make a group's dense row cost more than it saves; ``true`` turns it on
+    there too, and refuses other kernels.
     Micro-batches are counted in samples: make ``micro_train_batch_size`` and ``rollout.micro_rollout_batch_size``
     multiples of ``n_samples_per_prompt`` so that groups are not split across forwards."""
     shared_prompt_max_tokens: int = Field(default=8192, ge=1)

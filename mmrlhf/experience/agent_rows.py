@@ -71,3 +71,14 @@ def rows_from_trajectories(batch: Any, result: AgentResult) -> Rollout:
         cols["policy_masks"].append(list(s.policy_mask))
         cols["trajectories"].append(s.trajectory)
     return Rollout(**cols)
+
+
+def zero_out_of_budget(result: Any, trajectories: Sequence[Any]) -> None:
+    """``agent.out_of_budget_reward: zero``: the trajectories a budget ended (max turns, context, a turn's length
+    limit) get reward 0 (they stay in the step, valid, so GRPO still learns that running out is worse than
+    answering); counted as ``reward/out_of_budget_zeroed/count``. In place on the reward result."""
+    import torch
+
+    over = torch.tensor([t.out_of_budget for t in trajectories], dtype=torch.bool)  # [N]
+    result.rewards[over] = 0.0
+    result.metrics["reward/out_of_budget_zeroed/count"] = float(over.sum())

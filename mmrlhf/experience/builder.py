@@ -55,7 +55,8 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     adapter = actor.adapter
     policy_path = policy_path or model_cfg.pretrain
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
-                                   attn_implementation=model_cfg.attn_implementation)
+                                   attn_implementation=model_cfg.attn_implementation,
+                                   multi_turn=config.agent.enabled)
     reference = None
     if settings.need_reference and lora.rank and not model_cfg.reference:
         from mmrlhf.models.lora import AdapterOffScorer

@@ -299,9 +299,9 @@ class FastExperienceMaker(ExperienceMaker):
         )
         result = self.reward_engine.compute(batch)
         if rows.multi_turn and self.out_of_budget_reward == "zero":
-            over = torch.tensor([t.out_of_budget for t in rows.trajectories], dtype=torch.bool)  # [N]
-            result.rewards[over] = 0.0
-            result.metrics["reward/out_of_budget_zeroed/count"] = float(over.sum())
+            from mmrlhf.experience.agent_rows import zero_out_of_budget
+
+            zero_out_of_budget(result, rows.trajectories)
         return result
 
     def _rollout_metrics(self, batch: Any, counts: tuple[int, dict, int], rows: Rollout,
@@ -498,7 +498,7 @@ def _reward_by_tool_use(rows: Rollout, rewards: torch.Tensor) -> dict[str, float
 
 def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
     """Mean / max |engine log-prob - actor log-prob| over response tokens: the off-policy gap of the rollout."""
-    diffs, row = [], 0
+    diffs, turns, row = [], [], 0
     for part in scored:
         lp, mask = part["log_probs"], part["action_mask"]
         for i in range(lp.shape[0]):
@@ -507,8 +507,16 @@ def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
                 continue
             keep = mask[i, : len(eng)].bool()  # policy tokens of the response (all of a single-turn one)
             diffs.append((torch.tensor(eng[: keep.shape[0]])[keep] - lp[i, : keep.shape[0]][keep]).abs())
+            if rollout.multi_turn:  # the turn of each policy token: a turn starts where a run of policy tokens does
+                starts = keep & ~torch.nn.functional.pad(keep, (1, 0))[:-1]
+                turns.append(torch.cumsum(starts.long(), 0)[keep])
         row += lp.shape[0]
     if not diffs:
         return {}
     d = torch.cat(diffs)
-    return {"engine_logprob_diff/mean": float(d.mean()), "engine_logprob_diff/max": float(d.max())}
+    out = {"engine_logprob_diff/mean": float(d.mean()), "engine_logprob_diff/max": float(d.max())}
+    if turns:  # a divergence that grows with the turn points at observations (pixels, positions) going wrong
+        t = torch.cat(turns)
+        for k in sorted(set(t.tolist())):
+            out[f"engine_logprob_diff/turn_{k}/max"] = float(d[t == k].max())
+    return out

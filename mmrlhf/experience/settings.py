@@ -30,10 +30,12 @@ class ExperienceSettings:
     check_prompt_ids: bool = True  # the engine's prompt ids must equal the processor's (vision layout check)
 
 
-def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *,
-                        attn_implementation: str = "sdpa") -> ExperienceSettings:
+def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_implementation: str = "sdpa",
+                        multi_turn: bool = False) -> ExperienceSettings:
     """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections
-    (``attn_implementation``: ``model.attn_implementation``, which decides ``trainer.shared_prompt: auto``)."""
+    (``attn_implementation``: ``model.attn_implementation``, which decides ``trainer.shared_prompt: auto``).
+
+    ``multi_turn`` (``agent`` configured): ``trainer.shared_prompt: auto`` is off (see ``resolve_shared_prompt``)."""
     from mmrlhf.models.shared_prompt import resolve_shared_prompt
 
     params: dict[str, Any] = {}
@@ -52,7 +54,8 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *,
         n_samples_per_prompt=rollout.n_samples_per_prompt,
         micro_batch_size=rollout.micro_rollout_batch_size,
         packing=trainer.packing_samples,
-        shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt),
+        shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt,
+                                            multi_turn=multi_turn),
         shared_prompt_max_tokens=trainer.shared_prompt_max_tokens,
         advantage_estimator=name,
         advantage_params=params,

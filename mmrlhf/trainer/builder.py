@@ -72,7 +72,8 @@ def _layout(config: MMRLHFConfig) -> dict[str, Any]:
 
     t = config.trainer
     return {"shared_prompt": resolve_shared_prompt(t.shared_prompt, config.model.attn_implementation,
-                                                   config.rollout.n_samples_per_prompt),
+                                                   config.rollout.n_samples_per_prompt,
+                                                   multi_turn=config.agent.enabled),
             "shared_prompt_max_tokens": t.shared_prompt_max_tokens}
 
 

@@ -68,7 +68,7 @@ def multi_turn_pieces(processor: Any, adapter: Any, data: Any, *, samples: int =
         obs_2 = renderer.tokens([ToolResult(text="", images=images_2), ToolResult(text="done")],
                                 [e["tokens"] for e in enc_2], close_turn=True)
         answer = [words[int(i)] for i in torch.randint(len(words), (2 + k,), generator=g)] + [tok.eos_token_id]
-        turn_1 = ([words[k]] if k % 2 else []) + call  # uneven: some turns write a word before their call
+        turn_1 = ([words[k % len(words)]] if k % 2 else []) + call  # uneven: some turns write a word before their call
         pieces = [(turn_1, 1), (obs_1, 0), (call, 1), (obs_2, 0), (answer, 1)]
         responses.append([t for p, _ in pieces for t in p])
         masks.append([m for p, m in pieces for _ in p])

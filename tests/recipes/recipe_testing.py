@@ -106,16 +106,6 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     return build_config(data)
 
 
-def agent_loop_missing(recipe: Recipe) -> bool:
-    """Whether the recipe runs tool-using rollouts (an ``agent`` section with tools or an environment) and this
-    checkout has no turn loop (``mmrlhf.agents.rollout``) to run them."""
-    import importlib.util
-
-    agent = recipe.data.get("agent") or {}
-    uses_agent = bool(agent.get("tools") or agent.get("environment"))
-    return uses_agent and importlib.util.find_spec("mmrlhf.agents.rollout") is None
-
-
 def remote_sources(recipe: Recipe) -> list[str]:
     return [name for name, src in recipe.data.get("reward", {}).get("label_map", {}).items()
             if isinstance(src, dict) and src.get("type") == "remote"]

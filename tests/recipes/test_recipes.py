@@ -16,7 +16,7 @@ from mmrlhf.cli import main as cli_main
 from mmrlhf.config import load_config
 from mmrlhf.data.datasets import PromptDataset
 from mmrlhf.data.prepare import CONVERTERS
-from recipe_testing import (RECIPES, ROOT, Recipe, agent_loop_missing, prepare_synthetic, remote_sources, server_command,
+from recipe_testing import (RECIPES, ROOT, Recipe, prepare_synthetic, remote_sources, server_command,
                             tiny_config)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))  # the reward tests' server helper
@@ -89,9 +89,6 @@ def test_tiny_override_of_the_recipe_trains_two_steps(path, tmp_path, one_torch_
     from mmrlhf.trainer.builder import build_trainer
 
     recipe = Recipe.load(path)
-    if agent_loop_missing(recipe):
-        pytest.skip("the recipe's tool-using rollouts need the agent turn loop (mmrlhf.agents.rollout), which this "
-                    "checkout does not have yet")
     data_file = prepare_synthetic(recipe, tmp_path)
     servers, urls = [], {}
     try:
