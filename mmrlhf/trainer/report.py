@@ -156,7 +156,7 @@ _TURN_CSS = """
 .turn.assistant{border-color:#2e86c1} .turn.tool{border-color:#7d8c8d;background:#f4f6f6}
 .turn.tool.failed{border-color:#a93226;background:#fbeeee}
 .turn .imgs img{max-width:min(384px,100%)}
-.calls{font-size:12px;margin:0 0 4px} code.call{background:#eaf2f8;padding:0 4px;margin-right:6px;word-break:break-all}
+.calls{font-size:12px;margin:0 0 4px} code.call{background:#eaf2f8;padding:0 4px;margin-right:6px;overflow-wrap:anywhere}
 .badge.err{background:#a93226} .summary{font-size:12px;margin:2px 0 4px} .ending.budget{color:#9a5b00;font-weight:700}
 """
 
