@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from PIL import Image
 
+from mmrlhf.agents.types import BUDGET_ENDINGS, Trajectory
 from mmrlhf.trainer.tracking import atomic_write
 
 # (panel title, keys plotted in it, y-axis label); the reward panel overlays the eval reward when it is logged.
@@ -123,6 +125,9 @@ class ReportSample:
     """Group id (the samples of one prompt, for GRPO); ``None`` samples are shown last, ungrouped."""
     valid: bool = True
     """False for samples masked out of the loss (e.g. a reward failure); they are marked as such."""
+    trajectory: Trajectory | None = None
+    """A multi-turn sample's exchange: its card shows the turns (assistant text and calls, tool text, images and
+    errors) and how it ended, in place of ``response``. ``None``: a single-turn sample."""
 
 
 _CSS = """
@@ -143,6 +148,16 @@ table.m{border-collapse:collapse;font-size:13px;margin:6px 0 12px} table.m td{pa
 pre{white-space:pre-wrap;word-break:break-word;margin:2px 0 6px;font-size:13px;background:#f0f0ee;padding:4px}
 .k{color:#666;font-size:12px} .pos{color:#1e8449;font-weight:600} .neg{color:#a93226;font-weight:600}
 table.parts{font-size:12px;border-collapse:collapse} table.parts td{padding:0 8px 0 0}
+"""
+# Added to the page only when a sample has turns, so a single-turn page stays exactly as it was.
+_TURN_CSS = """
+.turns{list-style:none;padding:0;margin:4px 0 6px}
+.turn{border-left:3px solid #999;padding:2px 0 2px 6px;margin:0 0 4px}
+.turn.assistant{border-color:#2e86c1} .turn.tool{border-color:#7d8c8d;background:#f4f6f6}
+.turn.tool.failed{border-color:#a93226;background:#fbeeee}
+.turn .imgs img{max-width:min(384px,100%)}
+.calls{font-size:12px;margin:0 0 4px} code.call{background:#eaf2f8;padding:0 4px;margin-right:6px;overflow-wrap:anywhere}
+.badge.err{background:#a93226} .summary{font-size:12px;margin:2px 0 4px} .ending.budget{color:#9a5b00;font-weight:700}
 """
 
 
@@ -181,6 +196,55 @@ def _reward_html(s: ReportSample) -> str:
             + (f'<table class="parts">{parts}</table>' if parts else ""))
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _call_html(call: Any) -> str:
+    """``name({"arg": ...})``: a call as the tool received it (arguments re-serialised, not the raw text)."""
+    args = json.dumps(call.arguments, ensure_ascii=False, default=str)
+    return f'<code class="call">{_e(call.name)}({_e(args)})</code>'
+
+
+def _turns_html(t: Trajectory, turn_uris: list[list[str]]) -> str:
+    """A trajectory turn by turn, with a one-line summary (turns, tool calls, errors, how it ended)."""
+    errors = t.errors
+    kinds = ", ".join(f"{_e(k)} &times;{errors.count(k)}" for k in dict.fromkeys(errors))
+    ending = f'<span class="ending{" budget" if t.ended in BUDGET_ENDINGS else ""}">{_e(t.ended)}</span>'
+    summary = (f'<div class="summary">{_plural(t.num_turns, "turn")}, {_plural(t.num_tool_calls, "tool call")}, '
+               f'{_plural(len(errors), "error")}{f" ({kinds})" if kinds else ""}; ended: {ending}</div>')
+    items = []
+    for j, (turn, uris) in enumerate(zip(t.turns, turn_uris)):
+        if turn.role == "assistant":
+            calls = "".join(_call_html(c) for c in turn.calls)
+            items.append(f'<li class="turn assistant"><div class="k">{j}. assistant</div>'
+                         f'<pre class="turn-text">{_e(turn.text)}</pre>'
+                         + (f'<div class="calls"><span class="k">calls</span> {calls}</div>' if calls else "") + "</li>")
+        else:
+            badges = "".join(f'<span class="badge err">{_e(k)}</span>' for k in turn.errors)
+            imgs = ('<div class="imgs">' + "".join(f'<img src="{u}" alt="turn {j} image {k}">' for k, u in
+                                                   enumerate(uris)) + "</div>") if uris else ""
+            items.append(f'<li class="turn tool{" failed" if turn.errors else ""}"><div class="k">{j}. tool '
+                         f'({_e(f"{turn.latency_s:.2f}")} s)</div>{badges}{imgs}'
+                         f'<pre class="turn-text">{_e(turn.text)}</pre></li>')
+    return f'{summary}<ol class="turns">{"".join(items)}</ol>'
+
+
+def _trajectory_uris(s: ReportSample, where: str, max_side: int, cache: dict[int, str]) -> list[list[str]]:
+    """Data URIs of each turn's images (empty for assistant turns); a malformed trajectory is an error naming it."""
+    t = s.trajectory
+    if t is None:
+        return []
+    if not isinstance(t, Trajectory):
+        raise TypeError(f"{where}: trajectory must be a mmrlhf.agents.types.Trajectory, got {type(t).__name__}")
+    out = []
+    for j, turn in enumerate(t.turns):
+        if turn.role not in ("assistant", "tool"):
+            raise ValueError(f"{where} turn {j}: role must be 'assistant' or 'tool', got {turn.role!r}")
+        out.append([_image_uri(im, f"{where} turn {j}", max_side, cache) for im in turn.images])
+    return out
+
+
 def _context_html(prompt: str | None, uris: list[str] | None, label: str | None, reference: str | None) -> str:
     """Images, prompt, label and reference (each only when given)."""
     out = []
@@ -206,10 +270,14 @@ def write_rollout_report(samples: Sequence[ReportSample], out_html: str | Path, 
     Within a group, the prompt, images, label and reference are shown once when every sample shares them (GRPO:
     n answers to one prompt), else per sample. A group whose rewards are all equal is flagged: it has no reward
     variance, so GRPO learns nothing from it. ``max_image_side`` bounds the embedded images (pixels a side).
+    A multi-turn sample (``trajectory`` set) shows its turns in place of the response: each assistant turn's text
+    and calls, each tool turn's text, images (embedded like the prompt's) and error kinds, and how it ended.
     """
     cache: dict[int, str] = {}
     uris = [[_image_uri(im, f"sample {i} (group {s.group})", max_image_side, cache) for im in s.images]
             for i, s in enumerate(samples)]
+    turn_uris = [_trajectory_uris(s, f"sample {i} (group {s.group})", max_image_side, cache)
+                 for i, s in enumerate(samples)]
     groups: dict[int | None, list[int]] = {}
     for i, s in enumerate(samples):
         groups.setdefault(s.group, []).append(i)
@@ -260,14 +328,16 @@ def write_rollout_report(samples: Sequence[ReportSample], out_html: str | Path, 
                 if not s.valid else ""
             ctx = _context_html(None if shared["prompt"] else s.prompt, None if shared["images"] else uris[i],
                                 None if shared["label"] else s.label, None if shared["reference"] else s.reference)
+            shown = (_turns_html(s.trajectory, turn_uris[i]) if s.trajectory is not None else
+                     f'<div class="k">response</div><pre class="response">{_e(s.response)}</pre>')
             cards.append(f'<div class="sample{"" if s.valid else " masked"}" id="sample-{i}">'
-                         f'<div class="k">sample {i}</div>{marker}{ctx}'
-                         f'<div class="k">response</div><pre class="response">{_e(s.response)}</pre>'
+                         f'<div class="k">sample {i}</div>{marker}{ctx}{shown}'
                          f"{_reward_html(s)}</div>")
         body.append(f'<section class="group{" flat" if flat else ""}">{header}'
                     f'<div class="samples">{"".join(cards)}</div></section>')
 
+    css = _CSS + (_TURN_CSS if any(s.trajectory is not None for s in samples) else "")
     page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(title or 'Rollout report')} - step {int(step)}</title><style>{_CSS}</style></head>"
+            f"<title>{_e(title or 'Rollout report')} - step {int(step)}</title><style>{css}</style></head>"
             f"<body>{''.join(head)}{''.join(body)}</body></html>\n")
     return atomic_write(out_html, page)
