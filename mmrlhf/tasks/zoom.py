@@ -12,9 +12,10 @@ to read. The answer is the first colour word of the pair (``red``, ``green``, ``
 returns uniform grey crops) for the control that must stay at chance.
 
 ``make_record(index, split=...)`` is a prompt generator (``data.generator: mmrlhf.tasks.zoom:make_record``): record
-``index`` of a split depends only on ``(seed, split, index)``. Each record varies the contrast, so the policy
-cannot memorise four images; the checkerboard's phase is fixed (the colour on even squares), so what the crop shows
-is one pattern per answer.
+``index`` of a split depends only on ``(seed, split, index)``. Each record varies the contrast; the checkerboard's
+phase is fixed (the colour on even squares), so what the crop shows is one pattern per answer. There are about a
+hundred distinct images, so the eval split repeats training images: harmless here, since the first view cannot
+tell them apart (the eval measures reading the crop, which needs the call).
 """
 
 from __future__ import annotations
