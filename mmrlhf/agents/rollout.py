@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mmrlhf.agents.calls import parse_turn
+from mmrlhf.agents.environment import close_environment
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
 from mmrlhf.agents.types import ERROR_KINDS, ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
@@ -172,8 +173,10 @@ class AgentLoop:
         live = [self._start(batch, k, n, contexts[k // n]) for k in range(len(batch))]
         skipped: dict[int, str] = {}
         if self.environment is not None:
-            self._reset_environments(live, stats, seconds)
-        first_shared = all(not t.response for t in live)
+            t_reset = time.perf_counter()
+            self._reset_environments(live, stats)
+            seconds["tools"] += time.perf_counter() - t_reset
+        first_shared = all(not t.response and t.ended is None for t in live)
         turn = 0
         while True:
             active = [t for t in live if t.ended is None]
@@ -189,10 +192,17 @@ class AgentLoop:
             t_obs = time.perf_counter()
             self._observe([t for t in active if t.ended is None], stats)
             seconds["tools"] += time.perf_counter() - t_obs
-        samples = [self._finish(t) for t in live if t.group not in skipped]
+        # A trajectory the budget ended before its first turn (an environment's first observation that does not
+        # fit) has nothing to train: left out, counted and logged, never silently.
+        empty = [t for t in live if t.group not in skipped and not any(t.mask)]
+        if empty:
+            logger.warning("%d trajectories ended before their first turn (first: sample %d, %s); left out of the "
+                           "step", len(empty), empty[0].sample_index, empty[0].ended)
+        stats.empty = len(empty)
+        samples = [self._finish(t) for t in live if t.group not in skipped and any(t.mask)]
         for t in live:
-            if t.env is not None and hasattr(t.env, "close"):
-                t.env.close()
+            if t.env is not None:
+                close_environment(t.env)
         seconds["agent_other"] = max(0.0, time.perf_counter() - t0 - seconds["generate"] - seconds["tools"])
         return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
 
@@ -220,7 +230,7 @@ class AgentLoop:
     def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: "_Stats") -> dict[int, str]:
         """One request per prompt with ``n`` completions (the group shares its first turn); returns the prompts the
         engine skipped (request index -> reason)."""
-        heads = active[::n]
+        heads = active[::n]  # every trajectory is live before the first turn: whole groups, in order
         skipped: dict[int, str] = {}
         for cap, members in self._buckets(range(len(heads)), [heads[i] for i in range(len(heads))]):
             settings = self._settings(sampling, n=n, room=cap)
@@ -375,13 +385,17 @@ class AgentLoop:
                 continue
             self._commit(t, [step.observation], sec, stats, environment=True)
 
-    def _reset_environments(self, live: list[_Live], stats: "_Stats", seconds: dict[str, float]) -> None:
+    def _reset_environments(self, live: list[_Live], stats: "_Stats") -> None:
         """Each environment's first observation, if it gives one, comes before the first turn (which is then
-        generated per trajectory)."""
-        for t in live:
-            first = t.env.reset(dict(t.context.record))
+        generated per trajectory); resets run concurrently under the tool deadline. A reset that fails or times
+        out gives its error as the first observation (counted by kind, as every failure); the environment's next
+        step then ends the episode."""
+        resets = self.runner.run_environment_resets([t.env for t in live], [dict(t.context.record) for t in live])
+        for t, (first, sec) in zip(live, resets):
+            stats.latency.append(sec)
             if first is not None:
-                self._commit(t, [first], 0.0, stats, environment=True, opening=True)
+                t.info.update(first.info or {})
+                self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
 
     def _commit(self, t: _Live, results: list[ToolResult], latency: float, stats: "_Stats", *, environment: bool,
                 opening: bool = False) -> None:
@@ -405,12 +419,13 @@ class AgentLoop:
         if t.logprobs is not None:
             t.logprobs.extend([0.0] * len(obs))
         stats.observation_tokens += len(obs)
-        for enc in encoded:
-            for e in enc:
-                t.images.append(e.image)
+        for r, enc in zip(results, encoded):
+            for original, e in zip(r.images, enc):
+                t.images.append(e.image)  # as the model sees it (the engine gets this one)
                 t.tool_pixels.append(e.pixel_values)
                 t.tool_grids.append(e.grid_thw)
-                t.context.images.append(e.image)
+                # later calls crop the image as the tool returned it (full resolution), boxes in the model's size
+                t.context.images.append(original)
                 grid = e.grid_thw.reshape(-1)
                 patch = self.adapter.patch_size
                 t.context.model_image_sizes.append((int(grid[2]) * patch, int(grid[1]) * patch))
@@ -467,6 +482,7 @@ class _Stats:
     latency: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     calls_by_tool: dict[str, int] = field(default_factory=dict)
+    empty: int = 0  # trajectories left out: ended before their first turn
 
     def metrics(self, samples: list[AgentSample]) -> dict[str, float]:
         """Per-step agent metrics (docs/agents.md lists them): means per trajectory and counts."""
@@ -490,4 +506,5 @@ class _Stats:
             out[f"agent/calls/{name}/count"] = float(count)
         for ending in ("answer", "done", "max_turns", "context", "length"):
             out[f"agent/ended/{ending}/count"] = float(sum(t.ended == ending for t in trajs))
+        out["agent/ended/before_first_turn/count"] = float(self.empty)
         return out

@@ -242,3 +242,36 @@ def test_an_environment_answers_every_turn_with_images(tiny):
         assert s.trajectory.ended == "done" and s.trajectory.info == {"solved": True}
         assert s.vision["image_grid_thw"].shape[0] == 4  # the prompt's, reset's and two step images
         assert s.trajectory.num_turns == 3
+
+
+class Big(Tool):
+    name, description = "big", "returns a large image"
+    parameters = {"type": "object", "properties": {}}
+
+    def __call__(self, arguments, context):
+        return Image.new("RGB", (448, 224), (9, 99, 199))
+
+
+class Sizes(Tool):
+    name, description = "sizes", "reports the images it can see"
+    parameters = {"type": "object", "properties": {}}
+
+    def __call__(self, arguments, context):
+        return "; ".join(f"{im.size}->{ms}" for im, ms in zip(context.images, context.model_image_sizes))
+
+
+def test_later_calls_see_tool_images_at_full_resolution_with_their_model_sizes(tiny):
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    image = Image.new("RGB", (112, 112), (200, 40, 40))
+    batch = _batch(data, 1, image)
+    scripts = {0: [_call_ids(tok, '{"name": "big", "arguments": {}}'),
+                   _call_ids(tok, '{"name": "sizes", "arguments": {}}'), _ids(tok, "red", "<|im_end|>")]}
+    result = _loop(tiny, ScriptedEngine(scripts), tools={"big": Big(), "sizes": Sizes()}).run(
+        batch, 1, SamplingSettings(n=1, max_new_tokens=64), [_context(batch, image)])
+    s = result.samples[0]
+    report = s.trajectory.turns[3].text
+    grid = s.vision["image_grid_thw"]
+    prompt_size, model_size = ((int(g[2]) * 14, int(g[1]) * 14) for g in grid[:2])
+    assert report == f"(112, 112)->{prompt_size}; (448, 224)->{model_size}"  # the tool's image as returned
+    assert model_size[0] < 448  # the processor resized it for the model; a later zoom still crops the original
