@@ -239,6 +239,7 @@ class AgentLoop:
             result = self.engine.generate([self._request(heads[i]) for i in members], settings)
             for out in result.outputs:
                 head = members[out.request_index]
+                self._check_echo(heads[head], out.prompt_token_ids)
                 for j, completion in enumerate(out.completions):
                     self._append_turn(active[head * n + j], completion, stats)
             for i, reason in result.skipped.items():
@@ -262,10 +263,23 @@ class AgentLoop:
             group = [ready[i] for i in members]
             result = self.engine.generate([self._request(t) for t in group], settings)
             for out in result.outputs:
+                self._check_echo(group[out.request_index], out.prompt_token_ids)
                 self._append_turn(group[out.request_index], out.completions[0], stats)
             for i, reason in result.skipped.items():
                 group[i].ended = "context"
                 logger.warning("trajectory %s ended: %s", group[i].sample_index, reason)
+
+    def _check_echo(self, t: _Live, engine_ids: Sequence[int]) -> None:
+        """The engine must have seen exactly the trajectory's ids (vision pads expanded as the processor expands
+        them): a difference means the engine's vision expansion or an image count disagrees with the trainer's,
+        and every later log-prob would be scored on another sequence."""
+        ids = t.ids
+        if list(engine_ids) != ids:
+            pos = next((i for i, (a, b) in enumerate(zip(engine_ids, ids)) if a != b), min(len(ids), len(engine_ids)))
+            raise ValueError(
+                f"record {t.context.record.get('id')!r}, trajectory {t.sample_index}, turn {t.num_turns + 1}: the "
+                f"engine's prompt ids differ from the trajectory's at position {pos} ({len(engine_ids)} vs {len(ids)} "
+                "tokens): its vision expansion or image count disagrees with the processor's")
 
     def _buckets(self, indices: Sequence[int], trajectories: Sequence[_Live]) -> list[tuple[int, list[int]]]:
         """Requests grouped by their new-token cap (the engine takes one setting per call): the per-turn cap where

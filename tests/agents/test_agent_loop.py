@@ -26,8 +26,9 @@ class ScriptedEngine:
 
     max_model_len = 512
 
-    def __init__(self, scripts: dict[int, list[list[int]]]) -> None:
+    def __init__(self, scripts: dict[int, list[list[int]]], *, drop_pad_at_turn: int | None = None) -> None:
         self.scripts = scripts
+        self.drop_pad_at_turn = drop_pad_at_turn  # echo ids missing one image pad from this turn on (the control)
         self.turn = {k: 0 for k in scripts}
         self.requests: list = []
 
@@ -43,17 +44,22 @@ class ScriptedEngine:
                 self.turn[k + j] += 1
                 done = bool(tokens) and tokens[-1] in settings.stop_token_ids + (EOS[0],)
                 completions.append(Completion(list(tokens), [-0.25] * len(tokens), "stop" if done else "length"))
-            outputs.append(GenerationOutput(i, list(req.prompt_token_ids), completions))
+            echo = list(req.prompt_token_ids)
+            if self.drop_pad_at_turn is not None and self.turn[k] > self.drop_pad_at_turn:
+                echo.remove(PAD[0])  # as an engine whose vision expansion lost one token would
+            outputs.append(GenerationOutput(i, echo, completions))
         return GenerationResult(outputs)
 
 
 EOS = [0]
+PAD = [0]
 
 
 @pytest.fixture(scope="module")
 def tiny():
     model, processor, adapter, data = load_tools_model("qwen2_vl")
     EOS[0] = processor.tokenizer.eos_token_id
+    PAD[0] = adapter.image_token_id
     return processor, adapter, data
 
 
@@ -275,3 +281,14 @@ def test_later_calls_see_tool_images_at_full_resolution_with_their_model_sizes(t
     prompt_size, model_size = ((int(g[2]) * 14, int(g[1]) * 14) for g in grid[:2])
     assert report == f"(112, 112)->{prompt_size}; (448, 224)->{model_size}"  # the tool's image as returned
     assert model_size[0] < 448  # the processor resized it for the model; a later zoom still crops the original
+
+
+def test_an_engine_that_saw_other_ids_is_an_error_naming_the_turn(tiny):
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    call = _ids(tok, "<tool_call>", TOY_CALLS[0], "</tool_call>")
+    image = Image.new("RGB", (112, 112), (200, 40, 40))
+    batch = _batch(data, 1, image)
+    engine = ScriptedEngine({0: [call, _ids(tok, "red", "<|im_end|>")]}, drop_pad_at_turn=1)
+    with pytest.raises(ValueError, match=r"record 'rec', trajectory 0, turn 2: the engine's prompt ids differ"):
+        _loop(tiny, engine).run(batch, 1, SamplingSettings(n=1, max_new_tokens=8), [_context(batch, image)])
