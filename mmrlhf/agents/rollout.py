@@ -394,8 +394,12 @@ class AgentLoop:
         for t, (step, sec) in zip(ready, steps):
             stats.latency.append(sec)
             t.info.update(step.info or {})
-            if step.done:
+            if step.done:  # the episode is over: its last observation is not shown, a failure still counted
                 t.ended = "done"
+                if step.observation.error is not None:
+                    stats.errors[step.observation.error] = stats.errors.get(step.observation.error, 0) + 1
+                    t.turns.append(TurnRecord(role="tool", text=step.observation.text,
+                                              errors=[step.observation.error], latency_s=sec))
                 continue
             self._commit(t, [step.observation], sec, stats, environment=True)
 

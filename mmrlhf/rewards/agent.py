@@ -25,7 +25,10 @@ from mmrlhf.rewards.rules import extract_answer, extract_choice, is_think_answer
 CorrectFn = Union[str, Callable[[str, Any], bool]]
 MATCH_MODES = ("auto", "exact", "choice", "numeric")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
-_NOT_A_CALL = ("bad_json",)  # failures that never became a parsed call (see mmrlhf.agents.types.ERROR_KINDS)
+# Failures of calls that were parsed and ran (their tool raised, hung, or returned an image that was refused); the
+# other kinds (bad_json, unknown_tool, bad_arguments, too_many_calls) are refused while parsing and never become a
+# call in ``Trajectory.tool_calls`` (see mmrlhf.agents.calls and mmrlhf.agents.types.ERROR_KINDS).
+_RUN_FAILURES = ("tool_raised", "timeout", "image_too_large", "too_many_images")
 
 
 # ---- per-sample helpers ----------------------------------------------------------------------------------------
@@ -74,12 +77,12 @@ def answer_is_correct(response: str, reference: Any, match: str = "auto", rel_to
 def successful_tool_calls(trajectory: Trajectory | None) -> int:
     """Tool calls of the trajectory that were answered without an error (0 for a single-turn sample).
 
-    Every parsed call gets exactly one result; a ``bad_json`` failure never became a call, so only the other
-    failure kinds are subtracted from the calls.
+    Every parsed call gets exactly one result; a block refused while parsing (bad JSON, an unknown tool, bad
+    arguments, past the call limit) never became a call, so only the failures of calls that ran are subtracted.
     """
     if trajectory is None:
         return 0
-    failed_calls = sum(kind not in _NOT_A_CALL for kind in trajectory.errors)
+    failed_calls = sum(kind in _RUN_FAILURES for kind in trajectory.errors)
     return max(0, trajectory.num_tool_calls - failed_calls)
 
 

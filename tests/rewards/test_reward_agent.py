@@ -21,11 +21,14 @@ ZOOM = ToolCall("image_zoom", {"bbox_2d": [10, 10, 80, 80], "image_index": 0, "l
 
 def trajectory(final: str, turns: list[list[str]] = (), ended: str = "answer") -> Trajectory:
     """A trajectory with one assistant turn per entry of ``turns``, then the final turn ``final``. An entry lists
-    the outcome of each tool block of that turn: ``"ok"`` (a call that returned a crop) or a failure kind (a
-    ``bad_json`` block is no call; the other kinds are calls that failed)."""
+    the outcome of each tool block of that turn: ``"ok"`` (a call that returned a crop) or a failure kind. As the
+    parser does, only "ok" and the failures of calls that ran (tool_raised, timeout, image_too_large,
+    too_many_images) are calls; a block refused while parsing (bad_json, unknown_tool, bad_arguments,
+    too_many_calls) is not."""
+    ran = ("ok", "tool_raised", "timeout", "image_too_large", "too_many_images")
     records: list[TurnRecord] = []
     for outcomes in turns:
-        calls = [ZOOM for outcome in outcomes if outcome != "bad_json"]
+        calls = [ZOOM for outcome in outcomes if outcome in ran]
         records.append(TurnRecord("assistant", text="<think>zoom</think><tool_call>...</tool_call>", calls=calls))
         records.append(TurnRecord("tool", images=["<a PIL crop>"] * outcomes.count("ok"),
                                   errors=[outcome for outcome in outcomes if outcome != "ok"]))
@@ -65,14 +68,14 @@ def test_tool_use_bonus_is_gated_on_correctness():
 
 
 def test_tool_errors_cost_the_format_term_and_the_optional_penalty():
-    partly_failed = trajectory(RIGHT, [["bad_arguments"], ["ok"]])  # one failed call, then one that returned a crop
+    partly_failed = trajectory(RIGHT, [["timeout"], ["ok"]])  # one call that hung, then one that returned a crop
     all_failed = trajectory(RIGHT, [["timeout"], ["tool_raised"]])
-    bad_json_only = trajectory(RIGHT, [["bad_json", "ok"]])
+    refused_then_ok = trajectory(RIGHT, [["bad_json", "bad_arguments", "ok"]])
     assert successful_tool_calls(partly_failed) == 1
     assert successful_tool_calls(all_failed) == 0
-    assert successful_tool_calls(bad_json_only) == 1  # a bad_json block never became a call: the good call counts
+    assert successful_tool_calls(refused_then_ok) == 1  # refused blocks never became calls: the good call counts
 
-    out = score(deepeyes_reward, [RIGHT] * 3, ["B"] * 3, [partly_failed, all_failed, bad_json_only])
+    out = score(deepeyes_reward, [RIGHT] * 3, ["B"] * 3, [partly_failed, all_failed, refused_then_ok])
     assert [o["format"] for o in out] == [0.0, 0.0, 0.0]
     assert [o["tool"] for o in out] == [1.0, 0.0, 1.0]
     assert [o["overall"] for o in out] == pytest.approx([1.8, 0.6, 1.8])  # 0.8 - 0.2 (+ 1.2 with a good call)
