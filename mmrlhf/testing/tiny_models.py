@@ -91,8 +91,8 @@ _SENTENCES = [
 # Chat template: Qwen-style turns; content may be a string or a list of parts ({"type": "image" | "video" |
 # "text", ...}); each image/video part becomes <|vision_start|><|image_pad|><|vision_end|> (the processor expands
 # the pad token to the image's merged-patch count). No default system prompt: tiny vocabularies stay short.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+# _MESSAGE_BODY is one message's opening and content, shared with the tool variant's template.
+_MESSAGE_BODY = (
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
@@ -100,9 +100,10 @@ CHAT_TEMPLATE = (
     "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}" + _MESSAGE_BODY + "<|im_end|>\n{% endfor %}" + _GENERATION_PROMPT
 )
 
 
@@ -123,20 +124,12 @@ TOOLS_TEMPLATE = (
     "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
     "{% endif %}{{ '\\n' }}</tool_response>"
     "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% else %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
+    "{% else %}" + _MESSAGE_BODY +
     "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
     "{% endfor %}"
     "<|im_end|>\n"
     "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}" + _GENERATION_PROMPT
 )
 
 
