@@ -89,7 +89,9 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     data = json.loads(json.dumps(recipe.data))  # a deep copy
     n = 1 if data["rollout"].get("n_samples_per_prompt", 8) == 1 else 2
     samples = 2 * n
-    data["model"].update(pretrain=str(tiny_model_dir(recipe.family)), dtype="float32")
+    agent = data.get("agent") or {}
+    tools = bool(agent.get("tools") or agent.get("environment"))  # tool-using recipes: the tool-calling tokenizer
+    data["model"].update(pretrain=str(tiny_model_dir(recipe.family, tools=tools)), dtype="float32")
     data["data"].update(prompt_data=[str(data_file)], eval_data=[])
     # transformers engine: vLLM's start-up (~20 s a run on this CPU) buys nothing for a recipe test.
     data["rollout"].update(engine="transformers", dtype="auto", n_samples_per_prompt=n, max_new_tokens=4,
