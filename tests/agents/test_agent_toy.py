@@ -49,12 +49,12 @@ def test_records_are_deterministic_per_split():
         make_record(0, size=55)
 
 
-@pytest.mark.slow  # ~3 min on the 2-core machine: 80 multi-turn GRPO steps through vLLM
+@pytest.mark.slow  # ~4.5 min on the 2-core machine: 160 multi-turn GRPO steps through vLLM
 @pytest.mark.vllm
 def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
-    """Measured with the shipped recipe (seed 0): eval 0.28 at step 20, 0.20 at 40 (guessing), 1.0 from step 60;
-    tool use fell to ~0.1 by step 40, then rose to 0.98 (steps 76-100 mean). This shorter run asserts the rise with
-    margin."""
+    """Measured with the shipped recipe (seed 0, this machine): eval 0.2-0.3 (guessing) until step 100, 1.0 from
+    step 120; tool use fell to ~0.06 by step 75, then rose to 0.99 (steps 126-150). This run, 40 steps longer than
+    that first 1.0, asserts the rise with margin (another CPU's float order changes the samples and the timing)."""
     from mmrlhf.config import load_config
     from mmrlhf.launch import run
     from mmrlhf.testing.tiny_models import tiny_model_dir
@@ -62,7 +62,7 @@ def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
     out = tmp_path / "run"
     config = load_config("examples/agent_zoom_toy_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', tools=True)}", f"trainer.output_dir={out}",
-        "trainer.max_steps=80", "trainer.eval_steps=40", "trainer.progress_bar=false", "trainer.tensorboard=false",
+        "trainer.max_steps=160", "trainer.eval_steps=80", "trainer.progress_bar=false", "trainer.tensorboard=false",
         "trainer.report_steps=0", "trainer.save_steps=1000"])
     assert run(config) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -70,4 +70,5 @@ def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
     assert evals[-1] >= 0.9, evals
     late = rows[-10:]
     assert sum(r["agent/tool_use_rate"] for r in late) / len(late) >= 0.8, [r["agent/tool_use_rate"] for r in late]
+    assert sum(r["agent/out_of_budget_rate"] for r in late) / len(late) <= 0.2  # it answers, not calls again
     assert sum(r["reward/mean"] for r in rows[:10]) / 10 < 0.3  # it started at guessing
