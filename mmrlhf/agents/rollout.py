@@ -167,7 +167,6 @@ class AgentLoop:
     def run(self, batch: Any, n: int, sampling: SamplingSettings, contexts: Sequence[ToolContext]) -> AgentResult:
         """Trajectories of every sample of ``batch`` (a processed, n-expanded batch: sample ``k`` belongs to prompt
         ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``)."""
-        t0 = time.perf_counter()
         seconds = {"generate": 0.0, "tools": 0.0}
         stats = _Stats()
         live = [self._start(batch, k, n, contexts[k // n]) for k in range(len(batch))]
@@ -203,7 +202,6 @@ class AgentLoop:
         for t in live:
             if t.env is not None:
                 close_environment(t.env)
-        seconds["agent_other"] = max(0.0, time.perf_counter() - t0 - seconds["generate"] - seconds["tools"])
         return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
 
     def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> _Live:
@@ -232,7 +230,7 @@ class AgentLoop:
         engine skipped (request index -> reason)."""
         heads = active[::n]  # every trajectory is live before the first turn: whole groups, in order
         skipped: dict[int, str] = {}
-        for cap, members in self._buckets(range(len(heads)), [heads[i] for i in range(len(heads))]):
+        for cap, members in self._buckets(range(len(heads)), heads):
             settings = self._settings(sampling, n=n, room=cap)
             settings = dataclasses.replace(settings, seed=None if sampling.seed is None
                                            else mix_seed(sampling.seed, 0, cap))
@@ -313,10 +311,12 @@ class AgentLoop:
         tokens = list(completion.token_ids)
         cut = next((j + 1 for j, tok in enumerate(tokens) if tok in self.stop_ids), None)
         tokens = tokens[:cut] if cut is not None else tokens
-        if self._stops_at_calls:
-            closed = self._call_end(tokens)
-            if closed is not None:
-                tokens, cut = tokens[:closed], closed
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if self._stops_at_calls and CALL_CLOSE in text:
+            cut = self._call_end(tokens)  # the turn ends with its call (never "length")
+            if cut < len(tokens):  # the engine wrote past the call's closing tag: dropped
+                tokens = tokens[:cut]
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         t.response.extend(tokens)
         t.mask.extend([1] * len(tokens))
         if t.logprobs is not None and completion.logprobs is not None:
@@ -324,16 +324,14 @@ class AgentLoop:
         else:
             t.logprobs = None
         stats.generated += len(tokens)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         t.turns.append(TurnRecord(role="assistant", text=text))
         t.last_text = text
         if cut is None and completion.truncated:
             t.ended = "length"
 
-    def _call_end(self, tokens: list[int]) -> int | None:
-        """Length of the shortest prefix of ``tokens`` whose text holds a closing call tag (None: none does)."""
-        if CALL_CLOSE not in self.tokenizer.decode(tokens, skip_special_tokens=True):
-            return None
+    def _call_end(self, tokens: list[int]) -> int:
+        """Length of the shortest prefix of ``tokens`` whose text holds a closing call tag (the caller has seen
+        that the whole turn's text does)."""
         lo, hi = 1, len(tokens)  # the shortest prefix containing the tag: binary search over prefix lengths
         while lo < hi:
             mid = (lo + hi) // 2
