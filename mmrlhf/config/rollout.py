@@ -24,9 +24,19 @@ class RolloutConfig(Section):
     temperature: float = Field(default=1.0, ge=0.0)
     """Sampling temperature (0 = greedy)."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass (1 = off): keep the most likely tokens until their mass reaches it."""
     top_k: int = Field(default=-1, ge=-1)
     """Top-k sampling (-1 = off)."""
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Min-p sampling (0 = off): drop tokens less likely than ``min_p`` times the most likely one. The engines apply
+    the temperature, then min-p, then top-k, then top-p (vLLM's order)."""
+    logprob_mode: Literal["sampled", "full"] = "sampled"
+    """Which distribution the trainer scores tokens under when the rollout truncates (``top_k``, ``top_p`` or
+    ``min_p`` set). ``sampled``: the one the engine sampled from (tempered, truncated the same way, renormalised):
+    old, new and reference log-probs, the PPO ratio, KL, entropy and rollout correction then compare like with like.
+    ``full``: the untruncated tempered softmax (the behaviour before this key existed): every ratio against the
+    engine's log-probs is off by the kept mass of each step. Without truncation the two are identical.
+    docs/algorithms.md#the-distribution-log-probs-are-taken-under explains and measures the difference."""
     max_new_tokens: int = Field(default=1024, ge=1)
     """Maximum response length in tokens."""
     min_new_tokens: int = Field(default=0, ge=0)

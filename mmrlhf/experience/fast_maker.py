@@ -35,6 +35,7 @@ from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.models.placement import to_host
+from mmrlhf.models.truncation import Truncation
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
@@ -190,9 +191,11 @@ class FastExperienceMaker(ExperienceMaker):
             # The forwards may see another layout than the experience keeps (grouped: each prompt once per row);
             # every layout scores the same [b, A] values in sample order.
             scoring = [self._build_grouped(m) for m in micros] if self.settings.shared_prompt else built
-        scored = self._score(scoring, timer, scoring_temperature(sampling))
+        temperature = scoring_temperature(sampling)
+        truncation = scoring_truncation(sampling, self.settings.logprob_mode)
+        scored = self._score(scoring, timer, temperature, truncation)
         if pad_forwards_to is not None and pad_forwards_to > len(scoring):
-            self._pad_forwards(scoring[0], pad_forwards_to - len(scoring), timer, scoring_temperature(sampling))
+            self._pad_forwards(scoring[0], pad_forwards_to - len(scoring), timer, temperature, truncation)
         with timer("advantages"):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single())
         info = dict(rollout.metrics)
@@ -349,24 +352,27 @@ class FastExperienceMaker(ExperienceMaker):
                              f"{exc}") from exc
 
     @torch.no_grad()
-    def _score(self, built: list[BuiltSamples], timer: PhaseTimer,
-               temperature: float) -> list[dict[str, torch.Tensor | None]]:
+    def _score(self, built: list[BuiltSamples], timer: PhaseTimer, temperature: float,
+               truncation: Truncation | None = None) -> list[dict[str, torch.Tensor | None]]:
         """Actor (+ entropy), reference and critic forwards per micro-batch, all in the padded [b, A] shape,
-        scored at the sampling temperature (the distribution the samples were drawn from). The CPU-built batches go
-        to the models as they are (each moves them to its device); the outputs come back as CPU tensors."""
+        scored at the sampling temperature under the sampler's ``truncation`` (the distribution the samples were
+        drawn from). The CPU-built batches go to the models as they are (each moves them to its device); the
+        outputs come back as CPU tensors. ``outside`` / ``ref_outside`` [b, A]: tokens outside the actor's /
+        reference's kept set (None untruncated)."""
         scored = []
         for b in built:
             with timer("actor"):
                 out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
-                                 temperature=temperature)
+                                 temperature=temperature, truncation=truncation)
             row: dict[str, torch.Tensor | None] = {
                 "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
-                "ref_log_probs": None, "values": None,
+                "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
             }
             if self.settings.need_reference:
                 with timer("reference"):
-                    row["ref_log_probs"] = self.initial_model(b.samples, vision_extra=b.vision_extra,
-                                                              temperature=temperature).log_probs
+                    ref = self.initial_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
+                                             truncation=truncation)
+                row["ref_log_probs"], row["ref_outside"] = ref.log_probs, ref.outside
             if self.critic is not None:
                 with timer("critic"):
                     row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
@@ -374,12 +380,13 @@ class FastExperienceMaker(ExperienceMaker):
         return scored
 
     @torch.no_grad()
-    def _pad_forwards(self, b: BuiltSamples, count: int, timer: PhaseTimer, temperature: float) -> None:
+    def _pad_forwards(self, b: BuiltSamples, count: int, timer: PhaseTimer, temperature: float,
+                      truncation: Truncation | None = None) -> None:
         """``count`` forwards of the actor (and critic) whose results are dropped (see ``pad_forwards_to``); the
         reference is never sharded, so it needs none."""
         for _ in range(count):
             with timer("actor"):
-                self.actor(b.samples, vision_extra=b.vision_extra, temperature=temperature)
+                self.actor(b.samples, vision_extra=b.vision_extra, temperature=temperature, truncation=truncation)
             if self.critic is not None:
                 with timer("critic"):
                     self.critic(b.samples, vision_extra=b.vision_extra)
@@ -390,10 +397,14 @@ class FastExperienceMaker(ExperienceMaker):
         [N, A_max] tensors and metrics."""
         a_max = max(r["action_mask"].shape[1] for r in scored)
         cat = lambda key: _cat_padded([r[key] for r in scored], a_max)  # noqa: E731
+        mask = cat("action_mask").bool()  # [N, A]
+        outside = cat("outside")  # [N, A] | None: outside the old policy's kept set, so out of the loss
+        if outside is not None:
+            mask = mask & ~outside.bool()
         # Length terms (overlong shaping) count the policy's tokens, never a multi-turn response's observations.
         return shape_step(self.settings, groups=list(rollout.group), rewards=rewards,
                           lengths=torch.tensor(rollout.policy_lengths(), dtype=torch.long),
-                          max_new_tokens=sampling.max_new_tokens, mask=cat("action_mask").bool(),
+                          max_new_tokens=sampling.max_new_tokens, mask=mask,
                           log_probs=cat("log_probs"), ref_log_probs=cat("ref_log_probs"),
                           values=cat("values") if self.critic is not None else None, reward_norm=self.reward_norm,
                           kl_controller=self.kl_controller, world=world)
@@ -408,6 +419,7 @@ class FastExperienceMaker(ExperienceMaker):
         if shaped["kl"] is not None:
             m = shaped["mask"]
             info["kl/mean"] = float(shaped["kl"][m].mean()) if m.any() else 0.0
+        info.update(_outside_metrics(scored))
         # Engines report log-probs of the distribution they sampled from (after temperature), so the comparison
         # with the actor's log-probs at the sampling temperature holds at every temperature.
         info.update(_engine_mismatch(rows, scored))
@@ -450,6 +462,17 @@ DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a r
 def scoring_temperature(sampling: SamplingSettings) -> float:
     """The temperature log-probs are taken at: the sampling temperature; greedy decoding (0) is scored at 1."""
     return sampling.temperature if sampling.temperature > 0 else 1.0
+
+
+def scoring_truncation(sampling: SamplingSettings, mode: str) -> Truncation | None:
+    """The truncation log-probs are taken under (``rollout.logprob_mode``): the sampler's min-p / top-k / top-p
+    with ``sampled``, none with ``full``; greedy decoding is never truncated (vLLM reports its full distribution)."""
+    if mode not in ("sampled", "full"):
+        raise ValueError(f"logprob_mode must be 'sampled' or 'full', got {mode!r}")
+    if mode == "full" or sampling.temperature <= 0:
+        return None
+    truncation = Truncation(top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
+    return truncation if truncation.active else None
 
 
 def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):
@@ -496,20 +519,37 @@ def _reward_by_tool_use(rows: Rollout, rewards: torch.Tensor) -> dict[str, float
     return out
 
 
+def _outside_metrics(scored) -> dict[str, float]:
+    """Under ``logprob_mode: sampled`` with a truncating sampler: the share of scored tokens that lay outside the
+    actor's kept set (masked out of the loss; only float disagreement at the boundary puts a sampled token there, so
+    anything but ~0 means the engine truncates differently) and outside the reference's (its untruncated log-prob
+    stands in: KL against a reference that would never sample the token)."""
+    if scored[0].get("outside") is None:
+        return {}
+    tokens = sum(int(p["action_mask"].sum()) for p in scored)
+    out = {"logprobs/outside_kept_frac": sum(int(p["outside"].sum()) for p in scored) / max(tokens, 1)}
+    if scored[0].get("ref_outside") is not None:
+        out["logprobs/ref_outside_kept_frac"] = sum(int(p["ref_outside"].sum()) for p in scored) / max(tokens, 1)
+    return out
+
+
 def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
-    """Mean / max |engine log-prob - actor log-prob| over response tokens: the off-policy gap of the rollout."""
+    """Mean / max |engine log-prob - actor log-prob| over response tokens: the off-policy gap of the rollout.
+    Tokens outside the actor's kept set (scored untruncated, out of the loss) are left out: they are counted in
+    ``logprobs/outside_kept_frac``."""
     diffs, turns, row = [], [], 0
     for part in scored:
-        lp, mask = part["log_probs"], part["action_mask"]
+        lp, mask, outside = part["log_probs"], part["action_mask"], part.get("outside")
         for i in range(lp.shape[0]):
             eng = rollout.engine_logprobs[row + i]
             if eng is None:
                 continue
             keep = mask[i, : len(eng)].bool()  # policy tokens of the response (all of a single-turn one)
-            diffs.append((torch.tensor(eng[: keep.shape[0]])[keep] - lp[i, : keep.shape[0]][keep]).abs())
+            inside = keep if outside is None else keep & ~outside[i, : keep.shape[0]].bool()
+            diffs.append((torch.tensor(eng[: keep.shape[0]])[inside] - lp[i, : keep.shape[0]][inside]).abs())
             if rollout.multi_turn:  # the turn of each policy token: a turn starts where a run of policy tokens does
                 starts = keep & ~torch.nn.functional.pad(keep, (1, 0))[:-1]
-                turns.append(torch.cumsum(starts.long(), 0)[keep])
+                turns.append(torch.cumsum(starts.long(), 0)[inside])
         row += lp.shape[0]
     if not diffs:
         return {}

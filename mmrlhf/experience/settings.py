@@ -28,6 +28,7 @@ class ExperienceSettings:
     advantage_whitening: bool = False  # whiten advantages over the rollout's response tokens
     advantage_clip: float | None = None
     check_prompt_ids: bool = True  # the engine's prompt ids must equal the processor's (vision layout check)
+    logprob_mode: str = "sampled"  # sampled: score under the sampler's truncation; full: untruncated (rollout.*)
 
 
 def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_implementation: str = "sdpa",
@@ -72,4 +73,5 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         # "batch" and "global" both pool the whole step's statistics (over every training rank: step_shaping).
         advantage_whitening=algorithm.advantage_whitening != "none",
         advantage_clip=algorithm.advantage_clip,
+        logprob_mode=rollout.logprob_mode,
     )

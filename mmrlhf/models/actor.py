@@ -43,17 +43,21 @@ from torch import nn
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
-from mmrlhf.models.logprobs import chunked_log_probs
+from mmrlhf.models.logprobs import chunked_sampled_log_probs
 from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.precision import autocast
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import attention_implementation, grouped_attention_mask
+from mmrlhf.models.truncation import Truncation
 
 
 class ActionLogProbs(NamedTuple):
     log_probs: torch.Tensor  # [B, A] float32 log-prob of each response token; 0 where action_mask is False
     entropy: torch.Tensor | None  # [B, A] float32 next-token entropy at each response position (0 off-mask)
     action_mask: torch.Tensor  # [B, A] bool
+    # [B, A] bool: scored under a truncation, the token lay outside its kept set and was scored untruncated
+    # (mmrlhf.models.logprobs); None when no truncation was asked for
+    outside: torch.Tensor | None = None
 
 
 def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -196,7 +200,8 @@ class ActorVL(nn.Module):
         )
         return out.last_hidden_state
 
-    def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature) -> ActionLogProbs:
+    def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature,
+                     truncation) -> ActionLogProbs:
         # Moved here, per micro-batch, after any selection: the selection reads lengths on the host.
         samples, vision_extra = to_device((samples, vision_extra), self.device)
         hidden = self._hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
@@ -207,14 +212,17 @@ class ActorVL(nn.Module):
         if self.compute_dtype is not None:  # a custom autograd function: cast its inputs once, as autocast would
             h, weight = h.to(self.compute_dtype), weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
-        logp, ent = chunked_log_probs(
+        logp, ent, out = chunked_sampled_log_probs(
             h, weight, samples.sequences.reshape(-1)[tgt], bias=bias,
             chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy,
-            excluded=self._excluded_tensor,
-        )  # [N], [N] | None
+            excluded=self._excluded_tensor, truncation=truncation,
+        )  # [N], [N] | None, [N]
         log_probs = logp.new_zeros(action_mask.shape).masked_scatter(action_mask, logp)  # [B, A]
         entropy = None if ent is None else ent.new_zeros(action_mask.shape).masked_scatter(action_mask, ent)
-        return ActionLogProbs(log_probs, entropy, action_mask)
+        outside = None
+        if truncation is not None and truncation.active:
+            outside = torch.zeros_like(action_mask).masked_scatter(action_mask, out)  # [B, A]
+        return ActionLogProbs(log_probs, entropy, action_mask, outside)
 
     def forward(
         self,
@@ -224,12 +232,15 @@ class ActorVL(nn.Module):
         return_entropy: bool = False,
         chunk_size: int | None = None,
         temperature: float = 1.0,
+        truncation: Truncation | None = None,
         micro_batch_size: int | None = None,
     ) -> ActionLogProbs:
         """Log-probs [B, A] of the response tokens of ``samples`` (padded or packed) and optionally entropy [B, A].
 
         ``vision_extra``: per-video inputs SamplesVL has no field for (``BuiltSamples.vision_extra``, e.g.
-        Qwen2.5-VL's ``second_per_grid_ts``). ``temperature`` divides the logits (match the sampler's).
+        Qwen2.5-VL's ``second_per_grid_ts``). ``temperature`` divides the logits (match the sampler's);
+        ``truncation`` (the sampler's min-p / top-k / top-p) scores the distribution the engine sampled from, each
+        token's kept set taken from THIS model's logits; tokens outside it come back flagged in ``outside``.
         The inputs may be anywhere (the CPU, where they are built): they are moved to this actor's device, where
         the outputs are.
         """
@@ -240,16 +251,17 @@ class ActorVL(nn.Module):
             raise ValueError("a grouped (shared-prompt) batch is one forward: build one per micro-batch instead of "
                              "passing micro_batch_size")
         with self._autocast():
-            return self._forward_groups(samples, vision_extra, return_entropy, chunk, temperature, micro_batch_size)
+            return self._forward_groups(samples, vision_extra, return_entropy, chunk, temperature, truncation,
+                                        micro_batch_size)
 
-    def _forward_groups(self, samples, vision_extra, return_entropy, chunk, temperature,
+    def _forward_groups(self, samples, vision_extra, return_entropy, chunk, temperature, truncation,
                         micro_batch_size) -> ActionLogProbs:
         batch = samples.batch_size
         if micro_batch_size is None or micro_batch_size >= batch:
-            return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature)
+            return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature, truncation)
         parts = [
             self._forward_one(*select_samples(samples, vision_extra, range(s, min(s + micro_batch_size, batch))),
-                              return_entropy, chunk, temperature)
+                              return_entropy, chunk, temperature, truncation)
             for s in range(0, batch, micro_batch_size)
         ]
         a_max = max(p.action_mask.shape[1] for p in parts)
@@ -261,6 +273,7 @@ class ActorVL(nn.Module):
             cat([p.log_probs for p in parts]),
             cat([p.entropy for p in parts]) if return_entropy else None,
             cat([p.action_mask for p in parts]),
+            cat([p.outside for p in parts]) if parts[0].outside is not None else None,
         )
 
 

@@ -12,12 +12,24 @@ and upcast to float32 before the softmax, as the model's own lm_head + ``.float(
 ``excluded`` token ids (the tokens the rollout engines never sample: vision special tokens and the user's forbidden
 list) get a logit of ``EXCLUDED_LOGIT``: their probability is exactly 0 in float32, so the log-probs and entropy
 are those of the distribution the engine actually sampled from, renormalised over the allowed vocabulary.
+
+``truncation`` (:mod:`mmrlhf.models.truncation`: min-p, top-k, top-p, as the engine applies them after the
+temperature): each row's tokens below its kept threshold get ``EXCLUDED_LOGIT`` too, so log-probs, entropy and their
+gradients are those of the truncated, renormalised distribution (the kept set is a constant of the step, as it is
+for the sampler). A row whose target lies OUTSIDE its kept set (the engine's and the trainer's logits disagree at
+the boundary, or the scoring model is not the one that sampled) is scored under the untruncated distribution
+instead and flagged in the returned ``outside`` mask: a finite log-prob, never -inf or NaN, for the caller to mask
+(the policy's loss) or count (the reference). The thresholds ([N] floats) are kept for the backward.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from mmrlhf.models.truncation import Truncation, kept_threshold, truncate_logits
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -45,15 +57,24 @@ class _ChunkedLogProbs(torch.autograd.Function):
     """Autograd function: forward and backward both walk the tokens in chunks; nothing of size [N, V] is stored."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy, excluded):
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, temperature, with_entropy, excluded, truncation):
         # hidden [N, H], weight [V, H], bias [V] | None, targets [N] long, excluded [K] long | None
         n, acc = hidden.shape[0], _acc_dtype(torch.promote_types(hidden.dtype, weight.dtype))
         logp = hidden.new_empty(n, dtype=acc)  # [N]
-        lse = hidden.new_empty(n, dtype=acc)  # [N] log-sum-exp of each token's logits
+        lse = hidden.new_empty(n, dtype=acc)  # [N] log-sum-exp of each token's (kept) logits
         entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)  # [N] | [0]
+        truncate = truncation is not None and truncation.active
+        thresholds = hidden.new_empty(n if truncate else 0, dtype=acc)  # [N] | [0] kept threshold (-inf: all)
+        outside = torch.zeros(n, dtype=torch.bool, device=hidden.device)  # [N]
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             logits = _chunk_logits(hidden[s:e], weight, bias, temperature, excluded)  # [c, V]
+            if truncate:
+                tau = kept_threshold(logits, truncation)  # [c]
+                out = logits.gather(-1, targets[s:e, None])[:, 0] < tau  # [c] the target is cut away
+                tau = tau.masked_fill(out, float("-inf"))  # such a row is scored untruncated (and flagged)
+                logits.masked_fill_(logits < tau[:, None], EXCLUDED_LOGIT)
+                thresholds[s:e], outside[s:e] = tau, out
             chunk_lse = torch.logsumexp(logits, dim=-1)  # [c]
             lse[s:e] = chunk_lse
             logp[s:e] = logits.gather(-1, targets[s:e, None])[:, 0] - chunk_lse
@@ -63,15 +84,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 entropy[s:e] = -plogp.sum(-1)
                 del logq, plogp
             del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, excluded)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, excluded, thresholds)
         ctx.set_materialize_grads(False)  # an unused output (e.g. a detached entropy) gets None: skip its term
+        ctx.mark_non_differentiable(outside)
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
-        return logp, entropy
+        return logp, entropy, outside
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, _grad_outside):
         # grad_logp [N], grad_entropy [N] | [0] | None
-        hidden, weight, bias, targets, lse, entropy, excluded = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, excluded, thresholds = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         n, chunk, temp = hidden.shape[0], ctx.chunk_size, ctx.temperature
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
@@ -84,7 +106,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             # d logp_t / dz = onehot(t) - p ;  d H / dz = -p * (log p + H).  Two [c, V] buffers, updated in place.
-            logq = _chunk_logits(hidden[s:e], weight, bias, temp, excluded).sub_(lse[s:e, None])  # [c, V] log-probs
+            logits = _chunk_logits(hidden[s:e], weight, bias, temp, excluded)  # [c, V]
+            if thresholds.numel():  # the forward's kept sets (constants of the step)
+                logits.masked_fill_(logits < thresholds[s:e, None], EXCLUDED_LOGIT)
+            logq = logits.sub_(lse[s:e, None])  # [c, V] log-probs
             g = logq.exp()  # [c, V] probabilities p, turned into the logits' gradient below
             if use_ent:
                 ent_term = logq.add_(entropy[s:e, None]).mul_(g).mul_(grad_entropy[s:e, None])  # [c, V] in logq
@@ -106,7 +131,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             del g, g_lin
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def chunked_log_probs(
@@ -127,16 +152,46 @@ def chunked_log_probs(
     Returns (log_probs [N] float32, entropy [N] float32 | None; float64 for float64 inputs).
     Differentiable w.r.t. hidden, weight and bias (entropy too: usable as a bonus term); peak extra memory is two
     [chunk_size, V] buffers in the forward and in the backward (plus the weight's gradient).
+    The untruncated distribution; :func:`chunked_sampled_log_probs` scores a truncated one.
     """
+    out = chunked_sampled_log_probs(hidden, weight, targets, bias=bias, chunk_size=chunk_size, temperature=temperature,
+                                    return_entropy=return_entropy, excluded=excluded)
+    return out.log_probs, out.entropy
+
+
+class SampledLogProbs(NamedTuple):
+    log_probs: torch.Tensor  # [N] float32 (float64 for float64 inputs)
+    entropy: torch.Tensor | None  # [N] entropy of the (truncated) distribution, when asked for
+    outside: torch.Tensor  # [N] bool: the target lay outside its kept set (scored untruncated); all False untruncated
+
+
+def chunked_sampled_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    excluded: torch.Tensor | None = None,
+    truncation: Truncation | None = None,
+) -> SampledLogProbs:
+    """:func:`chunked_log_probs` of the distribution the engine sampled from: tempered, ``excluded`` removed, then
+    cut by ``truncation`` (min-p, top-k, top-p; None or inactive: nothing cut) and renormalised. Targets outside
+    their row's kept set are scored untruncated and flagged in ``outside`` (module docstring). The truncation costs
+    per chunk one top-k (and, for top-p, a top-k of the nucleus' candidates plus one masked log-sum-exp); no
+    [N, V] tensor is made."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hidden.ndim != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden [N, H] and targets [N], got {tuple(hidden.shape)}, {tuple(targets.shape)}")
-    logp, entropy = _ChunkedLogProbs.apply(
+    logp, entropy, outside = _ChunkedLogProbs.apply(
         hidden, weight, bias, targets.long(), int(chunk_size), float(temperature), bool(return_entropy),
         None if excluded is None else excluded.to(device=hidden.device, dtype=torch.long),
+        truncation if truncation is not None and truncation.active else None,
     )
-    return logp, (entropy if return_entropy else None)
+    return SampledLogProbs(logp, entropy if return_entropy else None, outside)
 
 
 def naive_log_probs(
@@ -147,14 +202,20 @@ def naive_log_probs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     excluded: torch.Tensor | None = None,
+    truncation: Truncation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: full [N, V] float32 logits at once. For tests and benchmarks only (memory O(N * V))."""
+    """Reference: full [N, V] float32 logits at once. For tests and benchmarks only (memory O(N * V)).
+    ``truncation``: the truncated distribution, by the reference rule of :func:`truncate_logits` (every target
+    must lie inside its kept set)."""
     logits = F.linear(hidden, weight, bias)  # [N, V]
     logits = logits.to(_acc_dtype(logits.dtype)) / temperature  # [N, V] float32 (float64 stays float64)
     if excluded is not None:
         logits[:, excluded] = float("-inf")
+    if truncation is not None:
+        logits = truncate_logits(logits, truncation)
     logq = torch.log_softmax(logits, dim=-1)  # [N, V]
     logp = logq.gather(-1, targets.long()[:, None])[:, 0]  # [N]
     p = logq.exp()
-    entropy = -torch.where(p > 0, p * logq, torch.zeros_like(p)).sum(-1)  # [N] (excluded tokens: 0 log 0 = 0)
+    # [N]; excluded / truncated tokens: 0 log 0 = 0, with -inf kept out of the product (its backward would be NaN)
+    entropy = -(p * torch.where(p > 0, logq, torch.zeros_like(logq))).sum(-1)
     return logp, entropy

@@ -15,7 +15,7 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
     """The rollout section's sampling knobs as engine-independent settings."""
     return SamplingSettings(
         n=cfg.n_samples_per_prompt if n is None else n, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+        top_k=cfg.top_k, min_p=cfg.min_p, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
         stop=tuple(cfg.stop), seed=cfg.seed, logprobs=True, forbidden_token_ids=tuple(forbidden),
     )
 

@@ -8,32 +8,19 @@ fresh generation config with no processor of its own, and :class:`SettingsSample
 does the sampling: it returns scores whose argmax is the token it drew, and records that token's log-prob.
 
 The distribution is vLLM's (``vllm/v1/sample/sampler.py`` with ``logprobs_mode="processed_logprobs"``): float32
-logits, forbidden tokens and (before ``min_new_tokens``) stop tokens removed, divided by the temperature, cut to
-the ``top_k`` highest (ties at the boundary kept), then to the highest tokens whose probability reaches ``top_p``
-(the most likely token always kept); the reported log-prob is the log-softmax over what is left. Greedy
-(temperature 0): the argmax, with the log-prob of the un-tempered, untruncated (but forbidden-free) distribution.
+logits, forbidden tokens and (before ``min_new_tokens``) stop tokens removed, divided by the temperature, cut by
+``min_p``, ``top_k`` and ``top_p`` exactly as the trainer's ``sampled`` log-probs cut them
+(:mod:`mmrlhf.models.truncation`: vLLM's rules, with every token tied at a boundary kept); the reported log-prob is
+the log-softmax over what is left. Greedy (temperature 0): the argmax, with the log-prob of the un-tempered,
+untruncated (but forbidden-free) distribution.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mmrlhf.models.truncation import Truncation, truncate_logits
 from mmrlhf.rollout.types import SamplingSettings
-
-
-def truncate_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[R, V] float logits -> [R, V] with every token outside the top-k / top-p set at -inf (vLLM's rule)."""
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [R, 1] the k-th highest logit
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ascending, order = logits.sort(dim=-1)  # [R, V]
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # [R, V] mass of this token and every lower one
-        drop = cumulative <= 1.0 - top_p  # [R, V]
-        drop[:, -1] = False  # the most likely token always stays
-        logits = logits.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
-    return logits
 
 
 class SettingsSampler:
@@ -50,6 +37,7 @@ class SettingsSampler:
     def __init__(self, settings: SamplingSettings, *, forbidden: list[int], stop_ids: list[int], prompt_width: int,
                  seeds: list[int]) -> None:
         self.settings = settings
+        self.truncation = Truncation(top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p)
         self.forbidden = torch.tensor(forbidden, dtype=torch.long)
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
         self.prompt_width = prompt_width
@@ -73,8 +61,7 @@ class SettingsSampler:
         if self.settings.temperature == 0:
             chosen = logits.argmax(dim=-1)  # [R]
         else:
-            logits = truncate_top_k_top_p(logits / self.settings.temperature, self.settings.top_k,
-                                          self.settings.top_p)  # [R, V]
+            logits = truncate_logits(logits / self.settings.temperature, self.truncation)  # [R, V]
             probs = logits.softmax(dim=-1)  # [R, V]
             gens = self._rows_generators(probs.device)
             if len(gens) != probs.shape[0]:

@@ -42,9 +42,9 @@ def request_name(requests: list[GenerationRequest], index: int) -> str:
 class SamplingSettings:
     """Engine-independent sampling parameters (mapped onto vLLM ``SamplingParams`` or the transformers engine's
     own sampler). Both engines sample from exactly this distribution and nothing else: the logits with the
-    forbidden tokens (and, before ``min_new_tokens``, the stop tokens) removed, divided by ``temperature``, cut to
-    ``top_k`` then ``top_p``. A checkpoint's ``generation_config.json`` sampling defaults (repetition penalty,
-    top-k, ...) are never applied.
+    forbidden tokens (and, before ``min_new_tokens``, the stop tokens) removed, divided by ``temperature``, cut by
+    ``min_p``, then ``top_k``, then ``top_p``. A checkpoint's ``generation_config.json`` sampling defaults
+    (repetition penalty, top-k, ...) are never applied.
 
     ``seed``: sample ``j`` of request ``i`` draws from its own stream, seeded ``stream_seed(seed, i, j, n)`` =
     ``request_seed(seed, i, n) + j`` where the request seed is a hash of ``(seed, i)`` times ``n``: no two samples of
@@ -57,6 +57,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
+    min_p: float = 0.0  # 0 = off (applied after the temperature, before top-k)
     max_new_tokens: int = 1024
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
@@ -97,7 +98,7 @@ class Completion:
     token_ids: list[int]
     # Log-prob of each sampled token under the distribution it was sampled from: the policy's logits with the
     # forbidden tokens (and stop tokens before min_new_tokens) removed, divided by the temperature, renormalised
-    # over the top-k / top-p set (vLLM's "processed_logprobs"). Greedy decoding: no temperature, no truncation.
+    # over the min-p / top-k / top-p set (vLLM's "processed_logprobs"). Greedy decoding: no temperature, no truncation.
     logprobs: list[float] | None
     finish_reason: str  # "stop" (EOS / stop string) or "length" (hit max_new_tokens)
 

@@ -176,6 +176,7 @@ class VLLMEngine(RolloutEngine):
             temperature=settings.temperature,
             top_p=settings.top_p,
             top_k=settings.top_k if settings.top_k > 0 else 0,
+            min_p=settings.min_p,
             max_tokens=settings.max_new_tokens,
             min_tokens=settings.min_new_tokens,
             stop=list(settings.stop) or None,

@@ -26,6 +26,7 @@ from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.models.placement import to_device
+from mmrlhf.models.truncation import Truncation
 from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
@@ -108,8 +109,12 @@ class PolicyUpdater:
         self.actor, self.stepper, self.s = actor, stepper, settings
         self.pad_id = pad_id
 
-    def update(self, items: Sequence[TrainItem], *, temperature: float,
+    def update(self, items: Sequence[TrainItem], *, temperature: float, truncation: Truncation | None = None,
                generator: torch.Generator | None) -> dict[str, float]:
+        """One step's update. ``temperature`` and ``truncation``: the distribution the old log-probs were scored
+        under; the new ones are scored under the same. A token outside the CURRENT policy's kept set (its
+        truncated probability is 0) is masked out of the micro-batch's loss and counted
+        (``policy/outside_kept_frac``)."""
         s = self.s
         need_ref = s.kl_loss_coef > 0
         counts = [float(agg_count(it.token["policy_mask"][None], s.agg)) for it in items]
@@ -122,14 +127,20 @@ class PolicyUpdater:
                             adapter=self.actor.adapter, shared_prompt=s.shared_prompt,
                             max_row_tokens=s.shared_prompt_max_tokens)  # on the CPU; the actor moves it
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
-                             return_entropy=s.entropy_coef > 0)
+                             truncation=truncation, return_entropy=s.entropy_coef > 0)
             tok = to_device(batch.token, out.log_probs.device)  # the loss's other inputs join the outputs
             mask = tok["policy_mask"]
+            outside = None
+            if out.outside is not None:
+                outside = out.outside & mask.bool()  # [b, A]
+                mask = mask & ~outside
             loss, metrics = policy_loss(
                 s.loss, out.log_probs, tok["action_log_probs"], tok["advantages"], mask, clip_low=s.clip_low,
                 clip_high=s.clip_high, agg=s.agg, norm_len=s.norm_len, entropy=out.entropy,
                 entropy_coef=s.entropy_coef, token_weights=tok["is_weight"], agg_denominator=denom,
                 **dict(s.loss_params))
+            if outside is not None:
+                metrics["outside_kept_frac"] = float(outside.sum()) / max(float(tok["policy_mask"].sum()), 1.0)
             if need_ref:
                 kl, m = kl_loss(out.log_probs, tok["base_action_log_probs"], mask, estimator=s.kl_loss_estimator,
                                 agg=s.agg, norm_len=s.norm_len, denominator=denom)

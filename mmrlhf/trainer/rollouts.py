@@ -31,8 +31,9 @@ from mmrlhf.algorithms.dynamic_sampling import (
 from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
-from mmrlhf.experience.fast_maker import scoring_temperature
+from mmrlhf.experience.fast_maker import scoring_temperature, scoring_truncation
 from mmrlhf.experience.rollout import Rollout, ScoredRollout, merge_round_metrics
+from mmrlhf.models.truncation import Truncation
 from mmrlhf.parallel.world import World
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
 from mmrlhf.rollout.weight_sync import sync_weights
@@ -52,6 +53,7 @@ class StepBatch:
     items: list[TrainItem]  # empty: nothing kept this step (dynamic sampling found no group with variance)
     metrics: dict[str, float]  # rollout and experience metrics of this rank's share
     temperature: float  # the temperature the old log-probs were computed at (the update's too)
+    truncation: Truncation | None = None  # the sampler's truncation they were scored under (the update's too)
     rollout: ScoredRollout | None = None  # this rank's rollout (the per-step report shows it)
     seconds: dict[str, float] = field(default_factory=dict)  # phase timings
 
@@ -143,6 +145,7 @@ class LocalRollouts:
         if describe:
             metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
         return StepBatch(items, metrics, temperature=scoring_temperature(rollout.sampling),
+                         truncation=scoring_truncation(rollout.sampling, self.maker.settings.logprob_mode),
                          rollout=rollout if describe else None, seconds=seconds)
 
     def _forwards_over_ranks(self, rollout: ScoredRollout) -> int:

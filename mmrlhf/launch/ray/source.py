@@ -110,15 +110,18 @@ class RayRollouts:
             mine = self.world.scatter_objects(None)
             if isinstance(mine, tuple):
                 raise RolloutSourceError(mine[1])
-        items, temperature = mine["items"], mine["temperature"]
+        items, temperature, truncation = mine["items"], mine["temperature"], mine["truncation"]
         with torch.no_grad():
-            current = self._log_probs(items, temperature)  # [A_i] per item
+            current, outside = self._log_probs(items, temperature, truncation)  # [A_i] per item each
+        for it, out in zip(items, outside):  # outside this policy's kept set: out of the loss (and of the check)
+            it.token["loss_mask"] = it.token["loss_mask"] & ~out
         metrics = self._sync_check(items, current, mine["fresh"])
         if self.k >= 1:
             for it, lp in zip(items, current):
                 it.token["action_log_probs"] = lp
         metrics.update(mine["metrics"])
-        return StepBatch(items, metrics, temperature=temperature, seconds={"rollout": time.perf_counter() - t0})
+        return StepBatch(items, metrics, temperature=temperature, truncation=truncation,
+                         seconds={"rollout": time.perf_counter() - t0})
 
     def _parts(self, step: int) -> list[dict[str, Any]]:
         """Rank 0: step ``step``'s samples from every rollout actor, split over the ranks (whole groups)."""
@@ -136,12 +139,13 @@ class RayRollouts:
         payloads = ray.get([self.pending[(step, share)][1] for share in range(self.pool.count)])
         for share in range(self.pool.count):
             del self.pending[(step, share)]
-        temperatures = {p["temperature"] for p in payloads}
-        if len(temperatures) != 1:
-            raise ValueError(f"step {step}: experiences scored at different temperatures {sorted(temperatures)}")
-        n, temperature = self.world.world_size, temperatures.pop()
-        parts = [{"items": [], "fresh": [], "temperature": temperature, "metrics": {"samples": 0.0}}
-                 for _ in range(n)]
+        scorings = {(p["temperature"], p["truncation"]) for p in payloads}
+        if len(scorings) != 1:
+            raise ValueError(f"step {step}: experiences scored under different distributions "
+                             f"{sorted(map(str, scorings))}")
+        n, (temperature, truncation) = self.world.world_size, scorings.pop()
+        parts = [{"items": [], "fresh": [], "temperature": temperature, "truncation": truncation,
+                  "metrics": {"samples": 0.0}} for _ in range(n)]
         staleness, order = [], {}
         for p in payloads:
             s = check_staleness(self.version, p["version"], self.k)
@@ -231,10 +235,12 @@ class RayRollouts:
                        s.max_actor_restarts, [st for st, _ in lost])
 
     # ---- scoring -----------------------------------------------------------------------------------------------
-    def _log_probs(self, items: list[Any], temperature: float) -> list[torch.Tensor]:
-        """[A_i] log-probs of each item's response under this rank's policy, in item order. Every rank runs as many
-        forwards as the rank with the most micro-batches (sharded forwards are collective); the extra ones repeat
-        a micro-batch and are dropped."""
+    def _log_probs(self, items: list[Any], temperature: float,
+                   truncation: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """[A_i] log-probs of each item's response under this rank's policy, in item order, and [A_i] bool: the
+        token lay outside this policy's kept set (all False untruncated). Every rank runs as many forwards as the
+        rank with the most micro-batches (sharded forwards are collective); the extra ones repeat a micro-batch and
+        are dropped."""
         from mmrlhf.experience.batching import collate
         from mmrlhf.models.placement import to_host
 
@@ -243,16 +249,21 @@ class RayRollouts:
         micro = s.micro_batch_size
         count = int(self.world.all_max([float(math.ceil(len(items) / micro))])[0])
         out: list[torch.Tensor] = []
+        outside: list[torch.Tensor] = []
         for i in range(count):
             part = items[i * micro: (i + 1) * micro]
             pad = not part
             part = part or items[:micro]
             batch = collate(part, packed=s.packing, pad_id=self.policy.pad_id, adapter=actor.adapter,
                             shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
-            lp = to_host(actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature).log_probs)
+            scored = to_host(actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
+                                   truncation=truncation))
+            lp = scored.log_probs
+            cut = scored.outside if scored.outside is not None else torch.zeros_like(scored.action_mask)
             if not pad:
                 out += [lp[j, : len(it.response_ids)].float() for j, it in enumerate(part)]  # [b, A] -> [A_i]
-        return out
+                outside += [cut[j, : len(it.response_ids)].bool() for j, it in enumerate(part)]
+        return out, outside
 
     def _sync_check(self, items: Sequence[Any], current: Sequence[torch.Tensor], fresh: Sequence[bool]) -> dict:
         """Mean / max |engine log-prob - trainer log-prob| over the response tokens of fresh (staleness 0) samples,
