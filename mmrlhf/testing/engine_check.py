@@ -124,17 +124,18 @@ def hf_response_logprobs(model: Any, processor: Any, case: CheckCase, responses:
 
 
 def actor_response_logprobs(actor: Any, request: Any, responses: list[list[int]], *, temperature: float = 1.0,
-                            stop_ids: list[int] | tuple[int, ...] = ()) -> list[torch.Tensor]:
+                            stop_ids: list[int] | tuple[int, ...] = (), truncation: Any = None) -> list[torch.Tensor]:
     """What the trainer computes: :class:`~mmrlhf.models.actor.ActorVL` log-probs of each response given one
     :class:`~mmrlhf.rollout.types.GenerationRequest` (its processor ids and vision tensors), in the padded layout
-    the experience maker builds. Returns one tensor [A_i] per response."""
+    the experience maker builds, under the sampler's ``truncation`` (None: the full distribution). Returns one
+    tensor [A_i] per response."""
     from mmrlhf.experience.samples import build_padded_samples
 
     k = len(responses)
     built = build_padded_samples([request.prompt_token_ids] * k, responses, pad_id=0, eos_id=list(stop_ids),
                                  adapter=actor.adapter, vision=[request.vision_inputs] * k)
     with torch.no_grad():  # CPU tensors: a helper for tests and the smoke check
-        out = actor(built.samples, vision_extra=built.vision_extra, temperature=temperature)
+        out = actor(built.samples, vision_extra=built.vision_extra, temperature=temperature, truncation=truncation)
     return [out.log_probs[i, : int(out.action_mask[i].sum())].float().cpu() for i in range(k)]
 
 

@@ -249,15 +249,3 @@ def test_hf_generate_leaves_the_global_rng_alone(hf_setup):
     engine.generate(req, SamplingSettings(max_new_tokens=3, seed=7))
     engine.generate(req, SamplingSettings(max_new_tokens=3, seed=None))
     assert torch.equal(torch.rand(3), expected)
-
-
-def test_top_k_top_p_cut_follows_vllms_rule():
-    from mmrlhf.rollout.hf_sampling import truncate_top_k_top_p
-
-    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.1, 0.2, 0.3, 0.4]]))
-    kept = lambda x: (x > float("-inf")).tolist()  # noqa: E731
-    assert kept(truncate_top_k_top_p(logits, 2, 1.0)) == [[True, True, False, False], [False, False, True, True]]
-    # top-p 0.7: the highest tokens until their mass reaches 0.7 (0.5 + 0.25; 0.4 + 0.3)
-    assert kept(truncate_top_k_top_p(logits, -1, 0.7)) == [[True, True, False, False], [False, False, True, True]]
-    assert kept(truncate_top_k_top_p(logits, -1, 0.01)) == [[True, False, False, False], [False, False, False, True]]
-    assert torch.equal(truncate_top_k_top_p(logits, -1, 1.0), logits)
