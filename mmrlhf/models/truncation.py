@@ -64,39 +64,66 @@ class Truncation:
         return ", ".join(parts + [f"top_p={self.top_p}"] * (self.top_p < 1.0)) or "none"
 
 
-def _kept_mass(logits: torch.Tensor, floor: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-    """[c, V], [c], [c] row maxima -> [c] float64 sum of ``exp(logit - max)`` over the logits at or above the floor.
-
-    Summed in float64 (each term is a float32 exp): top-p's boundary is where a cumulative mass crosses p, and a
-    float32 log-sum-exp (one ulp of a value near 10 is 1e-6 of the mass) moved it by several tail tokens at p 0.999,
-    more than vLLM's own float32 arithmetic does."""
-    shifted = logits - top[:, None]  # [c, V] the one temporary
-    if not bool(torch.isneginf(floor).all()):
-        shifted.masked_fill_(logits < floor[:, None], float("-inf"))
-    return shifted.exp_().sum(dim=-1, dtype=torch.float64)
-
-
 def _top_p_threshold(logits: torch.Tensor, floor: torch.Tensor, top_p: float,
                      candidates: torch.Tensor | None) -> torch.Tensor:
     """[c] threshold of the top-p set of the distribution ``logits >= floor`` renormalised.
 
-    ``candidates`` [c, K] (descending; e.g. top-k's values) when the kept set is known to lie among them; otherwise
-    the largest logits are taken ``TOP_P_FIRST_CANDIDATES`` at first, more while the nucleus does not fit."""
-    top = logits.amax(dim=-1)  # [c]
-    mass = _kept_mass(logits, floor, top)  # [c] float64
+    ``candidates`` [c, K] (descending): top-k's values, among which the kept set lies. Otherwise the
+    ``TOP_P_FIRST_CANDIDATES`` largest logits first (a trained model's nucleus is usually smaller); the rows whose
+    nucleus is larger (a flat distribution) then get a number of candidates that provably holds it (below), or their
+    whole sorted row when that is over an eighth of the vocabulary. Only those rows pay for it.
+
+    Masses are float64 sums of float32 terms ``exp(logit - max)``: the boundary is where a cumulative mass crosses
+    p, and a float32 log-sum-exp (one ulp of a value near 10 is 1e-6 of the mass) moved it by several tail tokens at
+    p 0.999, more than vLLM's own float32 arithmetic does."""
     vocab = logits.shape[-1]
-    k = candidates.shape[-1] if candidates is not None else min(vocab, TOP_P_FIRST_CANDIDATES)
-    while True:
-        vals = candidates if candidates is not None else logits.topk(k, dim=-1).values  # [c, K] descending
-        inside = vals >= floor[:, None]  # [c, K] a prefix of each row
-        # float64 (see _kept_mass): vLLM's ascending float32 sum adds the small tail first and stays accurate
-        probs = torch.where(inside, (vals.double() - top.double()[:, None]).exp() / mass[:, None], 0.0)  # [c, K]
-        above = probs.cumsum(dim=-1) - probs  # [c, K] mass strictly above each candidate
-        keep = ((above < top_p) & inside).sum(dim=-1).clamp_min(1)  # [c] size of the kept prefix
-        # keep < K: the boundary (or the end of the floor's set) lies among the candidates; K = V: all are there
-        if candidates is not None or k >= vocab or bool((keep < k).all()):
-            return vals.gather(-1, (keep - 1)[:, None])[:, 0]
-        k = min(vocab, k * 8)
+    top = logits.amax(dim=-1)  # [c]
+    if candidates is not None and bool(((logits >= floor[:, None]).sum(dim=-1) == candidates.shape[-1]).all()):
+        # the floor's set is exactly the candidates (no ties past the k-th): its mass needs no pass over the row
+        mass = (candidates - top[:, None]).exp().sum(dim=-1, dtype=torch.float64)  # [c]
+        return _prefix_threshold(candidates, floor, top, mass, top_p)
+    weights = logits - top[:, None]  # [c, V] exp(logit - max) of the floor's set: the one [c, V] temporary
+    if not bool(torch.isneginf(floor).all()):
+        weights.masked_fill_(logits < floor[:, None], float("-inf"))
+    weights.exp_()
+    mass = weights.sum(dim=-1, dtype=torch.float64)  # [c] unnormalised mass of the floor's set
+    if candidates is not None:
+        return _prefix_threshold(candidates, floor, top, mass, top_p)
+    k = min(vocab, TOP_P_FIRST_CANDIDATES)
+    vals = logits.topk(k, dim=-1).values  # [c, k] descending
+    keep = _kept_prefix(vals, floor, top, mass, top_p)  # [c]
+    threshold = vals.gather(-1, (keep - 1)[:, None])[:, 0]  # [c]
+    wide = (keep >= k).nonzero()[:, 0] if k < vocab else keep.new_empty(0)  # rows whose nucleus may reach past k
+    if wide.numel():
+        # Tokens lighter than x = (1 - p) * mass / n (n: tokens in the floor's set) carry at most (1 - p) of the mass
+        # together, so the tokens at least that heavy already reach p: the nucleus lies among them (x / 2: margin).
+        sub, sub_floor, sub_w = logits[wide], floor[wide], weights[wide]  # [w, V]
+        n = (sub >= sub_floor[:, None]).sum(dim=-1).clamp_min(1)  # [w]
+        bound = ((1.0 - top_p) * mass[wide] / n / 2).to(sub_w.dtype)  # [w]
+        need = max(int((sub_w >= bound[:, None]).sum(dim=-1).max()), 2 * k)
+        if need > vocab // 8:  # a sort beats a top-k this large; lighter tokens than the bound cannot be kept
+            vals = sub.sort(dim=-1, descending=True).values[:, :need]
+        else:
+            vals = sub.topk(need, dim=-1).values
+        threshold[wide] = _prefix_threshold(vals, sub_floor, top[wide], mass[wide], top_p)
+    return threshold
+
+
+def _kept_prefix(vals: torch.Tensor, floor: torch.Tensor, top: torch.Tensor, mass: torch.Tensor,
+                 top_p: float) -> torch.Tensor:
+    """[c, K] descending candidates -> [c] size of each row's kept prefix (>= 1): the candidates whose strictly
+    larger mass is below ``top_p`` (``mass``: the row's float64 sum of ``exp(logit - top)`` over the floor's set)."""
+    inside = vals >= floor[:, None]  # [c, K] a prefix of each row
+    probs = torch.where(inside, (vals.double() - top.double()[:, None]).exp() / mass[:, None], 0.0)  # [c, K]
+    above = probs.cumsum(dim=-1) - probs  # [c, K] mass strictly above each candidate
+    return ((above < top_p) & inside).sum(dim=-1).clamp_min(1)
+
+
+def _prefix_threshold(vals: torch.Tensor, floor: torch.Tensor, top: torch.Tensor, mass: torch.Tensor,
+                      top_p: float) -> torch.Tensor:
+    """[c, K] descending candidates holding every row's kept set -> [c] the smallest kept logit."""
+    keep = _kept_prefix(vals, floor, top, mass, top_p)
+    return vals.gather(-1, (keep - 1)[:, None])[:, 0]
 
 
 def kept_threshold(logits: torch.Tensor, truncation: Truncation) -> torch.Tensor:
