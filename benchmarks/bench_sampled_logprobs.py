@@ -5,9 +5,8 @@ peak memory, side by side in one run (prints a table; not a test).
 The cost depends on the logits: top-k is one ``topk`` per row; top-p takes the 256 largest logits first and only
 rows whose nucleus is larger (a flat distribution) fall back to a wider ``topk`` or a sort of the row. So two
 kinds of rows are measured: ``peaked`` (hidden states near a few token rows of the head, as a trained model's are:
-entropy ~1.6 nats, a top-p 0.95 nucleus of ~6 tokens at the median) and ``flat`` (random hidden states:
-entropy ~11.4 nats, a
-nucleus of ~100k tokens), the worst case. Each measurement runs in a fresh subprocess; memory is the growth of the
+entropy ~1.6 nats, a top-p 0.95 nucleus of ~6 tokens at the median) and ``flat`` (random hidden states: entropy
+~11.4 nats, a nucleus of ~100k tokens), the worst case. Each measurement runs in a fresh subprocess; memory is the growth of the
 peak resident set over the inputs (every allocation counts), time the best of ``--repeats``.
 
 Usage:  python benchmarks/bench_sampled_logprobs.py [--tokens 2048] [--hidden 1024] [--repeats 2] [--json PATH]
