@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -10,7 +10,8 @@ from mmrlhf.config.base import Section
 
 
 class LoraConfig(Section):
-    """LoRA (peft) adapters on the policy's language model; ``rank: 0`` trains the full model."""
+    """LoRA (peft) adapters on the policy (its language model; the vision side with ``vision``); ``rank: 0`` trains
+    the full model."""
 
     rank: int = Field(default=0, ge=0)
     """Adapter rank r; 0 disables LoRA (full fine-tuning)."""
@@ -19,19 +20,29 @@ class LoraConfig(Section):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input (training forwards only)."""
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    """Linear layers (by module name suffix) that get adapters, in the language model only unless
-    ``include_vision`` is set."""
-    include_vision: bool = False
-    """Also put adapters on matching layers of the vision tower (off: the tower keeps its weights). With LoRA only the
-    adapters train: the base weights, vision tower and merger included, stay frozen whatever
-    ``trainer.freeze_vision_tower`` and ``trainer.freeze_merger`` say (``trainer.freeze_vision_tower=false`` is
-    refused; adapt the tower with this key instead)."""
+    """Linear layers of the LANGUAGE model (by module name suffix) that get adapters (the vision side: ``vision``)."""
+    vision: Literal["none", "tower", "merger", "both"] = "none"
+    """Adapters on the vision side too: ``tower`` on every Linear layer of the vision blocks (attention and MLP;
+    the patch embedding is a convolution and keeps its weights), ``merger`` on every Linear layer of the merger(s)
+    that map vision features into the language model (Qwen3-VL's deepstack mergers included), ``both``; ``none``:
+    the vision side keeps its weights. With LoRA only the adapters train: every base weight stays frozen whatever
+    ``trainer.freeze_vision_tower`` / ``trainer.freeze_merger`` say (``trainer.freeze_vision_tower=false`` is
+    refused: adapt the tower with this key instead). The engine gets them like the language adapters
+    (``sync``: merged weights, or vLLM's own LoRA with its tower / connector support switched on)."""
     sync: Literal["merged", "vllm_lora"] = "merged"
     """How the engine generates with the current adapter: ``merged`` pushes W + (alpha/r) B A of the adapted layers
     into the engine (plain weights, works with every engine); ``vllm_lora`` loads the adapter into vLLM's own LoRA
     support (only the A/B matrices travel)."""
     adapter: str = ""
     """A saved peft adapter folder to start from (empty: fresh adapters, B = 0, so the first policy is the base)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "include_vision" in data:
+            raise ValueError("model.lora.include_vision was replaced by model.lora.vision (none | tower | merger | "
+                             "both): tower adapts every Linear layer of the vision blocks")
+        return data
 
 
 class ModelConfig(Section):

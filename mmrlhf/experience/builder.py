@@ -71,6 +71,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
                           hf_model=actor.model, tokenizer=tokenizer, trust_remote_code=model_cfg.trust_remote_code,
                           lora_rank=lora.rank if lora.sync == "vllm_lora" else 0,
+                          lora_vision=lora.vision != "none",
                           hf_compute_dtype=actor.compute_dtype,
                           images_per_prompt=config.agent.max_images if config.agent.enabled else None)
     if adapter_path:
@@ -182,13 +183,9 @@ def check_lora_settings(config: MMRLHFConfig) -> None:
     lora = config.model.lora
     if lora.rank and not config.trainer.freeze_vision_tower:
         raise ValueError("trainer.freeze_vision_tower=false with model.lora.rank > 0: with LoRA only the adapters "
-                         "train; to adapt the vision tower set model.lora.include_vision=true instead")
+                         "train; to adapt the vision tower set model.lora.vision=tower (or both) instead")
     if not lora.rank or lora.sync != "vllm_lora":
         return
     if config.rollout.engine != "vllm":
         raise ValueError(f"model.lora.sync=vllm_lora needs rollout.engine=vllm (got {config.rollout.engine!r}); "
                          "use model.lora.sync=merged")
-    if lora.include_vision:
-        raise ValueError("model.lora.sync=vllm_lora with model.lora.include_vision=true: vLLM's LoRA support skips "
-                         "vision-tower layers, so the engine would generate without those adapters; use "
-                         "model.lora.sync=merged")

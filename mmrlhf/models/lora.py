@@ -1,4 +1,5 @@
-"""LoRA (peft) adapters on the policy's language model: apply, merge for the engine, save and reload.
+"""LoRA (peft) adapters on the policy (its language model, and with ``model.lora.vision`` its vision tower and / or
+merger): apply, merge for the engine, save and reload.
 
 Why peft is injected in place rather than used as the outer module: :class:`~mmrlhf.models.actor.ActorVL` runs
 ``model.base_model`` and reads ``lm_head.weight`` itself. ``get_peft_model`` replaces the matching Linear layers of
@@ -7,10 +8,14 @@ forward path of the actor (padded, packed, shared prompt) goes through the adapt
 that owns the adapters is kept beside the actor (not registered as a submodule, so no parameter is listed twice) and
 gives peft's own adapter format (``save_pretrained`` / ``PeftModel.from_pretrained``) and ``disable_adapter``.
 
-Which layers: ``nn.Linear`` modules whose name ends with one of ``model.lora.target_modules``, in the language model
-only; the vision tower (the family adapter's :meth:`~mmrlhf.models.adapters.FamilyAdapter.vision_parts`) is left
-out unless ``include_vision``. The output head is refused: the actor multiplies by ``lm_head.weight`` directly, so an
-adapter there would be silently bypassed. Module names are resolved here to exact paths, so peft never guesses.
+Which layers: in the language model, the ``nn.Linear`` modules whose name ends with one of
+``model.lora.target_modules``; on the vision side (the family adapter's
+:meth:`~mmrlhf.models.adapters.FamilyAdapter.vision_parts`), every ``nn.Linear`` of the tower's blocks (``vision:
+tower``), of its merger modules (``merger``), or both. Why every Linear rather than names: the families name their
+vision layers differently (``qkv`` / ``fc1`` in Qwen2-VL, ``gate_proj`` in Qwen2.5-VL, ``linear_fc1`` in Qwen3-VL,
+the last colliding with nothing but the first ones with language-model names), and "adapt the tower" means all of
+it. The output head is refused: the actor multiplies by ``lm_head.weight`` directly, so an adapter there would be
+silently bypassed. Module names are resolved here to exact paths, so peft never guesses.
 
 For the engine, :func:`merged_weights` yields ``W + (alpha / r) B A`` of each adapted layer under the base weight's
 transformers name (what every engine loads), one layer at a time, plus any other trainable parameter.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,9 +51,29 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def vision_lora_modules(model: nn.Module, adapter: Any, vision: str) -> list[str]:
+    """Exact paths of the vision-side Linear layers ``model.lora.vision`` adapts (``none`` / ``tower`` /
+    ``merger`` / ``both``); raises when the chosen part holds no Linear layer."""
+    if vision == "none":
+        return []
+    tower, mergers = adapter.vision_parts(model)
+    merger_ids = {id(m) for part in mergers for m in part.modules()}
+    tower_ids = {id(m) for m in tower.modules()}
+    want = {"tower": {"tower"}, "merger": {"merger"}, "both": {"tower", "merger"}}[vision]
+    found: dict[str, list[str]] = {"tower": [], "merger": []}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and id(module) in tower_ids:
+            found["merger" if id(module) in merger_ids else "tower"].append(name)
+    for part in sorted(want):
+        if not found[part]:
+            raise ValueError(f"model.lora.vision={vision}: the {adapter.family} vision {part} has no Linear layer")
+    return sorted(n for part in want for n in found[part])
+
+
 def resolve_target_modules(model: nn.Module, adapter: Any, cfg: LoraConfig) -> list[str]:
-    """Exact module paths (in ``model``'s naming) that get adapters; raises naming the key when a target matches
-    nothing or hits the output head."""
+    """Exact module paths (in ``model``'s naming) that get adapters: ``cfg.target_modules`` in the language model,
+    plus the vision side ``cfg.vision`` selects; raises naming the key when a target matches nothing or hits the
+    output head."""
     tower, _ = adapter.vision_parts(model)
     vision_ids = {id(m) for m in tower.modules()}
     head = model.get_output_embeddings()
@@ -62,17 +88,18 @@ def resolve_target_modules(model: nn.Module, adapter: Any, cfg: LoraConfig) -> l
             if module is head:
                 raise ValueError(f"model.lora.target_modules: {target!r} matches the output head {name!r}, which the "
                                  "actor reads as a plain weight (an adapter there would be bypassed); remove it")
-            if id(module) in vision_ids and not cfg.include_vision:
+            if id(module) in vision_ids:
                 vision_only[target] += 1
                 continue
             found[target].append(name)
     for target, names in found.items():
         if not names:
-            where = (f" (it matches {vision_only[target]} vision-tower layers: set model.lora.include_vision=true "
-                     "to adapt them)") if vision_only[target] else ""
-            raise ValueError(f"model.lora.target_modules: {target!r} matches no Linear layer of the "
-                             f"{'model' if cfg.include_vision else 'language model'}{where}")
-    return sorted({n for names in found.values() for n in names})
+            where = (f" (it matches {vision_only[target]} vision-tower layers: the vision side is adapted with "
+                     "model.lora.vision=tower | merger | both)") if vision_only[target] else ""
+            raise ValueError(f"model.lora.target_modules: {target!r} matches no Linear layer of the language "
+                             f"model{where}")
+    language = {n for names in found.values() for n in names}
+    return sorted(language | set(vision_lora_modules(model, adapter, cfg.vision)))
 
 
 def apply_lora(actor: Any, cfg: LoraConfig, *, adapter_path: str | Path | None = None) -> Any:
@@ -91,7 +118,8 @@ def apply_lora(actor: Any, cfg: LoraConfig, *, adapter_path: str | Path | None =
     targets = resolve_target_modules(actor.model, actor.adapter, cfg)
     path = str(adapter_path or cfg.adapter or "")
     if path:
-        check_saved_adapter(path, cfg, targets)
+        check_saved_adapter(path, cfg, targets, [n for n, m in actor.model.named_modules()
+                                                 if isinstance(m, nn.Linear)])
         peft_model = PeftModel.from_pretrained(actor.model, path, adapter_name=ADAPTER_NAME, is_trainable=True)
     else:
         peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -108,8 +136,14 @@ def apply_lora(actor: Any, cfg: LoraConfig, *, adapter_path: str | Path | None =
     return peft_model
 
 
-def check_saved_adapter(path: str | Path, cfg: LoraConfig, targets: list[str]) -> None:
-    """A saved adapter must have the configured rank, alpha and layers (it is loaded as it was saved)."""
+def check_saved_adapter(path: str | Path, cfg: LoraConfig, targets: list[str],
+                        linear_names: list[str] | None = None) -> None:
+    """A saved adapter must have the configured rank, alpha and layers (it is loaded as it was saved).
+
+    ``linear_names``: the model's Linear module paths. peft saves the layer list as given when it is short and, from
+    20 layers on, as the fewest name suffixes that select exactly those layers of the model (any real model's list
+    is that long); either form is resolved against these names, as peft resolves it when it loads, before the
+    comparison (without them, a saved list must equal ``targets``)."""
     config_file = Path(path) / "adapter_config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"model.lora.adapter: {path} holds no peft adapter (no adapter_config.json)")
@@ -118,10 +152,14 @@ def check_saved_adapter(path: str | Path, cfg: LoraConfig, targets: list[str]) -
         raise ValueError(f"model.lora.adapter {path} has r={saved.get('r')}, alpha={saved.get('lora_alpha')}; the "
                          f"config says model.lora.rank={cfg.rank}, model.lora.alpha={cfg.alpha}: make them agree")
     saved_targets = saved.get("target_modules")
-    if isinstance(saved_targets, list) and sorted(saved_targets) != targets:
+    if isinstance(saved_targets, list) and linear_names is not None:
+        saved_targets = [n for n in linear_names if any(n == t or n.endswith("." + t) for t in saved_targets)]
+    elif isinstance(saved_targets, str) and linear_names is not None:  # peft's regular-expression form
+        saved_targets = [n for n in linear_names if re.fullmatch(saved_targets, n)]
+    if isinstance(saved_targets, list) and sorted(saved_targets) != sorted(targets):
         extra = sorted(set(saved_targets) ^ set(targets))[:4]
         raise ValueError(f"model.lora.adapter {path} adapts other layers than model.lora.target_modules / "
-                         f"include_vision select (differing: {extra}): make them agree")
+                         f"vision select (differing: {extra}): make them agree")
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -22,6 +22,7 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
 
 def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", hf_model: Any = None,
                  tokenizer: Any = None, trust_remote_code: bool = False, lora_rank: int = 0,
+                 lora_vision: bool = False,
                  hf_compute_dtype: Any = None, images_per_prompt: int | None = None) -> RolloutEngine:
     """Build the configured engine. The transformers engine needs the (actor) model and tokenizer.
 
@@ -29,7 +30,8 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
     make the engine fp32 on a GPU). The transformers engine shares the actor's module and so its precision:
     ``hf_compute_dtype`` (the actor's autocast dtype, with float32 master parameters) or else the parameters' dtype;
     a ``cfg.dtype`` that says otherwise is an error rather than silently ignored. ``lora_rank`` > 0 builds the vLLM
-    engine with its LoRA support on (``model.lora.sync=vllm_lora``). ``images_per_prompt``: the most images one
+    engine with its LoRA support on (``model.lora.sync=vllm_lora``; ``lora_vision``: its tower / connector LoRA too,
+    for ``model.lora.vision``). ``images_per_prompt``: the most images one
     request may carry (multi-turn trajectories: ``agent.max_images``), raising ``limit_images_per_prompt``.
     """
     adapter = get_adapter(model_path, family)
@@ -47,7 +49,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
             weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=cfg.dtype, seed=cfg.seed,
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep, lora_rank=lora_rank,
-            sleep_level=cfg.sleep_level, seed_mode=cfg.resolved_seed_mode(cuda_available()),
+            lora_vision=lora_vision, sleep_level=cfg.sleep_level, seed_mode=cfg.resolved_seed_mode(cuda_available()),
         )
     if hf_model is None or tokenizer is None:
         raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")

