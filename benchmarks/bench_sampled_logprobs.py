@@ -6,8 +6,9 @@ The cost depends on the logits: top-k is one ``topk`` per row; top-p takes the 2
 rows whose nucleus is larger (a flat distribution) fall back to a wider ``topk`` or a sort of the row. So two
 kinds of rows are measured: ``peaked`` (hidden states near a few token rows of the head, as a trained model's are:
 entropy ~1.6 nats, a top-p 0.95 nucleus of ~6 tokens at the median) and ``flat`` (random hidden states: entropy
-~11.4 nats, a nucleus of ~100k tokens), the worst case. Each measurement runs in a fresh subprocess; memory is the growth of the
-peak resident set over the inputs (every allocation counts), time the best of ``--repeats``.
+~11.4 nats, a nucleus of ~100k tokens), the worst case. Each measurement runs in a fresh subprocess; memory is the
+growth of the peak resident set over the inputs (every allocation counts), time the best of ``--repeats``. The last
+column is the mean kept mass of the rows: the mean importance ratio pi / mu a ``full`` trainer sees on-policy.
 
 Usage:  python benchmarks/bench_sampled_logprobs.py [--tokens 2048] [--hidden 1024] [--repeats 2] [--json PATH]
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -78,7 +80,8 @@ def _measure(setting: str, kind: str, tokens: int, hidden: int, backward: bool, 
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": min(times), "peak_mb": peak - base, "entropy": float(out.entropy.mean()),
-            "outside": float(out.outside.float().mean()), "threads": torch.get_num_threads()}
+            "outside": out.outside.tolist(), "logp": out.log_probs.detach().tolist(),
+            "threads": torch.get_num_threads()}
 
 
 def _child(*args) -> dict:
@@ -92,7 +95,8 @@ def run(tokens: int, hidden: int, repeats: int, backward_too: bool) -> list[list
     rows = []
     print(f"\nsampled vs full log-probs + entropy: {tokens} tokens, vocabulary {VOCAB}, hidden {hidden}, chunk 1024 "
           "(best of {repeats}; memory: peak RSS growth over the inputs)".replace("{repeats}", str(repeats)))
-    print(f"{'rows':<7}{'mode':<9}{'setting':<22}{'entropy':>8}{'s':>8}{'vs full':>9}{'MB':>8}{'vs full':>9}")
+    print(f"{'rows':<7}{'mode':<9}{'setting':<22}{'entropy':>8}{'s':>8}{'vs full':>9}{'MB':>8}{'vs full':>9}"
+          f"{'kept mass':>10}")
     modes = [False, True] if backward_too else [False]
     for kind in ("peaked", "flat"):
         for backward in modes:
@@ -102,9 +106,13 @@ def run(tokens: int, hidden: int, repeats: int, backward_too: bool) -> list[list
                 r = _child(setting, kind, tokens, hidden, backward, repeats)
                 full = full or r
                 dt, dm = r["seconds"] / full["seconds"] - 1, r["peak_mb"] - full["peak_mb"]
-                rows.append([kind, mode, setting, r["entropy"], r["seconds"], 100 * dt, r["peak_mb"], dm])
+                # exp(log p_full - log p_sampled) of a token inside its kept set is its row's kept mass: the mean
+                # importance ratio pi / mu a `full` trainer sees on-policy (1 under `sampled`)
+                kept = [math.exp(f - s) for f, s, out in zip(full["logp"], r["logp"], r["outside"]) if not out]
+                mass = sum(kept) / len(kept) if kept else float("nan")
+                rows.append([kind, mode, setting, r["entropy"], r["seconds"], 100 * dt, r["peak_mb"], dm, mass])
                 print(f"{kind:<7}{mode:<9}{setting:<22}{r['entropy']:>8.2f}{r['seconds']:>8.2f}{dt:>+9.1%}"
-                      f"{r['peak_mb']:>8.0f}{dm:>+8.0f}M")
+                      f"{r['peak_mb']:>8.0f}{dm:>+8.0f}M{mass:>10.3f}")
     return rows
 
 
@@ -128,7 +136,7 @@ def main() -> None:
                    f"{worst[1]})", vars(args),
                    [table(f"sampled vs full log-probs, {args.tokens} tokens, vocabulary {VOCAB}, hidden {args.hidden}",
                           ["rows", "mode", "setting", "entropy", "best s", "time vs full %", "peak MB",
-                           "MB vs full"], rows)])
+                           "MB vs full", "mean kept mass"], rows)])
 
 
 if __name__ == "__main__":
