@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-# First number of candidates top-p examines per row; grown 8x while any row's nucleus is larger. A trained model's
-# nucleus at p 0.7-0.95 is usually a few to a few hundred tokens, so one topk of this size settles most chunks.
+# Candidates top-p examines per row first. A trained model's nucleus at p 0.7-0.95 is usually a few to a few hundred
+# tokens, so one topk of this size settles most rows; only the others pay for more (``_top_p_threshold``).
 TOP_P_FIRST_CANDIDATES = 256
 
 
@@ -128,7 +128,8 @@ def _prefix_threshold(vals: torch.Tensor, floor: torch.Tensor, top: torch.Tensor
 
 def kept_threshold(logits: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     """[c, V] tempered float logits -> [c] per-row threshold: the truncation keeps exactly the tokens whose logit is
-    ``>= threshold`` (-inf: everything). Excluded tokens (a very negative logit) fall below any real threshold."""
+    ``>= threshold`` (-inf: everything). Excluded tokens (the kernel's very negative logit) have probability 0
+    wherever the threshold falls (top-k larger than what is left of the vocabulary keeps them, at no mass)."""
     c, vocab = logits.shape
     floor = logits.new_full((c,), float("-inf"))  # [c]
     if truncation.min_p > 0.0:
