@@ -51,6 +51,9 @@ def test_records_are_deterministic_per_split():
 
 @pytest.mark.slow  # ~4.5 min on the 2-core machine: 160 multi-turn GRPO steps through vLLM
 @pytest.mark.vllm
+# The suite's 900 s hang guard is too close for this one run: on a busy AVX2-only machine its steps took up to 10 s
+# (1.4-2 s idle) and it passed 900 s at step 128 of 160, learning (reward 0.94) but cut off.
+@pytest.mark.timeout(1800)
 def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
     """Measured with the shipped recipe (seed 0, this machine): eval 0.2-0.3 (guessing) until step 100, 1.0 from
     step 120; tool use fell to ~0.06 by step 75, then rose to 0.99 (steps 126-150). This run, 40 steps longer than
