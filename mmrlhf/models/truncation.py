@@ -38,6 +38,8 @@ import torch
 # Candidates top-p examines per row first. A trained model's nucleus at p 0.7-0.95 is usually a few to a few hundred
 # tokens, so one topk of this size settles most rows; only the others pay for more (``_top_p_threshold``).
 TOP_P_FIRST_CANDIDATES = 256
+# Rows whose nucleus is wider are resolved this many at a time (each holds a copy of its row and a sort of it).
+WIDE_ROWS_AT_ONCE = 32
 
 
 @dataclass(frozen=True)
@@ -78,34 +80,38 @@ def _top_p_threshold(logits: torch.Tensor, floor: torch.Tensor, top_p: float,
     p 0.999, more than vLLM's own float32 arithmetic does."""
     vocab = logits.shape[-1]
     top = logits.amax(dim=-1)  # [c]
-    if candidates is not None and bool(((logits >= floor[:, None]).sum(dim=-1) == candidates.shape[-1]).all()):
-        # the floor's set is exactly the candidates (no ties past the k-th): its mass needs no pass over the row
-        mass = (candidates - top[:, None]).exp().sum(dim=-1, dtype=torch.float64)  # [c]
-        return _prefix_threshold(candidates, floor, top, mass, top_p)
+    if candidates is not None:
+        # top-k's candidates come one beyond k (see kept_threshold). Unless the (k+1)-th ties with the k-th while the
+        # k-th is the floor, the floor's set lies among the first k, and its mass needs no pass over the row.
+        kept = candidates[:, :-1]  # [c, k]
+        tied = (candidates[:, -1] == kept[:, -1]) & (floor <= kept[:, -1])  # [c]
+        if not bool(tied.any()):
+            terms = torch.where(kept >= floor[:, None], (kept - top[:, None]).exp(), 0.0)  # [c, k]
+            return _prefix_threshold(kept, floor, top, terms.sum(dim=-1, dtype=torch.float64), top_p)
     weights = logits - top[:, None]  # [c, V] exp(logit - max) of the floor's set: the one [c, V] temporary
     if not bool(torch.isneginf(floor).all()):
         weights.masked_fill_(logits < floor[:, None], float("-inf"))
     weights.exp_()
     mass = weights.sum(dim=-1, dtype=torch.float64)  # [c] unnormalised mass of the floor's set
-    if candidates is not None:
+    if candidates is not None:  # ties at the k-th: the whole floor's set is summed above
         return _prefix_threshold(candidates, floor, top, mass, top_p)
     k = min(vocab, TOP_P_FIRST_CANDIDATES)
     vals = logits.topk(k, dim=-1).values  # [c, k] descending
     keep = _kept_prefix(vals, floor, top, mass, top_p)  # [c]
     threshold = vals.gather(-1, (keep - 1)[:, None])[:, 0]  # [c]
     wide = (keep >= k).nonzero()[:, 0] if k < vocab else keep.new_empty(0)  # rows whose nucleus may reach past k
-    if wide.numel():
+    for part in wide.split(WIDE_ROWS_AT_ONCE) if wide.numel() else ():  # a few rows at a time: copies stay small
         # Tokens lighter than x = (1 - p) * mass / n (n: tokens in the floor's set) carry at most (1 - p) of the mass
         # together, so the tokens at least that heavy already reach p: the nucleus lies among them (x / 2: margin).
-        sub, sub_floor, sub_w = logits[wide], floor[wide], weights[wide]  # [w, V]
+        sub, sub_floor, sub_w = logits[part], floor[part], weights[part]  # [w, V]
         n = (sub >= sub_floor[:, None]).sum(dim=-1).clamp_min(1)  # [w]
-        bound = ((1.0 - top_p) * mass[wide] / n / 2).to(sub_w.dtype)  # [w]
+        bound = ((1.0 - top_p) * mass[part] / n / 2).to(sub_w.dtype)  # [w]
         need = max(int((sub_w >= bound[:, None]).sum(dim=-1).max()), 2 * k)
         if need > vocab // 8:  # a sort beats a top-k this large; lighter tokens than the bound cannot be kept
             vals = sub.sort(dim=-1, descending=True).values[:, :need]
         else:
             vals = sub.topk(need, dim=-1).values
-        threshold[wide] = _prefix_threshold(vals, sub_floor, top[wide], mass[wide], top_p)
+        threshold[part] = _prefix_threshold(vals, sub_floor, top[part], mass[part], top_p)
     return threshold
 
 
@@ -136,8 +142,9 @@ def kept_threshold(logits: torch.Tensor, truncation: Truncation) -> torch.Tensor
         floor = torch.maximum(floor, logits.amax(dim=-1) + math.log(truncation.min_p))
     top = None
     if 0 < truncation.top_k < vocab:
-        top = logits.topk(truncation.top_k, dim=-1).values  # [c, k] descending
-        floor = torch.maximum(floor, top[:, -1])
+        # one beyond k: top-p can then tell whether the k-th value is tied past k (see _top_p_threshold)
+        top = logits.topk(min(truncation.top_k + 1, vocab), dim=-1).values  # [c, k + 1] descending
+        floor = torch.maximum(floor, top[:, truncation.top_k - 1])
     if truncation.top_p < 1.0:
         floor = torch.maximum(floor, _top_p_threshold(logits, floor, truncation.top_p, top))
     return floor

@@ -75,6 +75,10 @@ def test_ties_at_the_boundaries():
     assert (~torch.isinf(truncate_logits(z, Truncation(top_k=2)))).tolist() == [[True] * 4 + [False]]
     assert (~torch.isinf(truncate_logits(z, Truncation(top_p=0.5)))).tolist() == [[True] * 4 + [False]]
     assert (~torch.isinf(truncate_logits(z, Truncation(top_p=0.4)))).tolist() == [[True] + [False] * 4]
+    # top-k's tie kept, then top-p over the four it left (renormalised: 0.4 / 0.2 / 0.2 / 0.2 of 1.0)
+    assert (~torch.isinf(truncate_logits(z, Truncation(top_k=2, top_p=0.9)))).tolist() == [[True] * 4 + [False]]
+    assert (~torch.isinf(truncate_logits(z, Truncation(top_k=2, top_p=0.5)))).tolist() == [[True] * 4 + [False]]
+    assert (~torch.isinf(truncate_logits(z, Truncation(top_k=1, top_p=0.5)))).tolist() == [[True] + [False] * 4]
     # the most likely token always stays, and min-p compares with the largest probability
     assert (~torch.isinf(truncate_logits(z, Truncation(top_p=1e-6)))).tolist() == [[True] + [False] * 4]
     assert (~torch.isinf(truncate_logits(z, Truncation(min_p=0.5)))).tolist() == [[True] * 4 + [False]]
