@@ -10,7 +10,8 @@ entropy ~1.6 nats, a top-p 0.95 nucleus of ~6 tokens at the median) and ``flat``
 growth of the peak resident set over the inputs (every allocation counts), time the best of ``--repeats``. The last
 column is the mean kept mass of the rows: the mean importance ratio pi / mu a ``full`` trainer sees on-policy.
 
-Usage:  python benchmarks/bench_sampled_logprobs.py [--tokens 2048] [--hidden 1024] [--repeats 2] [--json PATH]
+Usage:  python benchmarks/bench_sampled_logprobs.py [--tokens 2048] [--hidden 1024] [--repeats 2]
+            [--rows peaked flat] [--modes forward fwd+bwd] [--json PATH]
 """
 
 from __future__ import annotations
@@ -91,16 +92,15 @@ def _child(*args) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def run(tokens: int, hidden: int, repeats: int, backward_too: bool) -> list[list]:
+def run(tokens: int, hidden: int, repeats: int, kinds: list[str], modes: list[str]) -> list[list]:
     rows = []
     print(f"\nsampled vs full log-probs + entropy: {tokens} tokens, vocabulary {VOCAB}, hidden {hidden}, chunk 1024 "
           "(best of {repeats}; memory: peak RSS growth over the inputs)".replace("{repeats}", str(repeats)))
     print(f"{'rows':<7}{'mode':<9}{'setting':<22}{'entropy':>8}{'s':>8}{'vs full':>9}{'MB':>8}{'vs full':>9}"
           f"{'kept mass':>10}")
-    modes = [False, True] if backward_too else [False]
-    for kind in ("peaked", "flat"):
-        for backward in modes:
-            mode = "fwd+bwd" if backward else "forward"
+    for kind in kinds:
+        for mode in modes:
+            backward = mode == "fwd+bwd"
             full = None
             for setting in SETTINGS:
                 r = _child(setting, kind, tokens, hidden, backward, repeats)
@@ -122,17 +122,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="lm_head input size (the matmul the truncation is "
                         "measured against: a larger model's makes the relative cost smaller)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--forward-only", action="store_true", help="skip the fwd+bwd rows")
+    parser.add_argument("--rows", nargs="+", choices=["peaked", "flat"], default=["peaked", "flat"])
+    parser.add_argument("--modes", nargs="+", choices=["forward", "fwd+bwd"], default=["forward", "fwd+bwd"])
     parser.add_argument("--json", help="also write the rows to this JSON file (see benchmarks/_results.py)")
     args = parser.parse_args()
-    rows = run(args.tokens, args.hidden, args.repeats, not args.forward_only)
+    rows = run(args.tokens, args.hidden, args.repeats, args.rows, args.modes)
     if args.json:
         from _results import table, write_json
 
-        peaked = [r for r in rows if r[0] == "peaked" and r[2] != "full"]
+        truncated = [r for r in rows if r[2] != "full"]
+        peaked = [r for r in truncated if r[0] == "peaked"] or truncated
         worst = max(peaked, key=lambda r: r[5])
         write_json(args.json, "sampled_logprobs",
-                   f"sampled log-probs cost at most {worst[5]:+.1f}% time over full on peaked rows ({worst[2]}, "
+                   f"sampled log-probs cost at most {worst[5]:+.1f}% time over full on {worst[0]} rows ({worst[2]}, "
                    f"{worst[1]})", vars(args),
                    [table(f"sampled vs full log-probs, {args.tokens} tokens, vocabulary {VOCAB}, hidden {args.hidden}",
                           ["rows", "mode", "setting", "entropy", "best s", "time vs full %", "peak MB",
