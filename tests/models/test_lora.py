@@ -148,6 +148,24 @@ def test_misconfigured_targets_name_the_key(lora, match):
         _actor(rank=4, **lora)
 
 
+def test_an_adapter_peft_saved_as_suffixes_reloads(tmp_path, batch):
+    """From 20 layers on (any real model) peft saves the layer list as the fewest name suffixes that select it; the
+    check resolves them against the model as peft does (it used to compare them with the exact paths and refused
+    every such adapter: a resume of a real-size LoRA run). A config selecting other layers is still refused."""
+    import json
+
+    actor = _actor(rank=4, vision="both")  # 14 language + 10 vision layers
+    _perturb(actor, 6)
+    save_adapter(actor, tmp_path / "a")
+    saved = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"]
+    assert len(saved) < len(dict(lora_layers(actor.model))), saved  # compressed by peft
+    reloaded = _actor()
+    apply_lora(reloaded, LoraConfig(rank=4, vision="both", adapter=str(tmp_path / "a")))
+    assert torch.equal(_logprobs(reloaded, batch), _logprobs(actor, batch))
+    with pytest.raises(ValueError, match="adapts other layers"):
+        apply_lora(_actor(), LoraConfig(rank=4, vision="tower", adapter=str(tmp_path / "a")))
+
+
 def test_saved_adapter_of_another_rank_is_refused(tmp_path):
     save_adapter(_actor(rank=4), tmp_path / "a")
     with pytest.raises(ValueError, match=r"model\.lora\.rank=8"):
