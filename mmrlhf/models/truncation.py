@@ -38,7 +38,8 @@ import torch
 # Candidates top-p examines per row first. A trained model's nucleus at p 0.7-0.95 is usually a few to a few hundred
 # tokens, so one topk of this size settles most rows; only the others pay for more (``_top_p_threshold``).
 TOP_P_FIRST_CANDIDATES = 256
-# Rows whose nucleus is wider are resolved this many at a time (each holds a copy of its row and a sort of it).
+# Row block of top-p's passes over whole rows (the floor's mass; a wide nucleus: a copy of the row and its sort), so
+# that their temporaries stay far below the chunk's own [c, V] logits.
 WIDE_ROWS_AT_ONCE = 32
 
 
@@ -88,11 +89,9 @@ def _top_p_threshold(logits: torch.Tensor, floor: torch.Tensor, top_p: float,
         if not bool(tied.any()):
             terms = torch.where(kept >= floor[:, None], (kept - top[:, None]).exp(), 0.0)  # [c, k]
             return _prefix_threshold(kept, floor, top, terms.sum(dim=-1, dtype=torch.float64), top_p)
-    weights = logits - top[:, None]  # [c, V] exp(logit - max) of the floor's set: the one [c, V] temporary
-    if not bool(torch.isneginf(floor).all()):
-        weights.masked_fill_(logits < floor[:, None], float("-inf"))
-    weights.exp_()
-    mass = weights.sum(dim=-1, dtype=torch.float64)  # [c] unnormalised mass of the floor's set
+    mass = torch.cat([_floor_weights(logits[s:s + WIDE_ROWS_AT_ONCE], floor[s:s + WIDE_ROWS_AT_ONCE],
+                                     top[s:s + WIDE_ROWS_AT_ONCE]).sum(dim=-1, dtype=torch.float64)
+                      for s in range(0, logits.shape[0], WIDE_ROWS_AT_ONCE)])  # [c] mass of the floor's set
     if candidates is not None:  # ties at the k-th: the whole floor's set is summed above
         return _prefix_threshold(candidates, floor, top, mass, top_p)
     k = min(vocab, TOP_P_FIRST_CANDIDATES)
@@ -103,7 +102,8 @@ def _top_p_threshold(logits: torch.Tensor, floor: torch.Tensor, top_p: float,
     for part in wide.split(WIDE_ROWS_AT_ONCE) if wide.numel() else ():  # a few rows at a time: copies stay small
         # Tokens lighter than x = (1 - p) * mass / n (n: tokens in the floor's set) carry at most (1 - p) of the mass
         # together, so the tokens at least that heavy already reach p: the nucleus lies among them (x / 2: margin).
-        sub, sub_floor, sub_w = logits[part], floor[part], weights[part]  # [w, V]
+        sub, sub_floor = logits[part], floor[part]  # [w, V], [w]
+        sub_w = _floor_weights(sub, sub_floor, top[part])  # [w, V]
         n = (sub >= sub_floor[:, None]).sum(dim=-1).clamp_min(1)  # [w]
         bound = ((1.0 - top_p) * mass[part] / n / 2).to(sub_w.dtype)  # [w]
         need = max(int((sub_w >= bound[:, None]).sum(dim=-1).max()), 2 * k)
@@ -113,6 +113,15 @@ def _top_p_threshold(logits: torch.Tensor, floor: torch.Tensor, top_p: float,
             vals = sub.topk(need, dim=-1).values
         threshold[part] = _prefix_threshold(vals, sub_floor, top[part], mass[part], top_p)
     return threshold
+
+
+def _floor_weights(logits: torch.Tensor, floor: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """[w, V] float32 ``exp(logit - max)`` of the tokens at or above the row's floor, 0 below it. Called on a few
+    rows at a time, so no temporary as large as the chunk's logits is made."""
+    weights = logits - top[:, None]  # [w, V]
+    if not bool(torch.isneginf(floor).all()):
+        weights.masked_fill_(logits < floor[:, None], float("-inf"))
+    return weights.exp_()
 
 
 def _kept_prefix(vals: torch.Tensor, floor: torch.Tensor, top: torch.Tensor, mass: torch.Tensor,
