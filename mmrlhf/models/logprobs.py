@@ -19,10 +19,12 @@ log-probs, entropy and their gradients are those of the truncated, renormalised 
 constant of the step, as it is for the sampler) to within e^-60 of the mass per token, which no float32 or float64
 sum keeps (< 1e-21 of it over a 151,936-token vocabulary). Why not ``EXCLUDED_LOGIT`` there: the CPU's vectorised exp
 leaves its fast path for inputs below about -87 (results that are subnormal or 0), measured 5x slower over a chunk
-filled with -1e4 and 14x with subnormal results, and the truncation fills most of the vocabulary. A row whose target lies OUTSIDE its kept set (the engine's and the trainer's logits disagree at
-the boundary, or the scoring model is not the one that sampled) is scored under the untruncated distribution
-instead and flagged in the returned ``outside`` mask: a finite log-prob, never -inf or NaN, for the caller to mask
-(the policy's loss) or count (the reference). The thresholds ([N] floats) are kept for the backward.
+filled with -1e4 and 14x with subnormal results, and the truncation fills most of the vocabulary.
+
+A row whose target lies OUTSIDE its kept set (the engine's and the trainer's logits disagree at the boundary, or the
+scoring model is not the one that sampled) is scored under the untruncated distribution instead and flagged in the
+returned ``outside`` mask: a finite log-prob, never -inf or NaN, for the caller to mask (the policy's loss) or count
+(the reference). The thresholds ([N] floats) are kept for the backward.
 """
 
 from __future__ import annotations
