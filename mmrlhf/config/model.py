@@ -61,6 +61,14 @@ class ModelConfig(Section):
     ``float16`` is refused (it would need a gradient scaler): use ``bfloat16``."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel for transformers forwards (``flash_attention_2`` needs a GPU and the flash-attn package)."""
+    masked_attention: Literal["auto", "dense", "flex"] = "auto"
+    """How the packed rows (``trainer.packing_samples``) and the shared-prompt rows (``trainer.shared_prompt``)
+    attend, where several sequences share a row and a mask keeps them apart. ``flex``: PyTorch's FlexAttention with a
+    block mask (tiles the mask hides are skipped, tiles it shows run unmasked), beside the kernel
+    ``attn_implementation`` names for everything else (``sdpa`` or ``flash_attention_2``); it also lets the
+    shared-prompt layout run with ``flash_attention_2``. ``dense``: the mask as a dense tensor (``sdpa`` / ``eager``
+    read it; transformers builds the packed one). ``auto``: ``flex`` on CUDA, ``dense`` elsewhere (FlexAttention has no
+    CPU backward in torch 2.14). Both compute the same values (tested per family and prompt kind)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code (off: only transformers' built-in families)."""
     reference: str = ""

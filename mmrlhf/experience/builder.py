@@ -56,7 +56,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     policy_path = policy_path or model_cfg.pretrain
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
                                    attn_implementation=model_cfg.attn_implementation,
-                                   multi_turn=config.agent.enabled)
+                                   multi_turn=config.agent.enabled, masked_kernel=masked_kernel(model_cfg, target))
     reference = None
     if settings.need_reference and lora.rank and not model_cfg.reference:
         from mmrlhf.models.lora import AdapterOffScorer
@@ -165,6 +165,14 @@ def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch
     return actor, adapter_path
 
 
+def masked_kernel(model_cfg: Any, device: torch.device | str) -> str:
+    """``model.masked_attention`` resolved for the trainer's ``device`` (``flex`` / ``dense``): what the models'
+    packed and grouped rows will run, and so whether the shared-prompt layout is expressible."""
+    from mmrlhf.models.attention import resolve_masked_attention
+
+    return resolve_masked_attention(model_cfg.masked_attention, device, model_cfg.attn_implementation)
+
+
 def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool) -> Any:
     """An :class:`~mmrlhf.models.actor.ActorVL` of ``path`` (on the CPU) under the precision rule of
     :mod:`mmrlhf.models.precision`: a model that trains (actor, critic body) keeps float32 parameters and autocasts
@@ -175,6 +183,7 @@ def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool) -> A
     return ActorVL.from_pretrained(path, adapter=adapter, dtype=p.master if trainable else p.frozen,
                                    compute_dtype=p.autocast_dtype if trainable else None,
                                    attn_implementation=model_cfg.attn_implementation,
+                                   masked_attention=model_cfg.masked_attention,
                                    trust_remote_code=model_cfg.trust_remote_code)
 
 

@@ -32,9 +32,10 @@ class ExperienceSettings:
 
 
 def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_implementation: str = "sdpa",
-                        multi_turn: bool = False) -> ExperienceSettings:
+                        multi_turn: bool = False, masked_kernel: str = "dense") -> ExperienceSettings:
     """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections
-    (``attn_implementation``: ``model.attn_implementation``, which decides ``trainer.shared_prompt: auto``).
+    (``attn_implementation``: ``model.attn_implementation``, and ``masked_kernel``: ``model.masked_attention``
+    resolved for the trainer's device, which decide ``trainer.shared_prompt: auto``).
 
     ``multi_turn`` (``agent`` configured): ``trainer.shared_prompt: auto`` is off (see ``resolve_shared_prompt``)."""
     from mmrlhf.models.shared_prompt import resolve_shared_prompt
@@ -56,7 +57,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         micro_batch_size=rollout.micro_rollout_batch_size,
         packing=trainer.packing_samples,
         shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt,
-                                            multi_turn=multi_turn),
+                                            multi_turn=multi_turn, masked_kernel=masked_kernel),
         shared_prompt_max_tokens=trainer.shared_prompt_max_tokens,
         advantage_estimator=name,
         advantage_params=params,

@@ -41,13 +41,14 @@ import torch
 from torch import nn
 
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
+from mmrlhf.models.attention import base_implementation, block_mask, install, resolve_masked_attention, row_segments
 from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_sampled_log_probs
 from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.precision import autocast
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
-from mmrlhf.models.shared_prompt import attention_implementation, grouped_attention_mask
+from mmrlhf.models.shared_prompt import grouped_attention_mask
 from mmrlhf.models.truncation import Truncation
 
 
@@ -119,13 +120,25 @@ class ActorVL(nn.Module):
     """
 
     def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024,
-                 excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None):
+                 excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
+                 masked_attention: str = "auto"):
         super().__init__()
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model.config)
         self.chunk_size = chunk_size
         self.excluded_token_ids = excluded_token_ids
         self.compute_dtype = compute_dtype  # autocast dtype of the forwards; None: the parameters' own dtype
+        resolve_masked_attention(masked_attention, "cpu", base_implementation(model))  # refuse a bad setting now
+        self.masked_attention = masked_attention  # model.masked_attention: kernel of packed / grouped rows
+
+    def masked_kernel(self) -> str:
+        """``flex`` or ``dense``: how this actor's packed and grouped rows attend, on the device it computes on now
+        (:func:`mmrlhf.models.attention.resolve_masked_attention`); ``flex`` installs the block-sparse function in
+        the decoder the first time (it stays: a model keeps one attention function, see that module)."""
+        kernel = resolve_masked_attention(self.masked_attention, self.device, base_implementation(self.model))
+        if kernel == "flex":
+            install(self.model)
+        return kernel
 
     def _autocast(self) -> Any:
         """The forward's precision context (see the module docstring, "Precision")."""
@@ -148,7 +161,7 @@ class ActorVL(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, *, chunk_size: int = 1024, adapter: FamilyAdapter | None = None,
                         excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
-                        **model_kwargs: Any) -> "ActorVL":
+                        masked_attention: str = "auto", **model_kwargs: Any) -> "ActorVL":
         """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own.
         ``model_kwargs`` go to transformers (``dtype`` there is the STORAGE dtype; ``compute_dtype`` the autocast
         one)."""
@@ -156,7 +169,8 @@ class ActorVL(nn.Module):
 
         model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
         return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size,
-                   excluded_token_ids=excluded_token_ids, compute_dtype=compute_dtype)
+                   excluded_token_ids=excluded_token_ids, compute_dtype=compute_dtype,
+                   masked_attention=masked_attention)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
     @property
@@ -176,14 +190,18 @@ class ActorVL(nn.Module):
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
-        if isinstance(samples, GroupedSamples):
+        grouped = isinstance(samples, GroupedSamples)
+        flex = (grouped or samples.packed) and self.masked_kernel() == "flex"
+        if grouped:
             position_ids = grouped_position_ids(self.adapter, samples, vision_extra)  # [3, G, L]
             dtype = self.compute_dtype or self.model.get_input_embeddings().weight.dtype
-            # [G, 1, L, L], passed through to every layer as it is
-            attention_mask = grouped_attention_mask(samples.segment_ids, attention_implementation(self.model), dtype)
+            # [G, 1, L, L] (a 4-D mask passes through to every layer as it is) or the block mask of the G rows
+            attention_mask = (block_mask(row_segments(samples)) if flex else
+                              grouped_attention_mask(samples.segment_ids, base_implementation(self.model), dtype))
         elif samples.packed:
             position_ids = packed_position_ids(self.adapter, samples, vision_extra)  # [4, 1, T]
-            attention_mask = None  # the block-diagonal causal mask comes from position_ids[0]
+            # dense: the block-diagonal causal mask transformers builds from position_ids[0]; flex: its block mask
+            attention_mask = block_mask(row_segments(samples)) if flex else None
         else:
             position_ids = padded_position_ids(self.adapter, samples, vision_extra)  # [3, B, S]
             attention_mask = samples.attention_mask  # [B, S] 0/1

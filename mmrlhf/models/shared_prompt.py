@@ -12,8 +12,10 @@ a second code path per family. The cost of the dense mask is quadratic in the ro
 Kernels: ``sdpa`` and ``eager`` both get an additive mask in the compute dtype (0 where a key is visible, the
 dtype's minimum elsewhere): ``eager`` adds it to the scores, and ``sdpa`` would convert a boolean mask into exactly
 that in EVERY layer, so it is built once here (on GPUs PyTorch runs arbitrary masks in its memory-efficient kernel).
-``flash_attention_2`` reads no arbitrary mask at all: the grouped layout is refused there (a block-sparse
-FlexAttention mask is the way to serve it, not built yet).
+``flash_attention_2`` reads no arbitrary mask at all: there the grouped rows need the block-sparse path
+(``model.masked_attention``, :mod:`mmrlhf.models.attention`: FlexAttention with a block mask of the same rule,
+which skips the tiles the mask hides), and without it the layout is refused. On CUDA that path is the default for
+every kernel; this dense mask is the CPU's and the reference the tests compare it with.
 
 Padding queries attend to themselves only: a fully masked row would give NaN, and NaN hidden states at padding
 would poison the backward even though nothing reads them.
@@ -26,26 +28,24 @@ import torch
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-def attention_implementation(model: object) -> str:
-    """The attention kernel the decoder of a HF model runs (its text config's, where the model has one)."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
-    return str(getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", "eager"))
-
-
 def resolve_shared_prompt(setting: str | bool, attn_implementation: str, n_samples_per_prompt: int, *,
-                          multi_turn: bool = False) -> bool:
-    """``trainer.shared_prompt`` -> on/off. ``auto``: on where it is exact (the kernel reads a mask) and saves work
-    (more than one sample per prompt), and off for multi-turn rollouts: a trajectory's response holds its
-    observations (images included), so responses are long next to the shared prompt and a group's row of dense
-    attention costs more than encoding the prompt per sample (measured on the zoom toy: 64 trajectories of ~100
-    tokens in one grouped row, a forward 5.4x slower than padded). ``True`` with a kernel that cannot run it is an
-    error, not a silent off."""
+                          multi_turn: bool = False, masked_kernel: str = "dense") -> bool:
+    """``trainer.shared_prompt`` -> on/off. ``masked_kernel``: how grouped rows attend (``model.masked_attention``
+    resolved for the trainer's device, :func:`mmrlhf.models.attention.resolve_masked_attention`): ``flex`` expresses
+    the group mask over any base kernel, ``dense`` needs a base kernel that reads a mask (``sdpa``, ``eager``).
+
+    ``auto``: on where it is exact (the kernel can express the mask) and saves work (more than one sample per
+    prompt), and off for multi-turn rollouts: a trajectory's response holds its observations (images included), so
+    responses are long next to the shared prompt and a group's row of dense attention costs more than encoding the
+    prompt per sample (measured on the zoom toy: 64 trajectories of ~100 tokens in one grouped row, a forward 5.4x
+    slower than padded). ``True`` with a kernel that cannot run it is an error, not a silent off."""
+    expressible = masked_kernel == "flex" or attn_implementation in SUPPORTED_ATTENTION
     if setting == "auto":
-        return n_samples_per_prompt > 1 and attn_implementation in SUPPORTED_ATTENTION and not multi_turn
-    if setting and attn_implementation not in SUPPORTED_ATTENTION:
+        return n_samples_per_prompt > 1 and expressible and not multi_turn
+    if setting and not expressible:
         raise ValueError(f"trainer.shared_prompt=true needs model.attn_implementation in {SUPPORTED_ATTENTION}, "
-                         f"not {attn_implementation!r} (or set trainer.shared_prompt=auto / false)")
+                         f"not {attn_implementation!r}, or the block-sparse path (model.masked_attention=flex, "
+                         "CUDA) (or set trainer.shared_prompt=auto / false)")
     return bool(setting)
 
 

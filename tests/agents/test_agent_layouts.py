@@ -96,3 +96,27 @@ def test_grids_must_match_the_pads_of_prompt_and_observations(setup):
     with pytest.raises(ValueError, match="image pad tokens"):
         build_padded_samples(pieces.prompt_ids[:1], pieces.response_ids[:1], pad_id=0, eos_id=(), adapter=adapter,
                              vision=[v], response_masks=pieces.masks[:1])
+
+
+@torch.no_grad()
+def test_block_sparse_rows_score_what_the_dense_rows_score(setup):
+    """Multi-turn rows with tool images in the observations through the block-sparse path (FlexAttention's forward,
+    the CPU's eager kernel) equal the dense path, packed and grouped; a control where every response of the
+    grouped row sees its siblings must fail."""
+    from mmrlhf.models import attention
+
+    model, processor, adapter, _, pieces = setup
+    builds = _builds(pieces, adapter, processor.tokenizer.pad_token_id)
+    assert any(int(t) == 1 for t in builds["grouped"].samples.mm_token_type_ids[0][
+        builds["grouped"].samples.segment_ids[0] > 0])  # observation images inside the responses
+    for name in ("packed", "grouped"):
+        dense, _ = _score(ActorVL(model, adapter, masked_attention="dense"), builds[name])
+        flex, mask = _score(ActorVL(model, adapter, masked_attention="flex"), builds[name])
+        assert_close_at_scale(flex[mask], dense[mask], msg=name)
+    real = attention.allowed
+    try:
+        attention.allowed = lambda seg_q, seg_k, q, k: (q >= k) & (seg_q >= 0) & (seg_k >= 0) | (q == k)
+        leaked, mask = _score(ActorVL(model, adapter, masked_attention="flex"), builds["grouped"])
+    finally:
+        attention.allowed = real
+    assert not close_at_scale(leaked[mask], dense[mask])

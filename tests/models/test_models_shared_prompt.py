@@ -18,6 +18,7 @@ from mmrlhf.experience.grouped import build_grouped_samples, group_by_prompt
 from mmrlhf.experience.samples import build_packed_samples
 from mmrlhf.models import shared_prompt
 from mmrlhf.models.actor import ActorVL
+from mmrlhf.models.attention import base_implementation
 from mmrlhf.models.batch import GroupedSamples
 from mmrlhf.models.critic import CriticVL
 from mmrlhf.testing.tolerances import assert_close_at_scale, close_at_scale
@@ -186,7 +187,7 @@ def test_eager_attention_gets_an_additive_mask():
     from models_testing import load_bundle
 
     bundle = load_bundle("qwen2_vl", attn_implementation="eager")
-    assert shared_prompt.attention_implementation(bundle.model) == "eager"
+    assert base_implementation(bundle.model) == "eager"
     a = _score(bundle, _built(bundle, "grouped"))
     b = _score(bundle, _built(bundle, "packed"))
     torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=ATOL)
@@ -223,5 +224,7 @@ def test_auto_turns_on_only_where_it_is_exact_and_saves_work():
     assert not resolve("auto", "sdpa", 1)  # one sample per prompt: nothing to share
     assert not resolve("auto", "flash_attention_2", 8)  # the kernel reads no mask: per-sample layouts
     assert not resolve(False, "sdpa", 8) and resolve(True, "sdpa", 1)
+    assert resolve("auto", "flash_attention_2", 8, masked_kernel="flex")  # block-sparse rows express the mask
+    assert resolve(True, "flash_attention_2", 8, masked_kernel="flex")
     with pytest.raises(ValueError, match="trainer.shared_prompt=true needs model.attn_implementation"):
         resolve(True, "flash_attention_2", 8)
