@@ -183,27 +183,39 @@ class ActorVL(nn.Module):
         """Final (normed) decoder hidden states [B, S, H] (padded), [1, T, H] (packed) or [G, L, H] (grouped), on
         this actor's device (the inputs are moved there)."""
         check_wrapper_layout(self.model)
-        samples, vision_extra = to_device((samples, vision_extra), self.device)
+        position_ids = self.position_ids(samples, vision_extra)
+        samples, vision_extra, position_ids = to_device((samples, vision_extra, position_ids), self.device)
         with self._autocast():
-            return self._hidden_states(samples, vision_extra)
+            return self._hidden_states(samples, vision_extra, position_ids)
 
-    def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def position_ids(self, samples: SamplesVL | GroupedSamples,
+                     vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """M-RoPE positions of any layout, computed where ``samples`` are (the host, where batches are built):
+        the rule runs one small call per sample or row, which on an accelerator would be dozens of tiny kernels
+        and host syncs per forward (measured: a packed micro-batch at 7B shape left the GPU idle ~25% of its
+        step); on the host it is integer arithmetic, moved once. [3, B, S] padded, [4, 1, T] packed (row 0: per-
+        sample text positions), [3, G, L] grouped."""
+        if isinstance(samples, GroupedSamples):
+            return grouped_position_ids(self.adapter, samples, vision_extra)
+        if samples.packed:
+            return packed_position_ids(self.adapter, samples, vision_extra)
+        return padded_position_ids(self.adapter, samples, vision_extra)
+
+    def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None,
+                       position_ids: torch.Tensor) -> torch.Tensor:
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
         grouped = isinstance(samples, GroupedSamples)
         flex = (grouped or samples.packed) and self.masked_kernel() == "flex"
         if grouped:
-            position_ids = grouped_position_ids(self.adapter, samples, vision_extra)  # [3, G, L]
             dtype = self.compute_dtype or self.model.get_input_embeddings().weight.dtype
             # [G, 1, L, L] (a 4-D mask passes through to every layer as it is) or the block mask of the G rows
             attention_mask = (block_mask(row_segments(samples)) if flex else
                               grouped_attention_mask(samples.segment_ids, base_implementation(self.model), dtype))
         elif samples.packed:
-            position_ids = packed_position_ids(self.adapter, samples, vision_extra)  # [4, 1, T]
             # dense: the block-diagonal causal mask transformers builds from position_ids[0]; flex: its block mask
             attention_mask = block_mask(row_segments(samples)) if flex else None
         else:
-            position_ids = padded_position_ids(self.adapter, samples, vision_extra)  # [3, B, S]
             attention_mask = samples.attention_mask  # [B, S] 0/1
         out = self.model.base_model(
             input_ids=samples.sequences,
@@ -220,10 +232,13 @@ class ActorVL(nn.Module):
 
     def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature,
                      truncation) -> ActionLogProbs:
-        # Moved here, per micro-batch, after any selection: the selection reads lengths on the host.
-        samples, vision_extra = to_device((samples, vision_extra), self.device)
-        hidden = self._hidden_states(samples, vision_extra)  # [B, S, H] | [1, T, H]
-        src, tgt, action_mask = response_index(samples)  # [N], [N], [B, A]
+        # Positions and the response index come from the host batch (integer bookkeeping: no device syncs), then
+        # everything moves here, per micro-batch, after any selection.
+        position_ids = self.position_ids(samples, vision_extra)
+        index = response_index(samples)  # [N], [N], [B, A]
+        samples, vision_extra, position_ids, (src, tgt, action_mask) = to_device(
+            (samples, vision_extra, position_ids, index), self.device)
+        hidden = self._hidden_states(samples, vision_extra, position_ids)  # [B, S, H] | [1, T, H] | [G, L, H]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
         lm_head = self.model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias

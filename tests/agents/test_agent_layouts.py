@@ -115,7 +115,8 @@ def test_block_sparse_rows_score_what_the_dense_rows_score(setup):
         assert_close_at_scale(flex[mask], dense[mask], msg=name)
     real = attention.allowed
     try:
-        attention.allowed = lambda seg_q, seg_k, q, k: (q >= k) & (seg_q >= 0) & (seg_k >= 0) | (q == k)
+        attention.allowed = lambda seg_q, seg_k, q, k, causal=True: (
+            ((q >= k) & (seg_q >= 0) & (seg_k >= 0) | (q == k)) if causal else real(seg_q, seg_k, q, k, causal))
         leaked, mask = _score(ActorVL(model, adapter, masked_attention="flex"), builds["grouped"])
     finally:
         attention.allowed = real

@@ -28,9 +28,10 @@ LENGTHS = [[5, 1, 9], [3, 7, 2], [8, 4, 6], [2, 9, 5]]  # per prompt kind: its s
 KINDS = ["text", "one_image", "two_images", "video"]
 
 
-def _rule(segments: torch.Tensor) -> torch.Tensor:
+def _rule(segments: torch.Tensor, causal: bool = True) -> torch.Tensor:
     idx = torch.arange(segments.shape[1])
-    return attention.allowed(segments[:, :, None], segments[:, None, :], idx[None, :, None], idx[None, None, :])
+    return attention.allowed(segments[:, :, None], segments[:, None, :], idx[None, :, None], idx[None, None, :],
+                             causal)
 
 
 def _packed_segments(lengths: list[int]) -> torch.Tensor:
@@ -51,12 +52,19 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("causal", [True, False])  # the decoder's rows; the vision tower's segments
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("chunk_tokens", [1 << 26, 1])  # one pass; one query tile at a time
-def test_block_mask_tiles_equal_the_dense_rule(case, chunk_tokens):
+def test_block_mask_tiles_equal_the_dense_rule(case, chunk_tokens, causal):
     segments = CASES[case]
-    mask = block_mask(segments, chunk_tokens=chunk_tokens)
-    assert torch.equal(dense_from_block_mask(mask, segments), _rule(segments))
+    mask = block_mask(segments, causal=causal, chunk_tokens=chunk_tokens)
+    assert torch.equal(dense_from_block_mask(mask, segments, causal), _rule(segments, causal))
+
+
+def test_vision_segments_come_from_the_varlen_boundaries():
+    cu = torch.tensor([0, 3, 3, 7, 9], dtype=torch.int32)  # an empty segment in the middle
+    seg = attention.segments_from_cu_seqlens(cu, 9)
+    assert seg.tolist() == [[1, 1, 1, 3, 3, 3, 3, 4, 4]]
 
 
 def test_tiles_the_mask_hides_are_skipped_and_inner_tiles_run_unmasked():
@@ -168,10 +176,13 @@ def test_flex_forward_equals_the_dense_path_per_kind(own_bundles, family, layout
         assert max(worst.values()) <= ATOL, (name, worst)
 
 
-def test_the_padded_layout_is_untouched_by_the_install(own_bundles):
+def test_the_install_points_the_decoder_and_the_vision_tower_at_their_kernels(own_bundles):
+    """The padded layout gets no block mask (its decoder falls back to SDPA); its images go through the varlen
+    vision kernel, which equals the per-segment loop it replaces (float32, another summation order). Control: a
+    vision mask that lets windows and images see each other moves the log-probs."""
     from mmrlhf.experience.samples import build_padded_samples
 
-    bundle = load_bundle("qwen2_vl")  # not installed yet
+    bundle = load_bundle("qwen2_5_vl")  # not installed yet; window attention in its vision tower
     prompts, responses, vision, _ = _pieces(bundle)
     built = build_padded_samples(prompts, responses, pad_id=bundle.processor.tokenizer.pad_token_id,
                                  eos_id=bundle.eos_id, adapter=bundle.adapter, vision=vision)
@@ -179,8 +190,16 @@ def test_the_padded_layout_is_untouched_by_the_install(own_bundles):
     attention.install(bundle.model)
     attention.install(bundle.model)  # idempotent
     assert attention.installed(bundle.model) and attention.base_implementation(bundle.model) == "sdpa"
-    assert bundle.model.config.vision_config._attn_implementation == "sdpa"  # the vision tower keeps its kernel
-    assert torch.equal(_score(bundle, built, "flex").log_probs, before)  # padded batches never get a block mask
+    assert bundle.model.config.vision_config._attn_implementation == attention.VISION_NAME
+    after = _score(bundle, built, "flex").log_probs
+    assert_close_at_scale(after, before)
+    real = attention.allowed
+    try:
+        attention.allowed = lambda seg_q, seg_k, q, k, causal=True: (q >= k) | ~torch.tensor(causal) | (q == k)
+        leaked = _score(bundle, built, "flex").log_probs
+    finally:
+        attention.allowed = real
+    assert float((leaked - before).abs().max()) > CAUGHT
 
 
 def test_siblings_that_see_each_other_are_caught(own_bundles, monkeypatch):
@@ -189,8 +208,10 @@ def test_siblings_that_see_each_other_are_caught(own_bundles, monkeypatch):
     built = _built(bundle, "grouped")
     good = _score(bundle, built, "flex").log_probs
 
-    def causal_only(seg_q, seg_k, q_idx, k_idx):
-        return q_idx >= k_idx
+    def causal_only(seg_q, seg_k, q_idx, k_idx, causal=True):
+        return (q_idx >= k_idx) if causal else real(seg_q, seg_k, q_idx, k_idx, causal)
+
+    real = attention.allowed
 
     monkeypatch.setattr(attention, "allowed", causal_only)
     leaked = _score(bundle, built, "flex").log_probs

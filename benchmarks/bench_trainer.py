@@ -1,0 +1,379 @@
+"""The trainer's forward + backward at a real model shape, per layout and attention kernel (prints Markdown tables).
+
+Builds the named model's dimensions with random weights directly on the device (nothing downloaded), float32
+master weights with ``--dtype`` (bf16) autocast through ``ActorVL``, vision tower frozen (the trainer's default),
+and times what the policy update does per GRPO group: forward, a PPO-style loss over the response tokens, backward,
+in the padded and packed per-sample layouts (micro-batches of ``--micro`` samples, gradients accumulated) and the
+grouped (shared-prompt) layout, each with the dense masks and with the block-sparse kernel (``model.masked_attention``).
+
+Groups (``--groups``):
+- ``img448``: one 448 px image (256 vision tokens), n = 8, answers 128-512 tokens;
+- ``img896``: one 896 px image (1,024 vision tokens), n = 16, answers 32-128 tokens;
+- ``agent``: a multi-turn group: one 448 px prompt image, n = 8 trajectories of ~300 tokens, each with one 224 px
+  tool image inside its response (decides whether the shared-prompt layout should be on for agents).
+
+Per row: seconds (median of ``--repeats`` after warm-up: compile time is never in it), decoder tokens, tokens/s,
+achieved TFLOP/s and its share of a bf16 matrix product timed in the same process, peak memory. FLOPs counted:
+6 x decoder-layer parameters x decoder tokens, 6 x lm_head x scored tokens, attention 12 x heads x head_dim x the
+(query, key) pairs the mask allows per layer (forward 4, backward 8), the frozen vision tower's forward (2 x its
+parameters x patches) and the merger's forward and backward. ``--profile DIR`` writes torch.profiler tables of one
+micro-batch per layout and kernel.
+
+Run:  python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b        (a GPU; ~80 GiB for the 7B in float32)
+      python benchmarks/bench_trainer.py --quick                      (CPU smoke run at a small shape)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# ---- the model -------------------------------------------------------------------------------------------------
+
+
+def build_model(shape: str, device: torch.device, quick: bool):
+    from transformers import AutoModelForImageTextToText
+
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.models.shapes import shape_config
+
+    cfg = shape_config(shape, small=quick)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return model, get_adapter(model.config)
+
+
+def param_counts(model, adapter) -> dict[str, float]:
+    from mmrlhf.trainer.optim import freeze_vision
+
+    freeze_vision(model, adapter, tower=True, merger=False)
+    tower, mergers = adapter.vision_parts(model)
+    merger = sum(p.numel() for m in mergers for p in m.parameters())
+    vision = sum(p.numel() for p in tower.parameters()) - merger
+    head = model.get_output_embeddings().weight.numel()
+    embed = model.get_input_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    decoder = total - vision - merger - embed - (0 if tied else head)
+    return {"decoder": decoder, "head": head, "vision": vision, "merger": merger, "total": total}
+
+
+# ---- the groups ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    name: str
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    vision: list[dict[str, torch.Tensor]]
+    masks: list[list[int]] | None = None  # multi-turn: 1 policy, 0 observation token
+    notes: dict = field(default_factory=dict)
+
+
+def _image(adapter, px: int, gen: torch.Generator, patch_dim: int) -> dict[str, torch.Tensor]:
+    side = px // adapter.patch_size  # patches per side (a multiple of the merge size)
+    grid = torch.tensor([[1, side, side]])
+    return {"pixel_values": torch.randn(side * side, patch_dim, generator=gen), "image_grid_thw": grid}
+
+
+def _text(n: int, vocab: int, banned: set[int], gen: torch.Generator) -> list[int]:
+    toks = [t for t in torch.randint(0, vocab, (2 * n + 16,), generator=gen).tolist() if t not in banned]
+    return toks[:n]
+
+
+def make_group(name: str, adapter, vocab: int, patch_dim: int, quick: bool, seed: int = 0) -> Group:
+    gen = torch.Generator().manual_seed(seed)
+    banned = set(adapter.vision_special_token_ids())
+    scale = 4 if quick else 1  # the quick run shrinks images and answers
+
+    def vision_span(img):
+        pads = int(adapter.tokens_per_grid(img["image_grid_thw"]).sum())
+        return [adapter.vision_start_token_id] + [adapter.image_token_id] * pads + [adapter.vision_end_token_id]
+
+    spec = {"img448": (448, 8, 128, 512), "img896": (896, 16, 32, 128), "agent": (448, 8, 100, 160)}[name]
+    px, n, lo, hi = spec
+    px = max(px // scale // (adapter.patch_size * adapter.spatial_merge_size), 1) * adapter.patch_size \
+        * adapter.spatial_merge_size
+    lo, hi = max(lo // scale, 2), max(hi // scale, 4)
+    img = _image(adapter, px, gen, patch_dim)
+    prompt = _text(20, vocab, banned, gen) + vision_span(img) + _text(12, vocab, banned, gen)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    if name != "agent":
+        return Group(name, [prompt] * n, [_text(k, vocab, banned, gen) for k in lengths], [img] * n,
+                     notes={"image_px": px, "n": n, "answers": f"{lo}-{hi}"})
+    obs_px = max(px // 2 // (adapter.patch_size * adapter.spatial_merge_size), 1) * adapter.patch_size \
+        * adapter.spatial_merge_size
+    responses, masks, vision = [], [], []
+    for k in lengths:  # policy turn, tool observation with an image, policy turn
+        obs = _image(adapter, obs_px, gen, patch_dim)
+        first, second = _text(k, vocab, banned, gen), _text(k, vocab, banned, gen)
+        span = _text(6, vocab, banned, gen) + vision_span(obs) + _text(4, vocab, banned, gen)
+        responses.append(first + span + second)
+        masks.append([1] * len(first) + [0] * len(span) + [1] * len(second))
+        vision.append({"pixel_values": torch.cat([img["pixel_values"], obs["pixel_values"]]),
+                       "image_grid_thw": torch.cat([img["image_grid_thw"], obs["image_grid_thw"]])})
+    return Group(name, [prompt] * n, responses, vision, masks,
+                 notes={"image_px": px, "n": n, "answers": f"2 x {lo}-{hi} + a {obs_px} px tool image"})
+
+
+def build_layout(group: Group, layout: str, adapter, micro: int):
+    """The micro-batches of ``layout`` (BuiltSamples each)."""
+    from mmrlhf.experience.grouped import build_grouped_samples
+    from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
+
+    kw = dict(pad_id=0, eos_id=(), adapter=adapter)
+    if layout == "grouped":
+        return [build_grouped_samples(group.prompts, group.responses, vision=group.vision,
+                                      response_masks=group.masks, **kw)]
+    build = build_padded_samples if layout == "padded" else build_packed_samples
+    n = len(group.prompts)
+    return [build(group.prompts[i: i + micro], group.responses[i: i + micro], vision=group.vision[i: i + micro],
+                  response_masks=None if group.masks is None else group.masks[i: i + micro], **kw)
+            for i in range(0, n, micro)]
+
+
+# ---- work counted -----------------------------------------------------------------------------------------------
+
+
+def decoder_tokens(built) -> int:
+    s = built.samples
+    if hasattr(s, "segment_ids"):
+        return int((s.segment_ids != -1).sum())
+    return int(s.sequences.numel())
+
+
+def attention_pairs(group: Group, layout: str) -> int:
+    """(query, key) pairs the mask allows, summed over the layout's rows (causal, diagonal included)."""
+    p = len(group.prompts[0])
+    rs = [len(r) for r in group.responses]
+    if layout == "grouped":
+        return p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in rs)
+    return sum((p + r) * (p + r + 1) // 2 for r in rs)
+
+
+def flops(group: Group, layout: str, micros, counts: dict[str, float], cfg) -> float:
+    text = cfg.get_text_config()
+    heads_dim = text.num_attention_heads * (getattr(text, "head_dim", None)
+                                            or text.hidden_size // text.num_attention_heads)
+    tokens = sum(decoder_tokens(b) for b in micros)
+    scored = sum(int(b.samples.response_length.sum()) for b in micros)
+    patches = sum(int(b.samples.image_grid_thws.prod(-1).sum()) for b in micros
+                  if b.samples.image_grid_thws is not None)
+    merge = 4
+    return (6 * counts["decoder"] * tokens + 6 * counts["head"] * scored
+            + 12 * heads_dim * attention_pairs(group, layout) * text.num_hidden_layers
+            + 2 * counts["vision"] * patches + 6 * counts["merger"] * patches / merge)
+
+
+# ---- timing ------------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step(actor, micros) -> None:
+    """Forward, PPO-style surrogate over the policy tokens, backward, per micro-batch (gradients accumulate)."""
+    total = sum(int(b.samples.response_length.sum()) for b in micros)
+    for built in micros:
+        out = actor(built.samples, vision_extra=built.vision_extra)
+        mask = out.action_mask.float()
+        adv = torch.linspace(-1, 1, out.log_probs.shape[0], device=out.log_probs.device)[:, None]
+        ratio = (out.log_probs - out.log_probs.detach()).exp()
+        (-(ratio * adv * mask).sum() / total).backward()
+
+
+def time_layout(actor, micros, device, repeats: int, warmup: int) -> tuple[float, float, float]:
+    """(median seconds of one group's forward + backward, peak memory GiB, seconds of the first call: kernel
+    compilation and allocator warm-up)."""
+    first = 0.0
+    for i in range(warmup):
+        _sync(device)
+        t0 = time.perf_counter()
+        step(actor, micros)
+        _sync(device)
+        first = first or time.perf_counter() - t0
+    actor.model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        step(actor, micros)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    actor.model.zero_grad(set_to_none=True)
+    return statistics.median(times), peak, first
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def profile(actor, micros, device, path: Path, rows: int = 30) -> str:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    step(actor, micros)  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step(actor, micros[:1])
+        _sync(device)
+    actor.model.zero_grad(set_to_none=True)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    text = prof.key_averages().table(sort_by=key, row_limit=rows)
+    path.write_text(text)
+    return text
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    from mmrlhf.models import attention
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.precision import DTYPES
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2_5_vl_7b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--groups", default="img448,img896,agent")
+    ap.add_argument("--layouts", default="padded,packed,grouped")
+    ap.add_argument("--kernels", default="dense,flex")
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--matmul-size", type=int, default=8192)
+    ap.add_argument("--profile", help="write torch.profiler tables of one micro-batch per layout and kernel of the "
+                                      "first group here")
+    ap.add_argument("--quick", action="store_true", help="a small shape on the CPU, 1 repeat (a smoke run)")
+    ap.add_argument("--json", help="also write the rows as JSON here")
+    args = ap.parse_args()
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.quick:
+        args.repeats, args.warmup, args.matmul_size = 1, 1, 1024
+        if device.type == "cpu":
+            args.kernels = "dense"  # FlexAttention has no CPU backward
+    compute = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    model, adapter = build_model(args.shape, device, args.quick)
+    counts = param_counts(model, adapter)
+    cfg = model.config
+    patch_dim = 3 * adapter.temporal_patch_size * adapter.patch_size ** 2
+    vocab = cfg.get_text_config().vocab_size
+    matmul = matmul_tflops(device, compute, args.matmul_size)
+    autocast = compute if compute != torch.float32 else None
+    kernels = [k for k in args.kernels.split(",") if k]
+    rows = []
+    for gname in args.groups.split(","):
+        group = make_group(gname, adapter, vocab, patch_dim, args.quick)
+        for layout in args.layouts.split(","):
+            micros = build_layout(group, layout, adapter, args.micro)
+            for kernel in kernels if layout != "padded" else ["dense"]:
+                actor = ActorVL(model, adapter, compute_dtype=autocast, masked_attention=kernel)
+                try:
+                    seconds, peak, first = time_layout(actor, micros, device, args.repeats, args.warmup)
+                except Exception as exc:  # a kernel that cannot run this row: reported, the others still run
+                    traceback.print_exc()
+                    print(f"[bench_trainer] {gname} {layout} {kernel}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    actor.model.zero_grad(set_to_none=True)
+                    rows.append({"group": gname, "layout": layout, "kernel": kernel, "error": type(exc).__name__})
+                    continue
+                work = flops(group, layout, micros, counts, cfg)
+                tokens = sum(decoder_tokens(b) for b in micros)
+                rows.append({"group": gname, "layout": layout, "kernel": kernel, "forwards": len(micros),
+                             "tokens": tokens, "s": seconds, "tok_s": tokens / seconds, "tflops": work / seconds / 1e12,
+                             "share": work / seconds / 1e12 / matmul, "peak_gib": peak,
+                             "first_s": first})
+                if args.profile and gname == args.groups.split(",")[0]:
+                    out = Path(args.profile)
+                    out.mkdir(parents=True, exist_ok=True)
+                    profile(actor, micros, device, out / f"{gname}_{layout}_{kernel}.txt")
+            del micros
+    if attention.installed(model):
+        print("(block-sparse attention installed: flex rows ran FlexAttention)", file=sys.stderr)
+    _print(args, device, counts, matmul, rows)
+    if args.json:
+        _write_json(args, counts, matmul, rows)
+
+
+def _print(args, device, counts, matmul, rows) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    def b(n: float) -> str:
+        return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+    print(f"\nTrainer forward + backward, {args.shape}{' (small)' if args.quick else ''} on {name}, torch "
+          f"{torch.__version__}: decoder {b(counts['decoder'])} + lm_head {b(counts['head'])} "
+          f"parameters, vision {b(counts['vision'])} (frozen) + merger {b(counts['merger'])}; "
+          f"float32 master, {args.dtype} compute; per-sample layouts in micro-batches of {args.micro}; median of "
+          f"{args.repeats} after {args.warmup} warm-up(s). Same-process {args.dtype} matmul "
+          f"({args.matmul_size}^3): {matmul:.0f} TFLOP/s\n")
+    print("| group | layout | kernel | forwards | decoder tokens | s | tokens/s | TFLOP/s | of matmul | peak GiB "
+          "| first call s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['group']} | {r['layout']} | {r['kernel']} | failed: {r['error']} | | | | | | | |")
+            continue
+        print(f"| {r['group']} | {r['layout']} | {r['kernel']} | {r['forwards']} | {r['tokens']:,} | {r['s']:.3f} | "
+              f"{r['tok_s']:,.0f} | {r['tflops']:.1f} | {r['share']:.0%} | {r['peak_gib']:.1f} | {r['first_s']:.1f} |")
+    print()
+    for g in sorted({r["group"] for r in rows}):
+        ok = {(r["layout"], r["kernel"]): r for r in rows if r["group"] == g and "error" not in r}
+        pad, best_packed = ok.get(("padded", "dense")), _best(ok, "packed")
+        grouped = _best(ok, "grouped")
+        if pad and best_packed:
+            print(f"{g}: packed ({best_packed['kernel']}) vs padded {pad['s'] / best_packed['s']:.2f}x faster with "
+                  f"{pad['tokens'] / best_packed['tokens']:.2f}x fewer tokens")
+        if grouped and pad:
+            per_sample = min([pad] + ([best_packed] if best_packed else []), key=lambda r: r["s"])
+            print(f"{g}: grouped ({grouped['kernel']}) vs best per-sample ({per_sample['layout']}) "
+                  f"{per_sample['s'] / grouped['s']:.2f}x")
+
+
+def _best(ok: dict, layout: str):
+    cands = [r for (lay, _), r in ok.items() if lay == layout]
+    return min(cands, key=lambda r: r["s"]) if cands else None
+
+
+def _write_json(args, counts, matmul, rows) -> None:
+    from _results import table, write_json
+
+    columns = ["group", "layout", "kernel", "forwards", "decoder tokens", "s", "tokens/s", "TFLOP/s", "of matmul",
+               "peak GiB"]
+    cells = [[r["group"], r["layout"], r["kernel"], r.get("forwards"), r.get("tokens"), r.get("s"), r.get("tok_s"),
+              r.get("tflops"), r.get("share"), r.get("peak_gib")] for r in rows]
+    best = max((r for r in rows if "share" in r), key=lambda r: r["share"], default=None)
+    headline = (f"best {best['group']} {best['layout']} {best['kernel']}: {best['share']:.0%} of a {matmul:.0f} "
+                f"TFLOP/s matmul" if best else "no row ran")
+    write_json(args.json, "trainer", headline, {k: v for k, v in vars(args).items() if k != "json"},
+               [table(f"Forward + backward per group ({args.shape})", columns, cells)])
+
+
+if __name__ == "__main__":
+    main()
