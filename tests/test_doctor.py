@@ -52,3 +52,16 @@ def test_gpu_without_an_accelerator_is_an_error_line(tmp_path, capsys):
     assert main(["doctor", "--gpu", "--only", "environment", "--out", str(tmp_path)]) == 2
     assert "error: --gpu, but torch finds no accelerator" in capsys.readouterr().err
     assert not (tmp_path / "doctor.json").exists()
+
+
+@pytest.mark.slow
+def test_the_trainer_benchmark_row_runs_the_small_shape_on_the_cpu(tmp_path):
+    opts = doctor.DoctorOptions(device="cpu", quick=True, workdir=str(tmp_path))
+    assert doctor.trainer_bench_args(opts)[:1] == ["--quick"]
+    [row] = doctor._bench_trainer(opts)
+    assert row.status == "pass", row.reason
+    assert "of a" in row.reason and "TFLOP/s matmul" in row.reason  # the headline: best row's share of a matmul
+    table = row.details["tables"][0]
+    layouts = {(r[0], r[1], r[2]) for r in table["rows"]}
+    assert layouts == {("img448", "padded", "dense"), ("img448", "packed", "dense"), ("img448", "grouped", "dense")}
+    assert all(r[5] is not None and r[5] > 0 for r in table["rows"])  # every layout ran and was timed

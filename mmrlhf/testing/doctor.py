@@ -359,7 +359,42 @@ def check_torchrun(opts: DoctorOptions) -> list[CheckResult]:
 # ---- benchmarks -------------------------------------------------------------------------------------------------
 def check_benchmarks(opts: DoctorOptions) -> list[CheckResult]:
     """The benchmark scripts with a GPU side: ``bench_seeding.py`` (the sampler step with and without per-request
-    generators on each device; the vLLM seed modes when vLLM is present)."""
+    generators on each device; the vLLM seed modes when vLLM is present) and ``bench_trainer.py`` (the trainer's
+    forward + backward at a real model shape on a GPU; its small shape on the CPU)."""
+    return _bench_seeding(opts) + _bench_trainer(opts)
+
+
+def trainer_bench_args(opts: DoctorOptions) -> list[str]:
+    """``bench_trainer.py``'s arguments for this machine: the 7B shape where the GPU holds its float32 master
+    weights and gradients (>= 100 GiB), the 3B shape on smaller GPUs, the small shape on the CPU (``--quick``)."""
+    import torch
+
+    if opts.quick or not cuda_device(opts.device):
+        return ["--quick", "--groups", "img448", "--device", "cpu" if not cuda_device(opts.device) else opts.device]
+    gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    shape = "qwen2_5_vl_7b" if gib >= 100 else "qwen2_5_vl_3b"
+    return ["--shape", shape, "--groups", "img448,img896", "--repeats", "2", "--warmup", "1"]
+
+
+def _bench_trainer(opts: DoctorOptions) -> list[CheckResult]:
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    script = root / "bench_trainer.py"
+    if not script.exists():
+        return [CheckResult("bench/trainer", "skip", reason=f"{script} not found (not a source checkout)")]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=opts.workdir or None) as out:
+        out_json = Path(out) / "trainer.json"
+        proc = subprocess.run([sys.executable, str(script), *trainer_bench_args(opts), "--json", str(out_json)],
+                              capture_output=True, text=True, timeout=900, cwd=str(root))
+        if proc.returncode != 0 or not out_json.exists():
+            return [CheckResult("bench/trainer", "fail", reason=f"rc {proc.returncode}: "
+                                + " | ".join(proc.stderr.strip().splitlines()[-3:]), seconds=time.perf_counter() - t0)]
+        result = json.loads(out_json.read_text())
+    return [CheckResult("bench/trainer", "pass", reason=result["headline"], seconds=time.perf_counter() - t0,
+                        details={"tables": result["tables"]})]
+
+
+def _bench_seeding(opts: DoctorOptions) -> list[CheckResult]:
     root = Path(__file__).resolve().parents[2] / "benchmarks"
     script = root / "bench_seeding.py"
     if not script.exists():
