@@ -294,7 +294,9 @@ def main() -> None:
         group = make_group(gname, adapter, vocab, patch_dim, args.quick)
         for layout in args.layouts.split(","):
             micros = build_layout(group, layout, adapter, args.micro)
-            for kernel in kernels if layout != "padded" else ["dense"]:
+            for kernel in kernels:
+                if kernel == "dense":  # decoder masks dense, vision tower on its per-segment loop
+                    attention.uninstall(model)
                 actor = ActorVL(model, adapter, compute_dtype=autocast, masked_attention=kernel)
                 try:
                     seconds, peak, first = time_layout(actor, micros, device, args.repeats, args.warmup)
@@ -315,8 +317,6 @@ def main() -> None:
                     out.mkdir(parents=True, exist_ok=True)
                     profile(actor, micros, device, out / f"{gname}_{layout}_{kernel}.txt")
             del micros
-    if attention.installed(model):
-        print("(block-sparse attention installed: flex rows ran FlexAttention)", file=sys.stderr)
     _print(args, device, counts, matmul, rows)
     if args.json:
         _write_json(args, counts, matmul, rows)

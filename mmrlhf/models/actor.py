@@ -137,8 +137,15 @@ class ActorVL(nn.Module):
         the decoder the first time (it stays: a model keeps one attention function, see that module)."""
         kernel = resolve_masked_attention(self.masked_attention, self.device, base_implementation(self.model))
         if kernel == "flex":
-            install(self.model)
+            install(self.model, vision=not self._vision_trains())
         return kernel
+
+    def _vision_trains(self) -> bool:
+        """Whether a parameter of the vision tower before its merger(s) takes gradients (the tower unfrozen, or
+        LoRA on it): see :func:`mmrlhf.models.attention.install`."""
+        tower, mergers = self.adapter.vision_parts(self.model)
+        merger = {id(p) for m in mergers for p in m.parameters()}
+        return any(p.requires_grad and id(p) not in merger for p in tower.parameters())
 
     def _autocast(self) -> Any:
         """The forward's precision context (see the module docstring, "Precision")."""
@@ -206,7 +213,9 @@ class ActorVL(nn.Module):
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
         grouped = isinstance(samples, GroupedSamples)
-        flex = (grouped or samples.packed) and self.masked_kernel() == "flex"
+        # Decided (and the block-sparse functions installed) for every layout: the vision tower's varlen path
+        # serves padded batches too; a padded decoder gets its 2-D mask and the base kernel.
+        flex = self.masked_kernel() == "flex" and (grouped or samples.packed)
         if grouped:
             dtype = self.compute_dtype or self.model.get_input_embeddings().weight.dtype
             # [G, 1, L, L] (a 4-D mask passes through to every layer as it is) or the block mask of the G rows

@@ -305,17 +305,39 @@ def vision_config(model: Any) -> Any:
     return getattr(model.config, "vision_config", None)
 
 
-def install(model: Any) -> None:
-    """Point ``model``'s decoder at the block-sparse function over its current kernel, and its vision tower (where
-    it runs SDPA or eager, i.e. a loop over segments) at the varlen one (idempotent). Raises for a decoder kernel
-    it cannot fall back to (see :data:`FLEX_BASES`)."""
+def install(model: Any, *, vision: bool = True) -> None:
+    """Point ``model``'s decoder at the block-sparse function over its current kernel and, with ``vision``, its
+    vision tower (where it runs SDPA or eager, i.e. a loop over segments) at the varlen one; ``vision=False`` puts a
+    varlen vision tower back on the loop (idempotent both ways). Raises for a decoder kernel it cannot fall back
+    to (see :data:`FLEX_BASES`).
+
+    The actor passes ``vision=False`` while its vision tower trains: on an H200 the varlen path's forward equalled
+    the loop's for every family, but one family's patch-embedding gradient through it did not (a case not settled
+    yet, docs/gpu.md), so the path serves the frozen tower (the default) and the no-grad forwards only."""
     base = base_implementation(model)
     if base not in FLEX_BASES:
         raise ValueError(f"the block-sparse attention path runs beside {FLEX_BASES}, not {base!r}")
     decoder_config(model)._attn_implementation = _register(base)
-    vision = vision_config(model)
-    if vision is not None and getattr(vision, "_attn_implementation", None) in ("sdpa", "eager"):
-        vision._attn_implementation = _register_vision()
+    config = vision_config(model)
+    current = getattr(config, "_attn_implementation", None) if config is not None else None
+    if vision and current in ("sdpa", "eager"):
+        config._attn_implementation = _register_vision()
+    elif not vision and current == VISION_NAME:
+        config._attn_implementation = base if base in ("sdpa", "eager") else "sdpa"
+
+
+def uninstall(model: Any) -> None:
+    """Put ``model``'s decoder and vision tower back on their base kernels (a benchmark's dense rows)."""
+    base = base_implementation(model)
+    decoder_config(model)._attn_implementation = base
+    if vision_installed(model):
+        vision_config(model)._attn_implementation = base if base in ("sdpa", "eager") else "sdpa"
+
+
+def vision_installed(model: Any) -> bool:
+    """Whether ``model``'s vision tower runs the varlen function."""
+    config = vision_config(model)
+    return config is not None and getattr(config, "_attn_implementation", None) == VISION_NAME
 
 
 def installed(model: Any) -> bool:
