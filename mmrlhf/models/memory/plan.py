@@ -245,8 +245,7 @@ def plan_launch(facts: ModelFacts, p: PlanInputs, mode: str | None = None, ranks
         label = f"torchrun over {n} GPUs"
     elif mode == "ray":
         gpus = ray_gpus(facts, p, trainers=ranks or p.trainer_actors)
-        label = (f"Ray: {p.rollout_actors} rollout actor(s) x {p.rollout_gpus} GPU + "
-                 f"{ranks or p.trainer_actors} trainer actor(s) x 1 GPU")
+        label = f"Ray: {p.rollout_actors * p.rollout_gpus} rollout + {ranks or p.trainer_actors} trainer GPU(s)"
     else:
         raise ValueError(f"unknown launch mode {mode!r}; valid: single, torchrun, ray")
     plan = LaunchPlan(mode, label, gpus, p.gpu_bytes)

@@ -3,6 +3,8 @@ launch mode (components x phases, GiB), every launch mode's peak, and the verdic
 
 from __future__ import annotations
 
+import textwrap
+
 from mmrlhf.models.memory.advice import MemoryPlan
 from mmrlhf.models.memory.plan import GIB, PHASES, GpuPlan, engine_weight_bytes, kv_bytes_per_token
 
@@ -23,7 +25,7 @@ def describe(plan: MemoryPlan) -> list[str]:
     head = "tied to the embeddings" if f.tied else f"{_b(c.lm_head)} untied lm_head"
     lines = [f"parameters   {_b(c.total)}: language {_b(c.language)} ({f.decoder.layers} layers, {head}), "
              f"vision tower {_b(c.vision_tower)}, merger {_b(c.merger)}"]
-    trains = f"{_b(c.trainable)}" + (f" (LoRA adapters; every base weight frozen)" if c.lora else "")
+    trains = f"{_b(c.trainable)}" + (" (LoRA adapters; every base weight frozen)" if c.lora else "")
     lines.append(f"trains       {trains}; frozen {_b(c.frozen)}")
     compute = _DTYPE.get(p.compute_bytes, str(p.compute_bytes))
     lines.append(f"precision    compute {compute}; the actor (and critic) keep {_DTYPE[p.master_bytes]} weights, frozen "
@@ -60,15 +62,16 @@ def table(g: GpuPlan, gpu_bytes: int) -> list[str]:
         cells = [g.phases[ph].get(n) for ph in phases]
         lines.append(f"{n:<{width}}" + "".join(f"{_gib(v) if v else '':>10}" for v in cells))
     lines.append(f"{'total':<{width}}" + "".join(f"{_gib(g.total(ph)):>10}" for ph in phases))
-    marks = ["" if g.total(ph) <= gpu_bytes else "over" for ph in phases]
-    lines.append(f"{'of the GPU (' + _gib(gpu_bytes) + ')':<{width}}" + "".join(f"{m:>10}" for m in marks))
+    marks = ["yes" if g.total(ph) <= gpu_bytes else "NO" for ph in phases]
+    lines.append(f"{'fits in ' + _gib(gpu_bytes):<{width}}" + "".join(f"{m:>10}" for m in marks))
     return lines
 
 
 def render_text(plan: MemoryPlan, title: str = "") -> str:
     p = plan.inputs
     out = [f"Memory plan{': ' + title if title else ''} ({plan.facts.name}; GPUs of {_gib(p.gpu_bytes)} GiB)", ""]
-    out += describe(plan)
+    for line in describe(plan):
+        out += textwrap.wrap(line, width=118, subsequent_indent=" " * 13)
     launch = plan.launch
     for g in launch.gpus:
         count = "" if g.count == 1 else f" (x{g.count})"
@@ -78,8 +81,9 @@ def render_text(plan: MemoryPlan, title: str = "") -> str:
     for m in plan.modes:
         g = max(m.gpus, key=lambda g: g.peak)
         state = "fits" if m.fits else "does not fit"
-        out.append(f"  {m.label:<55} {_gib(g.peak):>7} GiB ({g.peak_phase}, {g.name})  {state}")
-    out += ["", plan.verdict]
-    out += ["", "Not counted: the CUDA context and allocator fragmentation (keep a few GiB free), vLLM's CUDA-graph "
-            "pool during sleep, host memory. Formulas: mmrlhf/models/memory/ (docs/gpu.md)."]
+        out.append(f"  {m.label:<58} {_gib(g.peak):>6} GiB  {state:<13} ({g.peak_phase}, {g.name})")
+    out += [""] + [w for line in plan.verdict.splitlines() for w in textwrap.wrap(line, 118, subsequent_indent="  ")]
+    out += [""] + textwrap.wrap("Not counted: the CUDA context and allocator fragmentation (keep a few GiB free), "
+                                "vLLM's CUDA-graph pool during sleep, host memory. Formulas: mmrlhf/models/memory/ "
+                                "(docs/gpu.md).", 118)
     return "\n".join(out) + "\n"
