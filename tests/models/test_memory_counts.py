@@ -1,4 +1,5 @@
-"""Parameter counts of the memory plan (``mmrlhf.models.memory.counts``) and the named shapes (``mmrlhf.models.shapes``).
+"""Parameter counts of the memory plan (``mmrlhf.models.memory.counts``) and the named shapes
+(``mmrlhf.models.shapes``).
 
 The counts come from a meta-device model; here they must equal a real instantiated model's under the trainer's own
 freeze and LoRA code, and the 7B shape must have the released model's 8.29 B parameters.

@@ -123,7 +123,10 @@ def vision_bytes(facts: ModelFacts, n: Numerics, mb: MicroBatch, *, checkpointin
     total = merged * n.compute * v.merger_linear_features + p * (F32 + n.residual) * v.width
     total += mb.tokens * facts.decoder.hidden
     if c.tower_on_grad_path:
-        block = n.residual * v.width if checkpointing else n.compute * (v.block_linear_features + 3 * v.width) + 2 * F32 * v.width
+        # a block's Linear inputs and outputs, its rotary q / k and attention output (new tensors beside the
+        # fused qkv output), and two norms' float32 statistics per patch; checkpointed: its input only
+        linear = n.compute * (v.block_linear_features + 3 * v.width) + 2 * F32 * v.width
+        block = n.residual * v.width if checkpointing else linear
         total += v.depth * p * block
     return total
 

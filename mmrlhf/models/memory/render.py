@@ -28,8 +28,9 @@ def describe(plan: MemoryPlan) -> list[str]:
     trains = f"{_b(c.trainable)}" + (" (LoRA adapters; every base weight frozen)" if c.lora else "")
     lines.append(f"trains       {trains}; frozen {_b(c.frozen)}")
     compute = _DTYPE.get(p.compute_bytes, str(p.compute_bytes))
-    lines.append(f"precision    compute {compute}; the actor (and critic) keep {_DTYPE[p.master_bytes]} weights, frozen "
-                 f"ones included, and {_DTYPE[p.master_bytes]} gradients + 2 AdamW moments for what trains "
+    master = _DTYPE[p.master_bytes]
+    lines.append(f"precision    compute {compute}; the actor (and critic) keep {master} weights, frozen "
+                 f"ones included, and {master} gradients + 2 AdamW moments for what trains "
                  f"({4 * p.master_bytes} B per trained parameter); reference: "
                  + (f"{compute} copy" if p.reference else "none") + "; critic: " + ("yes" if p.critic else "none"))
     for name, mb in (("update", p.train), ("scoring", p.score)):
