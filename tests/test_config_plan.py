@@ -43,3 +43,14 @@ def test_the_doctor_row_compares_generically_and_skips_on_the_cpu():
     assert [(r.name, r.status) for r in rows] == [("memory_plan", "skip")] and "cpu" in rows[0].reason
     assert compare_peak(100, 110) == ("pass", 1.1)
     assert compare_peak(100, 130)[0] == "fail" and compare_peak(100, 70)[0] == "fail"  # controls, both sides
+
+
+def test_docs_gpu_md_shows_the_plan_as_the_command_prints_it(capsys):
+    """docs/gpu.md's 7B section is this command's output: a change to the plan must regenerate it."""
+    from pathlib import Path
+
+    argv = ["config", "show", RECIPE, "--plan", "--shape", "qwen2_5_vl_7b", "--gpu-memory", "80"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.rstrip("\n")
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "gpu.md").read_text()
+    assert f"$ mmrlhf {' '.join(argv)}\n{out}\n```" in doc, "regenerate the block in docs/gpu.md from the command"
