@@ -41,13 +41,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # ---- the model -------------------------------------------------------------------------------------------------
 
 
+# --quick: the shape's family and vision layout at small widths and depths (a CPU smoke run of the same code).
+SMALL = {"text": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 8192, "head_dim": 64,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}},
+         "vision": {"depth": 2, "hidden_size": 128, "embed_dim": 128, "intermediate_size": 256, "num_heads": 2,
+                    "out_hidden_size": 256, "fullatt_block_indexes": [1]}}
+SMALL_IDS = {"image_token_id": 8100, "video_token_id": 8101, "vision_start_token_id": 8102,
+             "vision_end_token_id": 8103}
+
+
 def build_model(shape: str, device: torch.device, quick: bool):
     from transformers import AutoModelForImageTextToText
 
     from mmrlhf.models.adapters import get_adapter
     from mmrlhf.models.shapes import shape_config
 
-    cfg = shape_config(shape, small=quick)
+    cfg = shape_config(shape, **(SMALL if quick else {}))
+    if quick:  # a small vocabulary: the special tokens move inside it
+        for name, value in SMALL_IDS.items():
+            setattr(cfg, name, value)
     with torch.device(device):
         model = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()

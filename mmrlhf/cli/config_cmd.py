@@ -1,4 +1,5 @@
-"""``mmrlhf config show CONFIG [key=value ...]``: print the resolved, validated config as YAML."""
+"""``mmrlhf config show CONFIG [key=value ...]``: print the resolved, validated config as YAML; with ``--plan``, the
+run's GPU memory plan instead (:mod:`mmrlhf.models.memory`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     show.add_argument("config", nargs="?", help="YAML config file (optional: defaults only)")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6 rollout.engine=vllm")
+    show.add_argument("--plan", action="store_true",
+                      help="print the GPU memory plan instead of the config: GiB of weights, gradients, AdamW "
+                      "moments, the vLLM engine's share and the largest micro-batch's activations, per phase, per GPU "
+                      "and per launch mode, whether it fits and which key makes it fit")
+    show.add_argument("--shape", metavar="NAME", help="plan for a named model shape instead of model.pretrain's "
+                      "config.json (" + ", ".join(_shape_names()) + ")")
+    show.add_argument("--gpu-memory", metavar="GIB", type=float, default=None,
+                      help="memory of one GPU in GiB (default: the visible GPU's, else 80)")
+    show.add_argument("--ranks", metavar="N", type=int, default=None,
+                      help="torchrun world size for distributed.backend=torchrun (default: WORLD_SIZE, else 8)")
+    show.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     show.set_defaults(func=_show)
     docs = actions.add_parser(
         "docs",
@@ -31,6 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Print docs/configuration.md: every key with its type, default, bounds and description.",
     )
     docs.set_defaults(func=_docs)
+
+
+def _shape_names() -> list[str]:
+    from mmrlhf.models.shapes import shape_names
+
+    return shape_names()
 
 
 def _docs(args: argparse.Namespace) -> int:
@@ -49,5 +67,29 @@ def _show(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.plan:
+        return _plan(args, config, path)
+    if args.shape or args.json or args.gpu_memory is not None or args.ranks is not None:
+        print("error: --shape, --gpu-memory, --ranks and --json go with --plan", file=sys.stderr)
+        return 2
     sys.stdout.write(dump_config(config))
+    return 0
+
+
+def _plan(args: argparse.Namespace, config, path: str | None) -> int:
+    import json
+
+    from mmrlhf.models.memory.advice import memory_plan, to_json
+    from mmrlhf.models.memory.inputs import PlanError
+    from mmrlhf.models.memory.render import render_text
+
+    try:
+        plan = memory_plan(config, shape=args.shape, gpu_gib=args.gpu_memory, ranks=args.ranks)
+    except (PlanError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(to_json(plan), indent=1) + "\n")
+    else:
+        sys.stdout.write(render_text(plan, title=" ".join([path or "defaults", *args.overrides])))
     return 0

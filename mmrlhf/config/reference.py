@@ -64,7 +64,8 @@ def render_reference() -> str:
         "Generated from the schema (`mmrlhf/config/`) by `mmrlhf config docs`; do not edit by hand.",
         "A config is a YAML file of the sections below; any key can be overridden on the command line as",
         "`section.key=value` (values are parsed as YAML). Unknown keys, wrong types and invalid values are errors",
-        "that name the key. `mmrlhf config show CONFIG [overrides]` prints the resolved tree.",
+        "that name the key. `mmrlhf config show CONFIG [overrides]` prints the resolved tree;",
+        "`mmrlhf config show CONFIG [overrides] --plan` the GPU memory plan of the run instead (docs/gpu.md).",
         "",
     ]
     for section_name, section_field in MMRLHFConfig.model_fields.items():

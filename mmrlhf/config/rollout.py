@@ -57,9 +57,9 @@ class RolloutConfig(Section):
     which then owns that many GPUs. Refused under torchrun, where each rank runs its own engine on its own GPU."""
     gpu_memory_utilization: float = Field(default=0.35, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take for its weights, KV cache and CUDA graphs (ignored on CPU). The default
-    fits a 7B policy colocated with its trainer on one 80 GB GPU (28 GB: 16.6 GB of bf16 weights, ~2 GB of
-    activations and graphs, ~9 GB of KV cache; the arithmetic is in docs/gpu.md); an engine on a GPU of its own
-    (a Ray rollout actor) can take 0.85."""
+    gives a 7B engine 28 GiB of an 80 GB GPU beside its trainer (15.4 GiB of bf16 weights, the rest KV cache,
+    activations and graphs); whether the trainer fits beside it: ``mmrlhf config show CONFIG --plan``
+    (docs/gpu.md). A Ray rollout actor's GPU also holds the float32 scoring copy of the policy."""
     enable_sleep: bool = False
     """vLLM sleep mode (CUDA only; ignored elsewhere): each training step puts the engine to sleep after generation
     (KV cache freed; weights offloaded or discarded, ``sleep_level``) so the experience forwards and the updates get

@@ -1,60 +1,122 @@
-"""Named model shapes: the dimensions of released Qwen-VL checkpoints as transformers configs, so a benchmark or a
-memory plan can build or count a real-size model without downloading it (random weights, ``from_config``).
+"""Named model shapes: the released Qwen-VL checkpoints' dimensions as Hugging Face config dicts, no download.
 
-Values are the released ``config.json`` files' (text and vision dimensions, vocabulary, tied embeddings). Token ids
-are the family's; nothing here is used to load weights.
+Why: a user plans memory for a model they do not have on disk yet (``mmrlhf config show RECIPE --plan --shape
+qwen2_5_vl_7b``), and a benchmark builds a random model of a real size (``benchmarks/bench_trainer.py --shape``).
+Both read this one table, so a shape is written down once. This is the only place in the package that names model
+sizes; everything else reads dimensions from a config object.
+
+Each entry holds what ``config.json`` of the released ``*-Instruct`` checkpoint says about sizes (transformers
+5.x layout: ``text_config`` / ``vision_config``); keys that do not change a parameter count or a tensor size
+(initialisation, dropout, generation defaults) are left to transformers' defaults. The special-token ids are the
+Qwen2 tokenizer's (shared by all three families). Sources: the ``config.json`` files of Qwen/Qwen2-VL-2B-Instruct,
+Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen3-VL-2B-Instruct and
+Qwen/Qwen3-VL-8B-Instruct on the Hugging Face hub, written down from them (no machine of this project reaches the
+hub); the parameter totals they give are checked against the model cards' (8.29 B for Qwen2.5-VL-7B) in
+``tests/models/test_memory_counts.py``.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-# Shared by the Qwen2 / Qwen2.5 tokenizers.
-_QWEN2_IDS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
-                  vision_end_token_id=151653, bos_token_id=151643, eos_token_id=151645)
+# Qwen2 tokenizer ids (identical in the three families' tokenizers).
+_TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+              "vision_end_token_id": 151653}
+_QWEN2_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]}
+_QWEN3_ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
+               "mrope_interleaved": True}
 
+
+def _text(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool,
+          rope: dict[str, Any], max_positions: int, **extra: Any) -> dict[str, Any]:
+    return dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tied,
+                rope_parameters=dict(rope), max_position_embeddings=max_positions, rms_norm_eps=1e-6,
+                bos_token_id=151643, eos_token_id=151645, **extra)
+
+
+# Qwen2-VL vision tower: a ViT of ``depth`` blocks at ``embed_dim`` (LayerNorm, fused qkv, GELU MLP of
+# ``mlp_ratio`` x embed_dim), 14-pixel patches over 2 frames, a 2x2 merger into the language model's hidden size.
+def _qwen2_vl_vision(out_hidden: int) -> dict[str, Any]:
+    return dict(depth=32, embed_dim=1280, hidden_size=out_hidden, mlp_ratio=4, num_heads=16, hidden_act="quick_gelu",
+                in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+
+
+# Qwen2.5-VL vision tower: RMSNorm, SwiGLU MLP of 3,420, window attention (112 px) except the full-attention
+# blocks 7, 15, 23, 31; the merger maps to ``out_hidden_size``.
+def _qwen2_5_vl_vision(out_hidden: int) -> dict[str, Any]:
+    return dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, hidden_act="silu", in_channels=3,
+                out_hidden_size=out_hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+
+
+# Qwen3-VL vision tower (SigLIP-2 style): LayerNorm, GELU MLP, 16-pixel patches, learned position embeddings of
+# 2,304 (48 x 48), deepstack mergers feeding three of its blocks' features into the decoder.
+def _qwen3_vl_vision(depth: int, hidden: int, intermediate: int, out_hidden: int,
+                     deepstack: list[int]) -> dict[str, Any]:
+    return dict(depth=depth, hidden_size=hidden, intermediate_size=intermediate, num_heads=16,
+                hidden_act="gelu_pytorch_tanh", in_channels=3, out_hidden_size=out_hidden, patch_size=16,
+                spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                deepstack_visual_indexes=deepstack)
+
+
+# name -> {"model_type", "text_config", "vision_config", "tie_word_embeddings"} (+ the token ids, added below).
+# Vocabularies: the 7B Qwen2 / Qwen2.5 models pad theirs to 152,064 rows, the smaller ones and every Qwen3-VL to
+# 151,936 (both above the tokenizer's 151,665 tokens).
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2_5_vl_7b": dict(
-        model_type="qwen2_5_vl", **_QWEN2_IDS,
-        text=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                  num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6,
-                  max_position_embeddings=128000, tie_word_embeddings=False,
-                  rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
-                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                    fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")),
+    "qwen2_vl_2b": dict(
+        model_type="qwen2_vl", tie_word_embeddings=True,
+        text_config=_text(1536, 8960, 28, 12, 2, 151_936, True, _QWEN2_ROPE, 32_768),
+        vision_config=_qwen2_vl_vision(1536)),
+    "qwen2_vl_7b": dict(
+        model_type="qwen2_vl", tie_word_embeddings=False,
+        text_config=_text(3584, 18944, 28, 28, 4, 152_064, False, _QWEN2_ROPE, 32_768),
+        vision_config=_qwen2_vl_vision(3584)),
     "qwen2_5_vl_3b": dict(
-        model_type="qwen2_5_vl", **_QWEN2_IDS,
-        text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                  num_key_value_heads=2, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
-                  max_position_embeddings=128000, tie_word_embeddings=True,
-                  rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
-        vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
-                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                    fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, hidden_act="silu")),
+        model_type="qwen2_5_vl", tie_word_embeddings=True,
+        text_config=_text(2048, 11008, 36, 16, 2, 151_936, True, _QWEN2_ROPE, 128_000),
+        vision_config=_qwen2_5_vl_vision(2048)),
+    "qwen2_5_vl_7b": dict(
+        model_type="qwen2_5_vl", tie_word_embeddings=False,
+        text_config=_text(3584, 18944, 28, 28, 4, 152_064, False, _QWEN2_ROPE, 128_000),
+        vision_config=_qwen2_5_vl_vision(3584)),
+    "qwen3_vl_2b": dict(
+        model_type="qwen3_vl", tie_word_embeddings=True,
+        text_config=_text(2048, 6144, 28, 16, 8, 151_936, True, _QWEN3_ROPE, 262_144, head_dim=128,
+                          attention_bias=False),
+        vision_config=_qwen3_vl_vision(24, 1024, 4096, 2048, [5, 11, 17])),
+    "qwen3_vl_8b": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=_text(4096, 12288, 36, 32, 8, 151_936, False, _QWEN3_ROPE, 262_144, head_dim=128,
+                          attention_bias=False),
+        vision_config=_qwen3_vl_vision(27, 1152, 4304, 4096, [8, 16, 24])),
 }
 
 
 def shape_names() -> list[str]:
+    """The known shape names, sorted."""
     return sorted(SHAPES)
 
 
-def shape_config(name: str, *, small: bool = False) -> Any:
-    """A transformers config of shape ``name``; ``small`` keeps the family, vocabulary and vision layout but
-    shrinks every width and depth (a CPU smoke run of the same code)."""
+def shape_dict(name: str) -> dict[str, Any]:
+    """A deep copy of shape ``name``'s config dict (token ids included); unknown names list the valid ones."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; valid: {', '.join(shape_names())}")
+    return {**copy.deepcopy(SHAPES[name]), **_TOKEN_IDS}
+
+
+def shape_config(name: str, *, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> Any:
+    """A transformers config object of shape ``name`` (``AutoConfig.for_model``; nothing is downloaded).
+
+    ``text`` / ``vision``: keys overriding the shape's text / vision config, e.g. a benchmark's
+    ``text={"num_hidden_layers": 2}`` for a real-width model of fewer layers."""
     from transformers import AutoConfig
 
-    if name not in SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(shape_names())}")
-    spec = dict(SHAPES[name])
-    text, vision = dict(spec.pop("text")), dict(spec.pop("vision"))
-    if small:
-        text.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=8192, rope_scaling={"type": "mrope",
-                                                                          "mrope_section": [8, 12, 12]})
-        vision.update(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256,
-                      fullatt_block_indexes=[1])
-        spec.update(image_token_id=8100, video_token_id=8101, vision_start_token_id=8102, vision_end_token_id=8103,
-                    bos_token_id=8104, eos_token_id=8105)
-    model_type = spec.pop("model_type")
-    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **spec)
+    data = shape_dict(name)
+    data["text_config"].update(text or {})
+    data["vision_config"].update(vision or {})
+    if "tie_word_embeddings" in (text or {}):  # the tie is read from the top config and the text config
+        data["tie_word_embeddings"] = text["tie_word_embeddings"]
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)

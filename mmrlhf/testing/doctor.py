@@ -356,6 +356,41 @@ def check_torchrun(opts: DoctorOptions) -> list[CheckResult]:
                         time.perf_counter() - t0)]
 
 
+# ---- memory plan vs the allocator ------------------------------------------------------------------------------
+def check_memory_plan(opts: DoctorOptions) -> list[CheckResult]:
+    """The memory plan (``mmrlhf config show --plan``) of a toy run on the small random Qwen2-VL, bf16 compute,
+    4 x 1,024-token micro-batches, against the allocator's peak over two real updates of that run's policy (built
+    as the trainer builds it: float32 master weights, autocast, AdamW): the plan's update / step peak must be within
+    ``PEAK_TOLERANCE``. Any device whose allocator keeps a peak statistic; skipped on the CPU."""
+    from mmrlhf.devices import resolve_device
+    from mmrlhf.models.memory.advice import memory_plan
+    from mmrlhf.testing.memory_check import PEAK_TOLERANCE, compare_peak, measure_update_peak, memory_statistic
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    device = resolve_device(opts.device)
+    stat = memory_statistic(device)
+    if stat is None:
+        return [CheckResult("memory_plan", "skip", reason=f"{device.type} has no allocator peak statistic")]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=opts.workdir or None) as out:
+        cfg = toy_config(Path(out), device=str(device), engine="transformers", steps=1,
+                         model={"pretrain": str(tiny_model_dir("qwen2_vl", "small")), "dtype": "bfloat16"},
+                         data={"prompt_max_len": 960}, rollout={"max_new_tokens": 64, "max_model_len": 1024},
+                         trainer={"micro_train_batch_size": 4, "shared_prompt": False})
+        plan = memory_plan(cfg, gpu_gib=1000.0, suggest=False)
+        gpu = plan.launch.gpus[0]
+        predicted = max(gpu.total("update"), gpu.total("step"))
+        mb = plan.inputs.train
+        measured = measure_update_peak(cfg, stat, rows=mb.rows, row_tokens=mb.row_tokens,
+                                       response=mb.response_tokens // mb.rows)
+    status, ratio = compare_peak(predicted, measured)
+    parts = {k: round(v / 2**20, 1) for k, v in gpu.phases["update"].items()}
+    return [CheckResult("memory_plan", status, ratio, "measured/planned", f"planned {predicted / 2**30:.2f} GiB "
+                        f"(update/step), measured peak {measured / 2**30:.2f} GiB over 2 updates of {mb.rows} x "
+                        f"{mb.row_tokens} tokens; must be within {PEAK_TOLERANCE:.0%}", time.perf_counter() - t0,
+                        details={"planned_bytes": predicted, "measured_bytes": measured, "update_mib": parts})]
+
+
 # ---- benchmarks -------------------------------------------------------------------------------------------------
 def check_benchmarks(opts: DoctorOptions) -> list[CheckResult]:
     """The benchmark scripts with a GPU side: ``bench_seeding.py`` (the sampler step with and without per-request
@@ -422,6 +457,7 @@ CHECKS: dict[str, Callable[[DoctorOptions], list[CheckResult]]] = {
     "weight_sync": check_weight_sync,
     "bf16_update": check_bf16_update,
     "torchrun": check_torchrun,
+    "memory_plan": check_memory_plan,
     "benchmarks": check_benchmarks,
 }
 

@@ -1,0 +1,193 @@
+"""A run's memory plan as a user reads it: the configured launch mode in detail, every launch mode's peak, a
+verdict, and the keys that make a plan that does not fit fit.
+
+A suggested fix is a config override (``key=value``) or a launch change (more GPUs); each is applied to the config
+and the whole plan is computed again, so a suggestion is only made when the plan it leads to fits (and a key that
+the schema lacks is never named: :func:`mmrlhf.models.memory.inputs.fix_keys`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmrlhf.models.memory.counts import ModelFacts
+from mmrlhf.models.memory.inputs import PlanError, facts_of, plan_inputs
+from mmrlhf.models.memory.plan import GIB, LaunchPlan, PlanInputs, engine_problem, plan_launch, summary_modes
+
+LORA_RANK = 64  # the rank a LoRA fix suggests
+RANK_STEPS = (2, 4, 8, 16, 32, 64)  # world sizes a "more GPUs" fix tries
+
+
+@dataclass
+class Fix:
+    """One way to make the plan fit: overrides and / or a launch, with the plan it leads to."""
+
+    overrides: list[str]  # ``key=value`` words for the command line
+    launch: str  # "" (the configured launch) or e.g. "torchrun over 4 GPUs"
+    peak: int  # the fixed plan's largest per-GPU peak (bytes)
+
+    @property
+    def label(self) -> str:
+        parts = list(self.overrides) + ([f"launch {self.launch}"] if self.launch else [])
+        return " + ".join(parts)
+
+
+@dataclass
+class MemoryPlan:
+    facts: ModelFacts
+    inputs: PlanInputs
+    launch: LaunchPlan  # the configured launch mode
+    modes: list[LaunchPlan]  # every launch mode's plan (summary)
+    fixes: list[Fix] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self)
+
+
+def _plan(config: Any, shape: str | None, gpu_gib: float | None, ranks: int | None,
+          cache: dict[tuple, ModelFacts]) -> tuple[ModelFacts, PlanInputs]:
+    t, lora = config.trainer, config.model.lora
+    key = (t.freeze_vision_tower, t.freeze_merger, lora.rank, tuple(lora.target_modules), lora.vision)
+    if key not in cache:
+        cache[key] = facts_of(config, shape)
+    return cache[key], plan_inputs(config, cache[key], gpu_gib=gpu_gib, ranks=ranks)
+
+
+def memory_plan(config: Any, *, shape: str | None = None, gpu_gib: float | None = None, ranks: int | None = None,
+                suggest: bool = True) -> MemoryPlan:
+    """The plan of ``config`` (its model from ``shape`` or ``model.pretrain``) on GPUs of ``gpu_gib`` GiB;
+    ``suggest``: search the fixes when it does not fit. Raises :class:`PlanError` naming the key to set."""
+    cache: dict[tuple, ModelFacts] = {}
+    facts, inputs = _plan(config, shape, gpu_gib, ranks, cache)
+    launch = plan_launch(facts, inputs)
+    modes = [plan_launch(facts, inputs, mode, n) for mode, n in summary_modes(inputs)]
+    plan = MemoryPlan(facts, inputs, launch, modes)
+    if suggest and not launch.fits:
+        plan.fixes = find_fixes(config, shape, gpu_gib, ranks, inputs, cache)
+    return plan
+
+
+def _candidates(config: Any, p: PlanInputs) -> list[list[str]]:
+    """Single config changes that lower the peak, as override lists (only those that change something)."""
+    m, t, r = config.model, config.trainer, config.rollout
+    out = []
+    if not m.lora.rank and t.freeze_vision_tower:
+        out.append([f"model.lora.rank={LORA_RANK}"])
+    if not p.checkpointing:
+        out.append([f"{p.keys['checkpointing']}=true"])
+    if t.micro_train_batch_size > 1:
+        out.append(["trainer.micro_train_batch_size=1"])
+    if "token_budget" in p.keys and p.train.tokens > p.train.row_tokens:
+        out.append([f"{p.keys['token_budget']}={p.train.row_tokens}"])
+    if m.attn_implementation != "flash_attention_2" and p.train.mask:
+        out.append(["model.attn_implementation=flash_attention_2"])
+    if p.engine == "vllm" and p.backend != "ray" and not r.enable_sleep:
+        out.append(["rollout.enable_sleep=true"])
+    return out
+
+
+def _lower_utilization(config: Any, shape, gpu_gib, ranks, cache, base: list[str]) -> Fix | None:
+    """The largest ``rollout.gpu_memory_utilization`` below the configured one (steps of 0.05) that fits."""
+    from mmrlhf.config import build_config
+
+    current = config.rollout.gpu_memory_utilization
+    u = round(current - 0.05, 2)
+    while u >= 0.05:
+        overrides = [*base, f"rollout.gpu_memory_utilization={u}"]
+        fixed = _try(config, overrides, shape, gpu_gib, ranks, cache, build_config)
+        if fixed is not None:
+            return fixed
+        u = round(u - 0.05, 2)
+    return None
+
+
+def _try(config, overrides, shape, gpu_gib, ranks, cache, build_config, mode=None, n=None) -> Fix | None:
+    try:
+        cfg = build_config(config.model_dump(), overrides)
+        facts, p = _plan(cfg, shape, gpu_gib, ranks, cache)
+    except (ValueError, PlanError):  # an override the schema refuses in this config: not a fix
+        return None
+    plan = plan_launch(facts, p, mode, n)
+    if not plan.fits:
+        return None
+    launch = "" if mode is None else plan.label
+    return Fix(overrides, launch, plan.peak)
+
+
+def find_fixes(config: Any, shape: str | None, gpu_gib: float | None, ranks: int | None, p: PlanInputs,
+               cache: dict[tuple, ModelFacts], limit: int = 4) -> list[Fix]:
+    """The smallest changes that make the configured launch fit: single changes (a key, a lower engine share, more
+    GPUs) first; pairs only when no single change fits. At most ``limit``, lowest peak first."""
+    from mmrlhf.config import build_config
+
+    def attempt(overrides: list[str], mode: str | None = None, n: int | None = None) -> Fix | None:
+        return _try(config, overrides, shape, gpu_gib, ranks, cache, build_config, mode, n)
+
+    def more_gpus(base: list[str]) -> Fix | None:
+        if p.backend == "ray":
+            steps = [n for n in RANK_STEPS if n > p.trainer_actors]
+            return next((f for n in steps if (f := attempt([*base, f"distributed.num_trainer_actors={n}"]))), None)
+        current = p.ranks if p.backend == "torchrun" else 1
+        return next((f for n in RANK_STEPS if n > current and (f := attempt(base, "torchrun", n))), None)
+
+    singles = _candidates(config, p)
+    found = [f for c in singles if (f := attempt(c))]
+    if p.engine == "vllm" and p.backend != "ray":
+        found += [f for f in [_lower_utilization(config, shape, gpu_gib, ranks, cache, [])] if f]
+    found += [f for f in [more_gpus([])] if f]
+    if not found:
+        found = [f for a, b in itertools.combinations(singles, 2) if (f := attempt([*a, *b]))]
+        found += [f for c in singles if (f := more_gpus(c))]
+    found.sort(key=lambda f: f.peak)
+    return found[:limit]
+
+
+# ---- verdict --------------------------------------------------------------------------------------------------------
+
+def _state_bytes(launch: LaunchPlan) -> int:
+    g = max(launch.gpus, key=lambda g: g.peak)
+    parts = g.phases[g.peak_phase]
+    return sum(v for k, v in parts.items() if "weights" in k or "gradients" in k or "moments" in k)
+
+
+def verdict(plan: MemoryPlan) -> str:
+    """One paragraph: fits (the peak and its phase) or does not (where, how much, and the fixes that fit)."""
+    launch, gpu = plan.launch, plan.inputs.gpu_bytes / GIB
+    g = max(launch.gpus, key=lambda g: g.peak)
+    if launch.fits:
+        return (f"fits: {g.peak / GIB:.1f} GiB at most per GPU ({g.peak_phase}, {g.name}) of {gpu:.0f} GiB, "
+                f"{(plan.inputs.gpu_bytes - g.peak) / GIB:.1f} GiB left for the CUDA context and fragmentation")
+    where = "one" if g.count == 1 else "each"
+    lines = [f"does not fit: {g.peak / GIB:.1f} GiB in {g.peak_phase} on {where} {gpu:.0f} GiB GPU ({g.name}; "
+             f"{_state_bytes(launch) / GIB:.1f} GiB of it weights, gradients and AdamW moments)"]
+    lines += [p for p in launch.problems if p.startswith("vLLM")]
+    if plan.fixes:
+        lines.append("fits with: " + "; or ".join(f"{f.label} (peak {f.peak / GIB:.1f} GiB per GPU)"
+                                                  for f in plan.fixes))
+    else:
+        lines.append("no single or paired change of the usual keys makes it fit on this GPU: see the table")
+    return "\n".join(lines)
+
+
+# ---- JSON -----------------------------------------------------------------------------------------------------------
+
+def to_json(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan as plain data (bytes as integers, GiB as floats), for ``--json``."""
+    import dataclasses
+
+    def launch(lp: LaunchPlan) -> dict[str, Any]:
+        return {"mode": lp.mode, "label": lp.label, "fits": lp.fits, "peak_bytes": lp.peak,
+                "peak_gib": round(lp.peak / GIB, 2), "problems": list(lp.problems),
+                "gpus": [{"name": g.name, "count": g.count, "peak_phase": g.peak_phase, "peak_bytes": g.peak,
+                          "phases": g.phases} for g in lp.gpus]}
+
+    inputs = dataclasses.asdict(plan.inputs)
+    return {"model": plan.facts.name, "gpu_bytes": plan.inputs.gpu_bytes,
+            "parameters": dataclasses.asdict(plan.facts.counts), "decoder": dataclasses.asdict(plan.facts.decoder),
+            "vision": dataclasses.asdict(plan.facts.vision), "inputs": inputs, "launch": launch(plan.launch),
+            "modes": [launch(m) for m in plan.modes], "verdict": plan.verdict, "fits": plan.launch.fits,
+            "fixes": [{"overrides": f.overrides, "launch": f.launch, "peak_bytes": f.peak} for f in plan.fixes],
+            "engine_problem": engine_problem(plan.facts, plan.inputs)}

@@ -1,0 +1,289 @@
+"""The memory plan: GiB per GPU, per phase of a training step, per launch mode, from plain inputs.
+
+What sits on a GPU, by launch mode (``distributed.backend``):
+
+* one process (one GPU): the vLLM engine (``rollout.gpu_memory_utilization`` of the GPU while awake), the actor
+  (float32 master weights; gradients and two AdamW moments in float32 for what trains, :mod:`mmrlhf.models.
+  precision`; its frozen vision tower float32 too), the reference (``model.dtype``, only with a KL term, and none
+  with LoRA, whose reference is the actor with its adapters off), the critic (``gae``: float32, its own AdamW) and
+  one micro-batch's activations (:mod:`mmrlhf.models.memory.activations`);
+* torchrun over N GPUs: the same on every rank, with the actor's and critic's weights, gradients and moments
+  sharded N ways by FSDP2 (frozen weights too); the reference is not sharded. FSDP2 gathers a unit's parameters in
+  ``model.dtype`` for its forward and backward: the root unit (embeddings, lm_head, final norm and the whole vision
+  side, :func:`mmrlhf.models.sharding.language_block_classes`) for the whole forward and backward, plus a decoder
+  layer and the next one it prefetches; after a unit's backward its full gradients are copied
+  into a float32 reduce-scatter buffer (c + 4 bytes per trainable parameter of the largest unit, and the shard);
+* Ray: rollout actors hold the engine, a float32 scoring copy of the policy, the reference and a critic copy (no
+  gradients) on their GPUs; trainer actors hold the training states (sharded when there are several) and the
+  activations, and no engine.
+
+Phases (``generate`` -> ``score`` -> ``update`` -> ``step`` -> ``critic`` -> ``sync``): the engine is awake while
+it generates. With ``rollout.enable_sleep`` it frees its KV cache and weights from the end of generation (the
+experience forwards, the updates) and wakes its weights only for the sync, its KV cache after it (docs/gpu.md,
+"vLLM memory and sleep mode"); without, it keeps its whole share throughout. Gradients exist from the first
+backward of a mini-batch to its optimiser step (``zero_grad(set_to_none=True)``); torch's AdamW (``foreach`` on
+GPUs) then holds one more float32 tensor of the trained parameters' size for the step. A sync holds one bucket of
+gathered tensors (``rollout.weight_sync_bucket_mb``, at least the largest tensor) when the weights are sharded or
+LoRA is merged; in one process the engine loads the actor's own tensors.
+
+Not modelled: the CUDA context and allocator fragmentation (keep a few GiB free), vLLM's CUDA-graph pool (kept by
+sleep mode), the transformers engine's generation beyond its KV cache, and the Python-side host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmrlhf.models.memory.activations import (F32, MicroBatch, activation_plan, numerics, scoring_bytes)
+from mmrlhf.models.memory.counts import ModelFacts
+
+GIB = 2**30
+PHASES = ("generate", "score", "update", "step", "critic", "sync")
+SLEEP = "engine asleep"  # the engine's part while it sleeps
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the plan reads from the run's config, as plain values (``inputs.plan_inputs`` builds it)."""
+
+    gpu_bytes: int  # memory of one GPU
+    compute_bytes: int  # ``model.dtype``
+    master_bytes: int  # trained models' weights, gradients, moments (float32 below float32 compute)
+    reference: bool  # a separate reference model (KL on, no LoRA adapter-off reference)
+    critic: bool  # ``algorithm.advantage_estimator: gae``
+    train: MicroBatch  # the largest training micro-batch
+    score: MicroBatch  # the largest experience (no-grad) micro-batch
+    checkpointing: bool
+    chunk: int  # rows per chunk of the log-prob head
+    engine: str  # vllm | transformers
+    engine_bytes: int  # the engine's weight dtype on a GPU (``rollout.dtype``)
+    utilization: float  # ``rollout.gpu_memory_utilization``
+    sleep: bool  # ``rollout.enable_sleep`` (vLLM on CUDA)
+    tensor_parallel: int
+    max_model_len: int
+    generate_rows: int  # sequences the transformers engine decodes at once
+    bucket_bytes: int  # ``rollout.weight_sync_bucket_mb``
+    lora_merged: bool  # LoRA synced as merged weights
+    backend: str  # single | torchrun | ray (``auto`` resolved)
+    ranks: int  # torchrun world size
+    rollout_actors: int
+    rollout_gpus: int  # GPUs of one rollout actor
+    trainer_actors: int
+    keys: dict[str, str] = field(default_factory=dict)  # role -> the config key a fix sets (see inputs.py)
+
+
+@dataclass
+class GpuPlan:
+    """One kind of GPU of a launch: bytes per component in every phase."""
+
+    name: str
+    count: int  # how many GPUs of this kind
+    phases: dict[str, dict[str, int]]  # phase -> component -> bytes
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase) if self.phases else 0
+
+
+@dataclass
+class LaunchPlan:
+    mode: str  # single | torchrun | ray
+    label: str  # "one process, 1 GPU", "torchrun over 4 GPUs", ...
+    gpus: list[GpuPlan]
+    gpu_bytes: int
+    problems: list[str] = field(default_factory=list)  # what does not fit or cannot start
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak(self) -> int:
+        return max(g.peak for g in self.gpus)
+
+
+# ---- the pieces ------------------------------------------------------------------------------------------------
+
+def engine_weight_bytes(facts: ModelFacts, p: PlanInputs) -> int:
+    """The engine's copy of the policy on one of its GPUs."""
+    return facts.counts.total * p.engine_bytes // p.tensor_parallel
+
+
+def kv_bytes_per_token(facts: ModelFacts, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+    """K and V of every layer for one token (what a KV cache holds per token)."""
+    d = facts.decoder
+    return 2 * d.layers * d.kv_dim * dtype_bytes // tensor_parallel
+
+
+def _states(facts: ModelFacts, p: PlanInputs, shards: int, prefix: str = "actor") -> dict[str, int]:
+    """Resident training states of one trained model, per GPU (weights; AdamW moments)."""
+    c = facts.counts
+    trained = c.trainable if prefix == "actor" else _critic_trainable(facts)
+    weights = (c.total + (c.lora if prefix == "actor" else facts.decoder.hidden + 1)) * p.master_bytes
+    return {f"{prefix} weights (float32)": weights // shards,
+            f"{prefix} AdamW moments (float32)": 2 * trained * p.master_bytes // shards}
+
+
+def _critic_trainable(facts: ModelFacts) -> int:
+    """The critic trains what the actor would without LoRA, less an untied lm_head (it never gets a gradient, so
+    AdamW keeps no state for it), plus its value head."""
+    c = facts.counts
+    return c.trainable_without_lora - c.lm_head + facts.decoder.hidden + 1
+
+
+def _gathered(facts: ModelFacts, p: PlanInputs) -> int:
+    c = facts.counts
+    return (c.root + 2 * c.decoder_layer) * p.compute_bytes
+
+
+def _reduction(facts: ModelFacts, p: PlanInputs, shards: int) -> int:
+    """FSDP2's ``foreach_reduce`` after a unit's backward: its full gradients in c, copied (cast) into a float32
+    reduce-scatter input of the same size, and the float32 output shard; the largest unit counts."""
+    c = facts.counts
+    unit = max(c.root_trainable, c.decoder_layer_trainable)
+    return (p.compute_bytes + F32) * unit + F32 * unit // shards
+
+
+def _activations(facts: ModelFacts, p: PlanInputs, sharded: bool, *, critic: bool = False) -> dict[str, int]:
+    n = numerics(p.compute_bytes, p.master_bytes, sharded=sharded)
+    a = activation_plan(facts, n, p.train, checkpointing=p.checkpointing, chunk=p.chunk)
+    parts = {"activations (saved)": a.layers + a.per_forward + a.vision,
+             "autocast weight copies": a.weight_copies, "recomputed layer": a.recompute,
+             "log-prob head": 0 if critic else a.head, "backward working set": a.backward}
+    if critic and n.autocast:  # the critic's head is a [h, 1] value head: no lm_head copy
+        parts["autocast weight copies"] -= n.compute * facts.decoder.vocab * facts.decoder.hidden
+    return {k: v for k, v in parts.items() if v}
+
+
+def _sync_bucket(facts: ModelFacts, p: PlanInputs, sharded: bool) -> int:
+    if not (sharded or p.lora_merged):
+        return 0
+    return max(p.bucket_bytes, facts.counts.largest_trainable_tensor * p.master_bytes)
+
+
+def trainer_phases(facts: ModelFacts, p: PlanInputs, *, shards: int, engine: dict[str, dict[str, int]],
+                   reference: bool) -> dict[str, dict[str, int]]:
+    """Phases of a GPU that trains (one process, a torchrun rank, a Ray trainer actor). ``engine``: the engine's
+    part in each phase (empty for a Ray trainer); ``reference``: the reference model lives on this GPU."""
+    c, sharded = facts.counts, shards > 1
+    resident = _states(facts, p, shards)
+    if reference:
+        resident["reference (model.dtype)"] = c.total * p.compute_bytes
+    if p.critic:
+        resident.update(_states(facts, p, shards, "critic"))
+    gathered = {"FSDP gathered parameters": _gathered(facts, p)} if sharded else {}
+    reduce = {"FSDP gradient reduction": _reduction(facts, p, shards)} if sharded else {}
+    grads = {"actor gradients (float32)": c.trainable * p.master_bytes // shards}
+    n = numerics(p.compute_bytes, p.master_bytes, sharded=sharded)
+    scoring = scoring_bytes(facts, n, p.score.tokens, p.score.response_tokens, p.chunk)
+    phases = {
+        "generate": {**resident},
+        "score": {**resident, **gathered, "scoring forward": scoring},
+        "update": {**resident, **grads, **gathered, **reduce, **_activations(facts, p, sharded)},
+        "step": {**resident, **grads, "AdamW step temporaries": c.trainable * p.master_bytes // shards},
+        "sync": {**resident},
+    }
+    if p.critic:
+        critic_grads = _critic_trainable(facts) * p.master_bytes // shards
+        phases["critic"] = {**resident, "critic gradients (float32)": critic_grads, **gathered, **reduce,
+                            **_activations(facts, p, sharded, critic=True)}
+    bucket = _sync_bucket(facts, p, sharded)
+    if bucket:
+        phases["sync"]["weight-sync bucket"] = bucket
+    for phase, parts in engine.items():
+        if phase in phases:
+            phases[phase] = {**parts, **phases[phase]}
+    return {k: {n_: b for n_, b in phases[k].items() if b} for k in PHASES if k in phases}
+
+
+def colocated_engine(facts: ModelFacts, p: PlanInputs) -> dict[str, dict[str, int]]:
+    """The engine's part of a GPU it shares with training, per phase."""
+    if p.engine != "vllm":
+        kv = p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes)
+        return {"generate": {"generation KV cache (transformers engine)": kv}}
+    awake = {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes)}
+    if not p.sleep:
+        return {phase: dict(awake) for phase in PHASES}
+    return {"generate": dict(awake), "sync": {"engine weights (woken for the sync)": engine_weight_bytes(facts, p)}}
+
+
+def engine_problem(facts: ModelFacts, p: PlanInputs) -> str | None:
+    """Why the vLLM engine could not start in its share (None: its weights and one ``max_model_len`` sequence of
+    KV cache fit; vLLM also needs room for its activations and CUDA graphs, not modelled)."""
+    if p.engine != "vllm":
+        return None
+    share = p.utilization * p.gpu_bytes
+    weights = engine_weight_bytes(facts, p)
+    one = p.max_model_len * kv_bytes_per_token(facts, p.engine_bytes, p.tensor_parallel)
+    if share >= weights + one:
+        return None
+    return (f"vLLM cannot start: rollout.gpu_memory_utilization={p.utilization} gives it {share / GIB:.1f} GiB, "
+            f"less than its weights ({weights / GIB:.1f} GiB) plus the KV cache of one {p.max_model_len}-token "
+            f"sequence ({one / GIB:.2f} GiB); raise rollout.gpu_memory_utilization or shorten rollout.max_model_len")
+
+
+# ---- launch modes ------------------------------------------------------------------------------------------------
+
+def plan_launch(facts: ModelFacts, p: PlanInputs, mode: str | None = None, ranks: int | None = None) -> LaunchPlan:
+    """The plan of one launch mode (default: the configured one)."""
+    mode = mode or p.backend
+    if mode == "single":
+        gpus = [GpuPlan("the GPU", 1, trainer_phases(facts, p, shards=1, engine=colocated_engine(facts, p),
+                                                          reference=p.reference))]
+        label = "one process, 1 GPU"
+    elif mode == "torchrun":
+        n = ranks or p.ranks
+        gpus = [GpuPlan("each rank's GPU", n, trainer_phases(facts, p, shards=n, engine=colocated_engine(facts, p),
+                                                              reference=p.reference))]
+        label = f"torchrun over {n} GPUs"
+    elif mode == "ray":
+        gpus = ray_gpus(facts, p, trainers=ranks or p.trainer_actors)
+        label = f"Ray: {p.rollout_actors * p.rollout_gpus} rollout + {ranks or p.trainer_actors} trainer GPU(s)"
+    else:
+        raise ValueError(f"unknown launch mode {mode!r}; valid: single, torchrun, ray")
+    plan = LaunchPlan(mode, label, gpus, p.gpu_bytes)
+    for g in gpus:
+        if g.peak > p.gpu_bytes:
+            plan.problems.append(f"{g.name}: {g.peak / GIB:.1f} GiB in {g.peak_phase} on a "
+                                 f"{p.gpu_bytes / GIB:.0f} GiB GPU")
+    problem = engine_problem(facts, p)
+    if problem:
+        plan.problems.append(problem)
+    return plan
+
+
+def ray_gpus(facts: ModelFacts, p: PlanInputs, *, trainers: int) -> list[GpuPlan]:
+    """A rollout actor's first GPU (engine share + scoring copies) and a trainer actor's GPU."""
+    c = facts.counts
+    n = numerics(p.compute_bytes, p.master_bytes, sharded=False)
+    resident = {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes) if p.engine == "vllm" else 0,
+                "policy scoring copy (float32)": (c.total + c.lora) * p.master_bytes}
+    if p.reference:
+        resident["reference (model.dtype)"] = c.total * p.compute_bytes
+    if p.critic:
+        resident["critic scoring copy (float32)"] = (c.total + facts.decoder.hidden + 1) * p.master_bytes
+    if p.engine != "vllm":
+        resident["generation KV cache (transformers engine)"] = (
+            p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes))
+    score = dict(resident)
+    score["scoring forward"] = scoring_bytes(facts, n, p.score.tokens, p.score.response_tokens, p.chunk)
+    rollout = GpuPlan("a rollout actor's GPU", p.rollout_actors * p.rollout_gpus,
+                      {"generate": {k: v for k, v in resident.items() if v},
+                       "score": {k: v for k, v in score.items() if v}})
+    trainer = GpuPlan("a trainer actor's GPU", trainers,
+                      trainer_phases(facts, p, shards=trainers, engine={}, reference=False))
+    trainer.phases.pop("generate", None)
+    trainer.phases.pop("score", None)
+    return [rollout, trainer]
+
+
+def summary_modes(p: PlanInputs) -> list[tuple[str, int | None]]:
+    """The launch modes every plan lists: one process, torchrun over 2 / 4 / 8 GPUs, Ray as configured."""
+    return [("single", None), ("torchrun", 2), ("torchrun", 4), ("torchrun", 8), ("ray", None)]

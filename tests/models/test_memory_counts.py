@@ -1,0 +1,110 @@
+"""Parameter counts of the memory plan (``mmrlhf.models.memory.counts``) and the named shapes
+(``mmrlhf.models.shapes``).
+
+The counts come from a meta-device model; here they must equal a real instantiated model's under the trainer's own
+freeze and LoRA code, and the 7B shape must have the released model's 8.29 B parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText
+
+from mmrlhf.config.model import LoraConfig
+from mmrlhf.models.adapters import get_adapter
+from mmrlhf.models.memory.counts import model_facts
+from mmrlhf.models.shapes import SHAPES, shape_config, shape_dict, shape_names
+from mmrlhf.testing.tiny_models import tiny_model_dir
+from mmrlhf.trainer.optim import freeze_vision
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def _real(family: str, *, tied: bool = False):
+    path = tiny_model_dir(family, tied=tied)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    return model, get_adapter(path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tower,merger", [(True, False), (True, True), (False, False)])
+def test_counts_equal_a_real_model_frozen_by_the_trainer(family, tower, merger):
+    model, adapter = _real(family)
+    real = freeze_vision(model, adapter, tower=tower, merger=merger)  # the trainer's rule
+    facts = model_facts(model.config, freeze_vision_tower=tower, freeze_merger=merger)
+    c = facts.counts
+    assert (c.trainable, c.frozen) == (real["trainable"], real["frozen"])
+    assert c.total == sum(p.numel() for p in model.parameters())
+    tower_module, mergers = adapter.vision_parts(model)
+    assert c.vision_tower + c.merger == sum(p.numel() for p in tower_module.parameters())
+    assert c.merger == sum(p.numel() for m in mergers for p in m.parameters())
+    assert c.language == c.total - c.vision_tower - c.merger
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_tied_embeddings_are_counted_once(family):
+    tied, _ = _real(family, tied=True)
+    untied, _ = _real(family)
+    ft = model_facts(tied.config, freeze_vision_tower=True, freeze_merger=False)
+    fu = model_facts(untied.config, freeze_vision_tower=True, freeze_merger=False)
+    head = untied.get_output_embeddings().weight.numel()
+    assert ft.tied and not fu.tied
+    assert ft.counts.lm_head == 0 and fu.counts.lm_head == head
+    assert fu.counts.total - ft.counts.total == head  # control: counting the tie twice would make them equal
+    assert ft.counts.total == sum(p.numel() for p in tied.parameters())
+
+
+@pytest.mark.parametrize("vision", ["none", "tower", "both"])
+def test_lora_counts_equal_peft_on_the_actor(vision):
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.lora import apply_lora
+
+    model, adapter = _real("qwen2_5_vl")
+    actor = ActorVL(model, adapter)
+    cfg = LoraConfig(rank=4, vision=vision)
+    facts = model_facts(model.config, freeze_vision_tower=True, freeze_merger=False, lora=cfg)
+    base = sum(p.numel() for p in model.parameters())
+    apply_lora(actor, cfg)
+    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
+    assert facts.counts.lora == trainable == facts.counts.trainable
+    assert facts.counts.total == base and facts.counts.frozen == base  # every base weight frozen
+    assert facts.counts.tower_on_grad_path == (vision != "none")
+
+
+def test_the_7b_shape_has_the_released_model_s_parameters():
+    facts = model_facts(shape_config("qwen2_5_vl_7b"), freeze_vision_tower=True, freeze_merger=False)
+    c = facts.counts
+    assert c.total == pytest.approx(8.29e9, rel=0.005)  # the model card's 8.29 B
+    assert c.language == pytest.approx(7.6e9, rel=0.005)
+    assert c.vision_tower + c.merger == pytest.approx(0.68e9, rel=0.01)
+    assert c.trainable == c.language + c.merger and c.frozen == c.vision_tower
+    d = facts.decoder
+    assert (d.hidden, d.intermediate, d.layers, d.heads, d.kv_heads, d.head_dim, d.vocab) == (
+        3584, 18944, 28, 28, 4, 128, 152064)
+
+
+# Totals of the released checkpoints (their model cards / safetensors headers), in billions.
+CARD_TOTALS = {"qwen2_vl_2b": 2.21, "qwen2_vl_7b": 8.29, "qwen2_5_vl_3b": 3.75, "qwen2_5_vl_7b": 8.29,
+               "qwen3_vl_8b": 8.77}
+
+
+@pytest.mark.parametrize("name", shape_names())
+def test_every_shape_builds_and_matches_its_model_card(name):
+    cfg = shape_config(name)
+    facts = model_facts(cfg, freeze_vision_tower=True, freeze_merger=False)
+    assert facts.tied == SHAPES[name]["tie_word_embeddings"]
+    assert facts.decoder.vocab == SHAPES[name]["text_config"]["vocab_size"]
+    if name in CARD_TOTALS:
+        assert facts.counts.total / 1e9 == pytest.approx(CARD_TOTALS[name], abs=0.006)
+
+
+def test_shape_overrides_and_unknown_names():
+    cfg = shape_config("qwen2_5_vl_7b", text={"num_hidden_layers": 2}, vision={"depth": 1})
+    facts = model_facts(cfg, freeze_vision_tower=True, freeze_merger=False)
+    assert facts.decoder.layers == 2 and facts.vision.depth == 1 and facts.decoder.hidden == 3584
+    assert shape_dict("qwen3_vl_2b")["text_config"]["num_hidden_layers"] == 28  # a copy: the table is untouched
+    shape_dict("qwen3_vl_2b")["text_config"]["num_hidden_layers"] = 1
+    assert SHAPES["qwen3_vl_2b"]["text_config"]["num_hidden_layers"] == 28
+    with pytest.raises(ValueError, match="unknown model shape 'qwen9'.*qwen2_5_vl_7b"):
+        shape_config("qwen9")

@@ -1,0 +1,150 @@
+"""The memory plan's accounting per launch mode and phase, its verdict and fixes (``mmrlhf.models.memory``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrlhf.config import build_config, load_config
+from mmrlhf.models.memory import inputs as plan_inputs_module
+from mmrlhf.models.memory.advice import memory_plan, to_json
+from mmrlhf.models.memory.inputs import PlanError, checkpointing, facts_of, plan_inputs, token_budget
+from mmrlhf.models.memory.plan import GIB, plan_launch
+
+RECIPE_7B = "examples/grpo_geometry3k_qwen2_5_vl_7b.yaml"
+
+
+def _config(overrides=(), path=RECIPE_7B):
+    return load_config(path, list(overrides))
+
+
+def _plan(overrides=(), shape="qwen2_5_vl_7b", gpu=80.0):
+    cfg = _config(overrides)
+    facts = facts_of(cfg, shape)
+    return facts, plan_inputs(cfg, facts, gpu_gib=gpu)
+
+
+def test_torchrun_divides_the_sharded_states_by_the_ranks_and_nothing_else():
+    facts, p = _plan(["algorithm.kl_loss_coef=0.01"])
+    one = plan_launch(facts, p, "single").gpus[0].phases
+    for n in (2, 4, 8):
+        rank = plan_launch(facts, p, "torchrun", n).gpus[0].phases
+        for name in ("actor weights (float32)", "actor AdamW moments (float32)"):
+            assert rank["generate"][name] == one["generate"][name] // n
+        assert rank["update"]["actor gradients (float32)"] == one["update"]["actor gradients (float32)"] // n
+        assert rank["step"]["AdamW step temporaries"] == one["step"]["AdamW step temporaries"] // n
+        # not sharded: the reference (every rank keeps a whole one) and the engine's share
+        assert rank["generate"]["reference (model.dtype)"] == one["generate"]["reference (model.dtype)"]
+        assert rank["generate"]["engine (vLLM, awake)"] == one["generate"]["engine (vLLM, awake)"]
+        assert "FSDP gathered parameters" in rank["update"] and "FSDP gathered parameters" not in one["update"]
+    # FSDP2's mixed precision: no autocast copies under torchrun, autocast's weight copies in one process
+    assert "autocast weight copies" in one["update"]
+    assert "autocast weight copies" not in plan_launch(facts, p, "torchrun", 4).gpus[0].phases["update"]
+
+
+def test_the_trainer_keeps_16_bytes_per_trained_parameter_and_4_per_frozen_one():
+    facts, p = _plan()
+    c, update = facts.counts, plan_launch(facts, p, "single").gpus[0].phases["update"]
+    assert update["actor weights (float32)"] == 4 * c.total  # the frozen tower is float32 too
+    assert update["actor gradients (float32)"] + update["actor AdamW moments (float32)"] == 12 * c.trainable
+    assert c.frozen == c.vision_tower  # trainer.freeze_vision_tower (default): the merger trains
+
+
+def test_ray_puts_the_engine_and_scoring_copies_on_rollout_gpus_and_states_on_trainer_gpus():
+    facts, p = _plan(["distributed.backend=ray", "distributed.num_trainer_actors=4", "rollout.enable_sleep=false"])
+    rollout, trainer = plan_launch(facts, p).gpus
+    assert "engine (vLLM, awake)" in rollout.phases["generate"]
+    assert rollout.phases["generate"]["policy scoring copy (float32)"] == 4 * facts.counts.total
+    assert all("engine" not in name for parts in trainer.phases.values() for name in parts)
+    assert trainer.count == 4
+    assert trainer.phases["update"]["actor weights (float32)"] == 4 * facts.counts.total // 4
+
+
+def test_sleep_frees_the_engine_between_generation_and_sync():
+    facts, p = _plan(["rollout.enable_sleep=true"])
+    asleep = plan_launch(facts, p, "single").gpus[0].phases
+    facts, p = _plan(["rollout.enable_sleep=false"])
+    awake = plan_launch(facts, p, "single").gpus[0].phases
+    share = awake["update"]["engine (vLLM, awake)"]
+    assert share == int(0.35 * 80 * GIB)
+    assert all(not name.startswith("engine") for name in asleep["update"])
+    assert asleep["sync"]["engine weights (woken for the sync)"] == 2 * facts.counts.total  # bf16 weights only
+    assert asleep["generate"]["engine (vLLM, awake)"] == share
+
+
+def test_reference_only_with_a_kl_term_and_not_with_lora_and_critic_only_for_gae():
+    def parts(overrides):
+        facts, p = _plan(overrides)
+        return plan_launch(facts, p, "single").gpus[0].phases
+
+    assert "reference (model.dtype)" not in parts([])["generate"]
+    with_kl = parts(["algorithm.kl_loss_coef=0.01"])["generate"]
+    assert with_kl["reference (model.dtype)"] == 2 * facts_of(_config(), "qwen2_5_vl_7b").counts.total
+    assert "reference (model.dtype)" not in parts(["algorithm.kl_loss_coef=0.01", "model.lora.rank=16"])["generate"]
+    gae = parts(["algorithm.advantage_estimator=gae"])
+    assert "critic" in gae and "critic weights (float32)" in gae["generate"]
+    assert "critic" not in parts([])
+
+
+def test_a_7b_full_finetune_does_not_fit_one_80_gib_gpu_and_the_suggested_keys_fix_it():
+    cfg = _config()
+    plan = memory_plan(cfg, shape="qwen2_5_vl_7b", gpu_gib=80)
+    assert not plan.launch.fits
+    text = plan.verdict
+    assert text.startswith("does not fit") and "80 GiB" in text
+    assert plan.fixes and any("model.lora.rank" in f.label for f in plan.fixes)
+    assert any("torchrun over 4 GPUs" in f.label for f in plan.fixes)
+    for fix in plan.fixes:  # every suggestion, applied, gives a plan that fits
+        fixed_cfg = load_config(RECIPE_7B, fix.overrides)
+        fixed = memory_plan(fixed_cfg, shape="qwen2_5_vl_7b", gpu_gib=80, ranks=None, suggest=False)
+        launch = plan_launch(fixed.facts, fixed.inputs, "torchrun", int(fix.launch.split()[2])) if fix.launch \
+            else fixed.launch
+        assert launch.fits, fix.label
+        assert launch.peak == fix.peak
+    # control: the same run on a 2B shape fits as it is, with nothing to suggest
+    small = memory_plan(cfg, shape="qwen2_vl_2b", gpu_gib=80)
+    assert small.launch.fits and small.verdict.startswith("fits") and not small.fixes
+
+
+def test_an_engine_share_too_small_for_its_weights_is_named():
+    cfg = _config(["rollout.gpu_memory_utilization=0.1"])
+    plan = memory_plan(cfg, shape="qwen2_5_vl_7b", gpu_gib=80, suggest=False)
+    assert any(p.startswith("vLLM cannot start") and "rollout.gpu_memory_utilization" in p
+               for p in plan.launch.problems)
+
+
+def test_checkpointing_and_the_token_budget_are_read_in_one_place(monkeypatch):
+    cfg = _config()
+    assert checkpointing(cfg) is False and token_budget(cfg) is None
+    on = _config(["distributed.activation_checkpointing=true"])
+    assert checkpointing(on) is True
+    facts = facts_of(cfg, "qwen2_5_vl_7b")
+    off_update = plan_launch(facts, plan_inputs(cfg, facts, gpu_gib=80), "single").gpus[0].phases["update"]
+    on_update = plan_launch(facts, plan_inputs(on, facts, gpu_gib=80), "single").gpus[0].phases["update"]
+    assert on_update["activations (saved)"] < off_update["activations (saved)"] / 10
+    # a schema with the budget key (another branch adds it): the plan sizes the micro-batch by tokens
+    monkeypatch.setattr(plan_inputs_module, "token_budget", lambda config: 8192)
+    budget = plan_inputs(_config(["trainer.shared_prompt=false", "trainer.packing_samples=false"]), facts, gpu_gib=80)
+    assert budget.train.rows == 8192 // 2048 and budget.train.tokens == 8192
+
+
+def test_missing_model_is_an_error_naming_the_key(tmp_path):
+    cfg = build_config({})
+    with pytest.raises(PlanError, match=r"model\.pretrain.*--shape"):
+        memory_plan(cfg)
+    cfg = build_config({"model": {"pretrain": str(tmp_path)}})
+    with pytest.raises(PlanError, match=r"model\.pretrain=.*no config\.json"):
+        memory_plan(cfg)
+    with pytest.raises(ValueError, match="unknown model shape"):
+        memory_plan(cfg, shape="qwen9")
+
+
+def test_json_round_trips_and_agrees_with_the_tables():
+    plan = memory_plan(_config(), shape="qwen2_5_vl_7b", gpu_gib=80)
+    data = to_json(plan)
+    back = json.loads(json.dumps(data))
+    assert back == data
+    gpu = back["launch"]["gpus"][0]
+    assert gpu["peak_bytes"] == max(sum(parts.values()) for parts in gpu["phases"].values())
+    assert back["fits"] is False and back["fixes"] and back["parameters"]["total"] == plan.facts.counts.total
