@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
-from mmrlhf.models.attention import base_implementation, block_mask, install, resolve_masked_attention, row_segments
+from mmrlhf.models.attention import (base_implementation, block_mask, install, resolve_masked_attention,
+                                     row_segments, rows_kernel)
 from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_sampled_log_probs
@@ -215,7 +216,9 @@ class ActorVL(nn.Module):
         grouped = isinstance(samples, GroupedSamples)
         # Decided (and the block-sparse functions installed) for every layout: the vision tower's varlen path
         # serves padded batches too; a padded decoder gets its 2-D mask and the base kernel.
-        flex = self.masked_kernel() == "flex" and (grouped or samples.packed)
+        layout = "grouped" if grouped else "packed" if samples.packed else "padded"
+        flex = rows_kernel(self.masked_attention, self.masked_kernel(), layout,
+                           base_implementation(self.model)) == "flex"
         if grouped:
             dtype = self.compute_dtype or self.model.get_input_embeddings().weight.dtype
             # [G, 1, L, L] (a 4-D mask passes through to every layer as it is) or the block mask of the G rows

@@ -79,6 +79,20 @@ def resolve_masked_attention(setting: str, device: torch.device | str, base: str
     return "flex" if usable and torch.device(device).type == "cuda" else "dense"
 
 
+def rows_kernel(setting: str, resolved: str, layout: str, base: str) -> str:
+    """The kernel of one layout's rows once the block-sparse path is ``resolved`` (``flex`` / ``dense``).
+
+    ``auto`` keeps the grouped (shared-prompt) rows on the dense mask where the base kernel reads one (``sdpa``,
+    ``eager``): measured at Qwen2.5-VL-7B shape on an H200, rows of 2,500-3,000 tokens ran 0-10% faster through
+    SDPA's masked kernel than through FlexAttention (their masked tiles are few; docs/performance.md), while packed
+    rows ran 6-7% faster through FlexAttention. An explicit ``flex`` runs every masked row through it."""
+    if resolved != "flex" or layout not in ("packed", "grouped"):
+        return "dense"
+    if setting == "auto" and layout == "grouped" and base in ("sdpa", "eager"):
+        return "dense"
+    return "flex"
+
+
 # ---- the mask -----------------------------------------------------------------------------------------------
 
 

@@ -35,13 +35,15 @@ def resolve_shared_prompt(setting: str | bool, attn_implementation: str, n_sampl
     the group mask over any base kernel, ``dense`` needs a base kernel that reads a mask (``sdpa``, ``eager``).
 
     ``auto``: on where it is exact (the kernel can express the mask) and saves work (more than one sample per
-    prompt), and off for multi-turn rollouts: a trajectory's response holds its observations (images included), so
-    responses are long next to the shared prompt and a group's row of dense attention costs more than encoding the
-    prompt per sample (measured on the zoom toy: 64 trajectories of ~100 tokens in one grouped row, a forward 5.4x
-    slower than padded). ``True`` with a kernel that cannot run it is an error, not a silent off."""
+    prompt). Multi-turn rollouts only where the block-sparse path runs (``flex``, CUDA): a trajectory's response
+    holds its observations (images included), so responses are long next to the shared prompt; on the CPU's dense
+    path a group's row cost more than encoding the prompt per sample (the zoom toy: 64 trajectories of ~100 tokens in
+    one grouped row, a forward 5.4x slower than padded), while on an H200 at Qwen2.5-VL-7B shape a group of 8
+    trajectories of ~300 tokens with a tool image each trained 1.5x faster grouped than padded (benchmarks/
+    bench_trainer.py, ``agent``). ``True`` with a kernel that cannot run it is an error, not a silent off."""
     expressible = masked_kernel == "flex" or attn_implementation in SUPPORTED_ATTENTION
     if setting == "auto":
-        return n_samples_per_prompt > 1 and expressible and not multi_turn
+        return n_samples_per_prompt > 1 and expressible and (not multi_turn or masked_kernel == "flex")
     if setting and not expressible:
         raise ValueError(f"trainer.shared_prompt=true needs model.attn_implementation in {SUPPORTED_ATTENTION}, "
                          f"not {attn_implementation!r}, or the block-sparse path (model.masked_attention=flex, "

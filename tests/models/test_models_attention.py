@@ -112,6 +112,23 @@ def test_the_kernel_is_chosen_in_one_place():
         resolve_masked_attention("sparse", "cuda", "sdpa")
 
 
+def test_each_layout_gets_its_measured_kernel():
+    rows = attention.rows_kernel
+    assert rows("auto", "flex", "packed", "sdpa") == "flex"
+    assert rows("auto", "flex", "grouped", "sdpa") == "dense"  # SDPA's masked kernel was as fast or faster
+    assert rows("auto", "flex", "grouped", "flash_attention_2") == "flex"  # FA2 reads no mask: flex serves it
+    assert rows("flex", "flex", "grouped", "sdpa") == "flex"  # an explicit choice wins
+    assert rows("auto", "dense", "packed", "sdpa") == "dense" and rows("flex", "flex", "padded", "sdpa") == "dense"
+
+
+def test_multi_turn_rows_share_their_prompt_where_the_block_sparse_path_runs():
+    from mmrlhf.models.shared_prompt import resolve_shared_prompt
+
+    assert resolve_shared_prompt("auto", "sdpa", 8, multi_turn=True, masked_kernel="flex")
+    assert not resolve_shared_prompt("auto", "sdpa", 8, multi_turn=True, masked_kernel="dense")  # the CPU
+    assert resolve_shared_prompt("auto", "sdpa", 8, multi_turn=False, masked_kernel="dense")
+
+
 # ---- the actor ------------------------------------------------------------------------------------------------
 
 
