@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models_testing import load_bundle, random_value_head, sharded_batches  # noqa: E402
+from models_testing import LinearCalls, load_bundle, random_value_head, sharded_batches  # noqa: E402
 
 from mmrlhf.models.actor import ActorVL  # noqa: E402
 from mmrlhf.models.critic import CriticVL  # noqa: E402
@@ -43,16 +43,6 @@ def full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def linear_calls(actor: ActorVL) -> dict[str, int]:
-    """A counter ("now") of the forward calls of the Linear layers inside the transformer blocks."""
-    counts = {"now": 0}
-    for block in block_modules(actor.model):
-        for m in block.modules():
-            if isinstance(m, torch.nn.Linear):
-                m.register_forward_pre_hook(lambda *_: counts.__setitem__("now", counts["now"] + 1))
-    return counts
-
-
 def run_family(family: str, rank: int, world: int, out: Path, try_wrong_layout: bool, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -65,20 +55,21 @@ def run_family(family: str, rank: int, world: int, out: Path, try_wrong_layout: 
     # trainer.gradient_checkpointing: checkpointed first, then sharded (every block trains here, vision ones too)
     ckpt = ActorVL(ckpt_model, bundle.adapter, chunk_size=5)
     checkpoint_blocks(ckpt)
-    calls = {"actor": linear_calls(actor), "actor_ckpt": linear_calls(ckpt)}  # (fully_shard renames the classes)
+    counters = {"actor": LinearCalls(actor), "actor_ckpt": LinearCalls(ckpt)}  # before fully_shard renames classes
+    calls: dict[str, dict[str, int]] = {"actor": {}, "actor_ckpt": {}}
     actor, ckpt = shard_for_training(actor, mesh=mesh), shard_for_training(ckpt, mesh=mesh)
     for prefix, model in (("actor", actor), ("actor_ckpt", ckpt)):
         for layout, (samples, extra) in parts.items():
             if prefix == "actor_ckpt" and layout != "packed":
                 continue
+            before = counters[prefix].total
             res = model(samples, vision_extra=extra, return_entropy=True)
             (res.log_probs.sum() + 0.1 * res.entropy.sum()).backward()
             results[f"{prefix}.{layout}.log_probs"] = res.log_probs.detach()
             results[f"{prefix}.{layout}.entropy"] = res.entropy.detach()
             for name, g in full_grads(model).items():
                 results[f"{prefix}.{layout}.grad.{name}"] = g
-            calls[prefix][layout] = calls[prefix].pop("now")
-            calls[prefix]["now"] = 0
+            calls[prefix][layout] = counters[prefix].total - before
     with torch.no_grad():  # a direct call of the public method (the critic's and a trainer's way in)
         samples, extra = parts["packed"]
         results["actor.hidden_states"] = actor.hidden_states(samples, vision_extra=extra).detach()
@@ -103,9 +94,8 @@ def run_family(family: str, rank: int, world: int, out: Path, try_wrong_layout: 
         except RuntimeError as exc:
             error = str(exc)
     torch.save(results, out / f"{family}.rank{rank}.pt")
-    linear = {prefix: {k: v for k, v in c.items() if k != "now"} for prefix, c in calls.items()}
     (out / f"{family}.rank{rank}.json").write_text(json.dumps({"wrong_layout_error": error, "world": world,
-                                                               "linear_calls": linear}))
+                                                               "linear_calls": calls}))
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from models_testing import batch_pieces, built_batches, random_value_head
+from models_testing import LinearCalls, batch_pieces, built_batches, random_value_head
 from torch import nn
 
 from mmrlhf.models import gradient_checkpointing as gc
@@ -37,20 +37,6 @@ def _built(bundle, layout: str):
         return build_grouped_samples(prompts, responses, pad_id=bundle.processor.tokenizer.pad_token_id,
                                      eos_id=bundle.eos_id, adapter=bundle.adapter, vision=vision)
     return built_batches(bundle)[layout]
-
-
-class LinearCalls:
-    """Counts the forward calls of every Linear layer inside the transformer blocks, language and vision apart."""
-
-    def __init__(self, actor: ActorVL):
-        tower, _ = actor.adapter.vision_parts(actor.model)
-        in_tower = {id(m) for m in tower.modules()}
-        self.counts = {"language": 0, "vision": 0}
-        for block in block_modules(actor.model):
-            kind = "vision" if id(block) in in_tower else "language"
-            for m in block.modules():
-                if isinstance(m, nn.Linear):
-                    m.register_forward_pre_hook(lambda *_, k=kind: self.counts.__setitem__(k, self.counts[k] + 1))
 
 
 def _loss_and_grads(model: nn.Module, built) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
