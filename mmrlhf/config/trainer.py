@@ -42,7 +42,7 @@ class TrainerConfig(Section):
     gradient_checkpointing: bool = False
     """Activation checkpointing of the policy and the critic in the updates: each transformer block keeps only its
     input and recomputes its activations in the backward (one extra forward of the decoder per micro-batch, about a
-    third more update time; the activation memory of the blocks' insides is saved: docs/gpu.md). Every launch mode
+    third more update time; the activation memory of the blocks' insides is saved: docs/training.md). Every launch mode
     (one process, torchrun's FSDP2 shards, Ray trainer actors) and LoRA; the vision tower's blocks only when they
     train (``freeze_vision_tower=false`` or ``model.lora.vision``); no-grad forwards (scoring, generation) are
     untouched."""

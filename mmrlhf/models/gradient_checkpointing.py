@@ -3,7 +3,7 @@ transformer block keeps only its inputs in the forward and recomputes its activa
 
 What it trades: one extra forward of every checkpointed block per training micro-batch (about a third more compute
 for the update) for the activations of the blocks' insides, which autograd would otherwise keep from the forward to
-the backward (attention projections, MLP intermediates, norms: measured numbers in docs/gpu.md).
+the backward (attention projections, MLP intermediates, norms: measured numbers in docs/training.md).
 
 How, and why not the other ways:
 

@@ -16,7 +16,8 @@ It is CUDA / cuDNN specific and hits half precision only; float32 and the CPU ar
 Conv3d is slower than its matmul at this shape too, a fact of its kernels, not of a torch release: quoted as
 information, never as a failure). With stride == kernel the convolution IS a linear layer on flattened patches
 (:func:`patch_embed_as_linear`, checked equal in the tests), which is the workaround other frameworks applied and the
-yardstick here: the conv should cost about what that matmul costs.
+yardstick here: a healthy cuDNN conv costs a few times to a few tens of times that matmul, the slow path thousands of
+times (:data:`SLOW_RATIO`).
 """
 
 from __future__ import annotations
