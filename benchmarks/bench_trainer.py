@@ -4,7 +4,9 @@ Builds the named model's dimensions with random weights directly on the device (
 master weights with ``--dtype`` (bf16) autocast through ``ActorVL``, vision tower frozen (the trainer's default),
 and times what the policy update does per GRPO group: forward, a PPO-style loss over the response tokens, backward,
 in the padded and packed per-sample layouts (micro-batches of ``--micro`` samples, gradients accumulated) and the
-grouped (shared-prompt) layout, each with the dense masks and with the block-sparse kernel (``model.masked_attention``).
+grouped (shared-prompt) layout, each with both settings of ``model.masked_attention`` (like for like: ``dense``: the
+masks as dense tensors and the vision tower's per-segment SDPA loop; ``flex``: FlexAttention block masks for the
+packed and grouped rows and the varlen vision tower, a padded batch keeping its 2-D mask).
 
 Groups (``--groups``):
 - ``img448``: one 448 px image (256 vision tokens), n = 8, answers 128-512 tokens;
@@ -357,21 +359,15 @@ def _print(args, device, counts, matmul, rows) -> None:
               f"{r['tok_s']:,.0f} | {r['tflops']:.1f} | {r['share']:.0%} | {r['peak_gib']:.1f} | {r['first_s']:.1f} |")
     print()
     for g in sorted({r["group"] for r in rows}):
-        ok = {(r["layout"], r["kernel"]): r for r in rows if r["group"] == g and "error" not in r}
-        pad, best_packed = ok.get(("padded", "dense")), _best(ok, "packed")
-        grouped = _best(ok, "grouped")
-        if pad and best_packed:
-            print(f"{g}: packed ({best_packed['kernel']}) vs padded {pad['s'] / best_packed['s']:.2f}x faster with "
-                  f"{pad['tokens'] / best_packed['tokens']:.2f}x fewer tokens")
-        if grouped and pad:
-            per_sample = min([pad] + ([best_packed] if best_packed else []), key=lambda r: r["s"])
-            print(f"{g}: grouped ({grouped['kernel']}) vs best per-sample ({per_sample['layout']}) "
-                  f"{per_sample['s'] / grouped['s']:.2f}x")
-
-
-def _best(ok: dict, layout: str):
-    cands = [r for (lay, _), r in ok.items() if lay == layout]
-    return min(cands, key=lambda r: r["s"]) if cands else None
+        for kernel in sorted({r["kernel"] for r in rows}):
+            ok = {r["layout"]: r for r in rows if r["group"] == g and r["kernel"] == kernel and "error" not in r}
+            pad, packed, grouped = ok.get("padded"), ok.get("packed"), ok.get("grouped")
+            if pad and packed:
+                print(f"{g}, {kernel}: packed vs padded {pad['s'] / packed['s']:.2f}x faster with "
+                      f"{pad['tokens'] / packed['tokens']:.2f}x fewer tokens")
+            if grouped and (pad or packed):
+                best = min([r for r in (pad, packed) if r], key=lambda r: r["s"])
+                print(f"{g}, {kernel}: grouped vs best per-sample ({best['layout']}) {best['s'] / grouped['s']:.2f}x")
 
 
 def _write_json(args, counts, matmul, rows) -> None:

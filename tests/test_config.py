@@ -53,6 +53,8 @@ def test_overrides_apply_in_order_and_parse_types():
         ("trainer=5", ["'trainer'"]),
         ("trainer.lr", ["trainer.lr", "key.path=value"]),
         ("=3", ["empty key"]),
+        ("distributed.activation_checkpointing=true", ["'distributed.activation_checkpointing' was replaced by "
+                                                       "trainer.gradient_checkpointing"]),
     ],
 )
 def test_bad_overrides_name_the_key(override, must_contain):

@@ -19,15 +19,17 @@ def test_doctor_on_the_cpu_runs_the_cpu_checks_and_writes_the_table(tmp_path, ca
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rows = {r["name"]: r for r in json.loads((tmp_path / "doctor.json").read_text())["results"]}
-    assert list(rows) == ["environment", "toy_run/sleep_off", "toy_run/sleep_on"]
+    assert list(rows) == ["environment", "environment/patch_embed", "toy_run/sleep_off", "toy_run/sleep_on"]
     assert rows["environment"]["status"] == "pass" and "no CUDA device" in rows["environment"]["reason"]
+    embed = rows["environment/patch_embed"]  # the CPU's ratio is information, never a failure
+    assert embed["status"] == "pass" and embed["value"] > 0 and embed["details"]["device"] == "cpu"
     off = rows["toy_run/sleep_off"]
     assert off["status"] == "pass" and off["value"] > 0 and off["unit"] == "s/step"
     assert "2/2 steps on the transformers engine" in off["reason"]
     assert rows["toy_run/sleep_on"]["status"] == "skip" and "no CUDA device" in rows["toy_run/sleep_on"]["reason"]
     table = (tmp_path / "doctor.md").read_text()
     assert "| toy_run/sleep_off | pass |" in table and "| toy_run/sleep_on | skip |" in table
-    assert "2 passed, 0 failed, 1 skipped" in table and "PASS  toy_run/sleep_off" in printed
+    assert "3 passed, 0 failed, 1 skipped" in table and "PASS  toy_run/sleep_off" in printed
 
 
 def test_a_broken_check_is_a_failed_row_and_the_others_still_run(tmp_path, monkeypatch):

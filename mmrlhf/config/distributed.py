@@ -33,9 +33,6 @@ class DistributedConfig(Section):
     for ``model.dtype=float32``). An explicit value
     must agree with ``model.dtype`` (``bf16`` with ``bfloat16``, ``none`` with ``float32``); a contradiction is
     refused."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in the backward instead of keeping them (less memory, about a
-    third more compute). Applies to the policy and the critic in every launch mode."""
 
     # ---- Ray -----------------------------------------------------------------------------------------------------
     ray_address: Optional[str] = None

@@ -126,7 +126,15 @@ def _is_mapping(annotation: Any) -> bool:
     return any(_is_mapping(arg) for arg in typing.get_args(annotation))
 
 
+# Keys that moved: the old key's error names its replacement (in a YAML file and on the command line alike).
+MOVED_KEYS = {
+    "distributed.activation_checkpointing": "trainer.gradient_checkpointing (it applies in every launch mode)",
+}
+
+
 def _unknown_key_message(dotted: str, name: str, fields: Mapping[str, Any]) -> str:
+    if dotted in MOVED_KEYS:
+        return f"config key {dotted!r} was replaced by {MOVED_KEYS[dotted]}"
     valid = sorted(fields)
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -39,6 +39,13 @@ class TrainerConfig(Section):
     """Also keep the vision merger (the projection of vision features into the language model) fixed."""
     max_consecutive_nonfinite: int = Field(default=5, ge=1)
     """A non-finite loss or gradient skips that optimiser step (logged, counted); this many in a row stop the run."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of the policy and the critic in the updates: each transformer block keeps only its
+    input and recomputes its activations in the backward (one extra forward of the decoder per micro-batch, about a
+    third more update time; the activation memory of the blocks' insides is saved: docs/training.md). Every launch mode
+    (one process, torchrun's FSDP2 shards, Ray trainer actors) and LoRA; the vision tower's blocks only when they
+    train (``freeze_vision_tower=false`` or ``model.lora.vision``); no-grad forwards (scoring, generation) are
+    untouched."""
 
     # ---- batch sizes -----------------------------------------------------------------------------------------
     rollout_batch_size: int = Field(default=32, ge=1)

@@ -72,26 +72,6 @@ def shard_for_training(wrapper: nn.Module, *, block_classes: Iterable[str] | Non
     return wrapper
 
 
-def checkpoint_blocks(wrapper: nn.Module, *, block_classes: Iterable[str] | None = None) -> int:
-    """Activation checkpointing (``distributed.activation_checkpointing``) on every transformer block of an
-    :class:`ActorVL` / :class:`CriticVL`: a block keeps only its inputs in the forward and recomputes its activations
-    in the backward. Applied with torch's composable ``checkpoint``, which leaves parameter names unchanged (the
-    weight sync and the Hugging Face checkpoints keep working) and composes with ``fully_shard`` (apply it first).
-
-    Why not transformers' gradient checkpointing: it only acts in training mode, and the trainer keeps the policy in
-    eval mode (no dropout, so the PPO ratio compares like with like). Returns the number of blocks."""
-    from torch.distributed._composable import checkpoint
-
-    if isinstance(wrapper, CriticVL):
-        wrapper = wrapper.body
-    if not isinstance(wrapper, ActorVL):
-        raise TypeError(f"expected an ActorVL or a CriticVL, got {type(wrapper).__name__}")
-    blocks = block_modules(wrapper.model, block_classes)
-    for block in blocks:
-        checkpoint(block)
-    return len(blocks)
-
-
 # ---- the training plan with a run's switches (any world of more than one rank) ----------------------------------
 
 def mixed_precision_policy(compute_dtype: str) -> Any:
@@ -121,10 +101,11 @@ def language_block_classes(actor: Any) -> list[str]:
     return sorted({type(b).__name__ for b in block_modules(actor.model) if id(b) not in in_tower})
 
 
-def shard_models(actor: Any, critic: Any | None, settings: Any, *, compute_dtype: str) -> None:
-    """Shard the policy (and the critic) in place over the default process group; ``settings``: the
-    ``distributed`` config section, ``compute_dtype``: ``model.dtype``. FSDP2's policy then casts the parameters,
-    so the actor's own autocast is switched off (one mechanism per model)."""
+def shard_models(actor: Any, critic: Any | None, *, compute_dtype: str) -> None:
+    """Shard the policy (and the critic) in place over the default process group; ``compute_dtype``:
+    ``model.dtype``. FSDP2's policy then casts the parameters, so the actor's own autocast is switched off (one
+    mechanism per model). Activation checkpointing (:mod:`mmrlhf.models.gradient_checkpointing`) is applied
+    before this."""
     kwargs = {}
     mp = mixed_precision_policy(compute_dtype)
     if mp is not None:
@@ -134,7 +115,4 @@ def shard_models(actor: Any, critic: Any | None, settings: Any, *, compute_dtype
             continue
         body = getattr(model, "body", model)  # a CriticVL wraps an actor-like body
         body.compute_dtype = None  # FSDP2 casts the parameters (or the run is float32)
-        blocks = language_block_classes(body)
-        if settings.activation_checkpointing:
-            checkpoint_blocks(model)
-        shard_for_training(model, block_classes=blocks, **kwargs)
+        shard_for_training(model, block_classes=language_block_classes(body), **kwargs)

@@ -120,14 +120,15 @@ def single(device: torch.device | str = "cpu") -> World:
 
 
 def join(rank: int, world_size: int, local_rank: int, *, launch: str, process_group: str = "auto",
-         init_method: str | None = None) -> World:
+         init_method: str | None = None, local_world_size: int | None = None) -> World:
     """Join (or make) the default process group of ``world_size`` ranks and return this rank's world.
 
     ``process_group``: ``auto`` -> torch's default backend for the accelerator torch reports (nccl on CUDA), each rank
     on device ``local_rank`` of it; gloo on the CPU without one. ``gloo``: CPU tensors; ``nccl``: needs that
     accelerator. ``init_method``: a ``tcp://host:port`` rendezvous (the Ray trainer actors); None reads
     ``MASTER_ADDR`` / ``MASTER_PORT`` from the environment (torchrun). Object collectives get a gloo group of their
-    own when the main group is not gloo."""
+    own when the main group is not gloo. ``local_world_size``: the ranks on this node (torchrun's
+    ``LOCAL_WORLD_SIZE``): every one of them checks that the node has a device for each, before any touches one."""
     import torch.distributed as dist
 
     from mmrlhf.devices import resolve_device
@@ -138,6 +139,7 @@ def join(rank: int, world_size: int, local_rank: int, *, launch: str, process_gr
     else:
         if accelerator.type == "cpu":
             raise ValueError("distributed.process_group=nccl needs a GPU; use gloo (or auto) on the CPU")
+        _check_device_per_rank(accelerator.type, local_rank, local_world_size)
         device = torch.device(accelerator.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
         backend = process_group if process_group != "auto" else dist.get_default_backend_for_device(device)
@@ -148,10 +150,23 @@ def join(rank: int, world_size: int, local_rank: int, *, launch: str, process_gr
                  object_group=objects)
 
 
+def _check_device_per_rank(kind: str, local_rank: int, local_world_size: int | None) -> None:
+    """Each rank of a node takes device ``local_rank``: refuse, naming the fix, when the node has fewer devices than
+    ranks (torch would fail later, inside ``set_device``, with "invalid device ordinal" on one rank only)."""
+    visible = torch.accelerator.device_count()
+    ranks = max(local_rank + 1, local_world_size or 0)
+    if ranks > visible:
+        raise ValueError(f"{ranks} training ranks on this node but {visible} {kind} device(s) visible: each rank needs "
+                         f"its own device; start at most {visible} (torchrun --nproc-per-node {visible}), or run the "
+                         "ranks on the CPU (trainer.device=cpu distributed.process_group=gloo)")
+
+
 def join_from_env(process_group: str = "auto", environ: Mapping[str, str] = os.environ) -> World:
-    """The world torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR/PORT``)."""
+    """The world torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR/PORT``)."""
+    local_world = environ.get("LOCAL_WORLD_SIZE")
     return join(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]), launch="torchrun",
-                process_group=process_group)
+                process_group=process_group, local_world_size=int(local_world) if local_world else None)
 
 
 def leave() -> None:

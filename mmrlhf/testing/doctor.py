@@ -100,7 +100,30 @@ def check_environment(opts: DoctorOptions) -> list[CheckResult]:
     where = details.get("gpu", "no CUDA device: the CPU checks run, the GPU-only ones are skipped")
     reason = f"trainer on {device} ({where}); {details.get('vllm', missing)}"
     gib = details.get("gpu_memory_gib")
-    return [CheckResult("environment", "pass", gib, "GPU GiB" if gib else "", reason, details=details)]
+    return [CheckResult("environment", "pass", gib, "GPU GiB" if gib else "", reason, details=details),
+            check_patch_embed(device, quick=opts.quick)]
+
+
+def check_patch_embed(device: Any, *, quick: bool = False) -> CheckResult:
+    """The vision patch embedding's Conv3d against its matmul form on the trainer's device
+    (:mod:`mmrlhf.testing.patch_embed`): a ``fail`` naming the torch version and the fix when the conv lags on an
+    accelerator (the torch 2.9 Conv3d slowdown); on the CPU the ratio is information only."""
+    import torch
+
+    from mmrlhf.testing.patch_embed import SLOW_RATIO, patch_embed_timing, patch_embed_warning
+
+    t0 = time.perf_counter()
+    cpu = device.type == "cpu"
+    # bf16 on an accelerator (the affected case, and what GPU runs compute in); the CPU conv is slow: fewer patches
+    timing = patch_embed_timing(device, torch.float32 if cpu else torch.bfloat16,
+                                patches=(256 if quick else 1024) if cpu else 4096, repeats=2 if cpu else 10)
+    warning = patch_embed_warning(timing)
+    reason = warning or (f"Conv3d {timing['conv_ms']:.3g} ms vs matmul {timing['matmul_ms']:.3g} ms "
+                         f"({timing['patches']} patches, {timing['dtype']}, torch {timing['torch']})")
+    if cpu and timing["ratio"] >= SLOW_RATIO:
+        reason += "; the CPU's own Conv3d kernel, not the CUDA slowdown of torch 2.9 (information only)"
+    return CheckResult("environment/patch_embed", "fail" if warning else "pass", timing["ratio"],
+                       "x conv / matmul time", reason, time.perf_counter() - t0, details=timing)
 
 
 # ---- engine vs trainer log-probs --------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import torch
 
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.models.placement import module_device
-from mmrlhf.models.sharding import checkpoint_blocks, shard_models
+from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
+from mmrlhf.models.sharding import shard_models
 from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode, read_trainer_state
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
@@ -206,12 +207,14 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
 
     critic = build_critic(config) if config.algorithm.advantage_estimator == "gae" else None
     made = rollouts(config, world, critic, str(resume_from / "model") if resume_from else None, freeze)
-    if world.sharded:
-        shard_models(made.actor, critic, config.distributed, compute_dtype=config.model.dtype)
-    elif config.distributed.activation_checkpointing:
+    if t.gradient_checkpointing:  # after the freezing and LoRA (they decide which blocks), before any sharding
         for model in (made.actor, critic):
             if model is not None:
-                checkpoint_blocks(model)
+                blocks = checkpoint_blocks(model)
+                logger.info("trainer.gradient_checkpointing: %s recomputes %d blocks in the backward",
+                            type(model).__name__, len(blocks))
+    if world.sharded:
+        shard_models(made.actor, critic, compute_dtype=config.model.dtype)
     policy, critic_updater = build_updaters(config, made.actor, critic, pad_id=made.tokenizer.pad_token_id,
                                             world=world)
     wandb = None

@@ -138,6 +138,28 @@ def sharded_batches(bundle: Bundle, rank: int, world: int) -> dict[str, tuple[An
     return out
 
 
+class LinearCalls:
+    """Counts the forward calls of every Linear layer inside the transformer blocks of an actor (language and vision
+    blocks apart): a block that is recomputed in the backward (activation checkpointing) runs them twice per step.
+    Attach before any ``fully_shard`` (it finds the blocks by class name)."""
+
+    def __init__(self, actor: Any):
+        from mmrlhf.models.sharding import block_modules
+
+        tower, _ = actor.adapter.vision_parts(actor.model)
+        in_tower = {id(m) for m in tower.modules()}
+        self.counts = {"language": 0, "vision": 0}
+        for block in block_modules(actor.model):
+            kind = "vision" if id(block) in in_tower else "language"
+            for m in block.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.register_forward_pre_hook(lambda *_, k=kind: self.counts.__setitem__(k, self.counts[k] + 1))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
 def random_value_head(hidden: int, seed: int = 0) -> torch.nn.Linear:
     """A value head with small random weights drawn from its own generator (independent of the global RNG), so the
     critic's gradients reach every parameter and two processes build the same head."""

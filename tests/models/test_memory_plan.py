@@ -117,7 +117,7 @@ def test_an_engine_share_too_small_for_its_weights_is_named():
 def test_checkpointing_and_the_token_budget_are_read_in_one_place(monkeypatch):
     cfg = _config()
     assert checkpointing(cfg) is False and token_budget(cfg) is None
-    on = _config(["distributed.activation_checkpointing=true"])
+    on = _config(["trainer.gradient_checkpointing=true"])
     assert checkpointing(on) is True
     facts = facts_of(cfg, "qwen2_5_vl_7b")
     off_update = plan_launch(facts, plan_inputs(cfg, facts, gpu_gib=80), "single").gpus[0].phases["update"]

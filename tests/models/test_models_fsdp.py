@@ -4,9 +4,11 @@ fsdp_worker.py runs under ``torchrun --nproc-per-node 2``: the actor and the cri
 ``shard_for_training`` (every transformer block its own unit, the wrapper the root), each rank scores and
 backpropagates its half of the mixed batch (text, images, video; padded and packed). Here one unsharded process
 scores the whole batch: log-probs, entropy, values and hidden states must match per sample, and the all-gathered
-gradients (FSDP averages over ranks) must match the gradient of the full-batch loss / world size, in fp32.
-Controls: the gradient of one rank's half alone differs (so the comparison sees the reduction), and the wrong layout
-(the HF model sharded on its own) is refused with an error that names the fix.
+gradients (FSDP averages over ranks) must match the gradient of the full-batch loss / world size, in fp32; so must
+those of an actor checkpointed before it was sharded (``trainer.gradient_checkpointing``).
+Controls: the gradient of one rank's half alone differs (so the comparison sees the reduction), the checkpointed
+actor's blocks ran twice, and the wrong layout (the HF model sharded on its own) is refused with an error that names
+the fix. The ranks run on the CPU (gloo, a CPU mesh) also where a GPU is visible: this is a CPU check.
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ def test_sharded_actor_and_critic_match_one_process(fsdp_out, bundles, family):
             torch.testing.assert_close(res[f"actor.{layout}.entropy"], ent[rows.start : rows.stop, :width],
                                        rtol=0, atol=ATOL)
             _assert_grads_match(res, f"actor.{layout}.grad.", grads)
+            if layout == "packed":  # trainer.gradient_checkpointing under FSDP2: the same numbers
+                torch.testing.assert_close(res["actor_ckpt.packed.log_probs"], mine, rtol=0, atol=ATOL)
+                _assert_grads_match(res, "actor_ckpt.packed.grad.", grads)
 
     # The public hidden_states of a sharded actor (registered as a forward method) gathers as forward does.
     plain = ActorVL(bundle.model, bundle.adapter)
@@ -129,6 +134,9 @@ def test_controls(fsdp_out, bundles, family):
     assert worst > 1e-3, worst
     # ... and the scale-sized tolerance of the match above is tight enough to see it
     assert not all(close_at_scale(res[f"actor.packed.grad.{n}"], g) for n, g in half.items())
+    # The checkpointed actor really recomputed under FSDP2: its blocks' Linear layers ran twice per step.
+    calls = meta["linear_calls"]
+    assert calls["actor"]["packed"] > 0 and calls["actor_ckpt"]["packed"] == 2 * calls["actor"]["packed"], calls
     # The wrong layout is refused with the fix in the message (not a DTensor error deep in the model).
     if family == FAMILIES[0]:
         assert "shard_for_training" in meta["wrong_layout_error"], meta

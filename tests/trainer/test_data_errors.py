@@ -39,7 +39,8 @@ def _cli(*args, cwd):
     import sys
     from pathlib import Path
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parent)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), str(Path(__file__).parent),
+                                                        os.environ.get("PYTHONPATH", "")])}  # keep the caller's
     return subprocess.run([sys.executable, "-m", "mmrlhf.cli", "train", *args], env=env, cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 

@@ -62,9 +62,9 @@ def test_checkpoint_model_loads_in_transformers_and_generates(tmp_path):
 
     trainer = _fit(toy_config(tmp_path / "run", trainer={"max_steps": 2}))
     model_dir = trainer.p.checkpoints.latest() / "model"
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)  # on the CPU
     for (n, p), (_, q) in zip(model.named_parameters(), trainer.p.policy.actor.model.named_parameters()):
-        assert torch.equal(p, q.detach()), n  # the trained weights, exactly
+        assert torch.equal(p, q.detach().to(p.device)), n  # the trained weights exactly (the trainer's: maybe a GPU)
     processor = AutoProcessor.from_pretrained(model_dir)
     ids = processor.tokenizer("What color is the square?", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=3, do_sample=False)

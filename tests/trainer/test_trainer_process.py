@@ -29,7 +29,9 @@ def _recipe(tmp_path: Path, out: Path, **trainer) -> Path:
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), str(Path(__file__).parent)])}
+    # the caller's path stays behind ours (where packages come from a PYTHONPATH, as on the GPU machine)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), str(Path(__file__).parent),
+                                                         os.environ.get("PYTHONPATH", "")])}
 
 
 def _wait_for(predicate, proc, what: str, timeout: float = 300) -> None:

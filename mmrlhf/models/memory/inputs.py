@@ -26,9 +26,9 @@ class PlanError(ValueError):
 
 
 def checkpointing(config: Any) -> bool:
-    """Activation checkpointing of the decoder layers and vision blocks: ``trainer.gradient_checkpointing`` (when
-    the schema has it) or ``distributed.activation_checkpointing``."""
-    return bool(getattr(config.trainer, "gradient_checkpointing", False)) or config.distributed.activation_checkpointing
+    """Activation checkpointing of the decoder layers (and of the vision blocks when they train):
+    ``trainer.gradient_checkpointing``."""
+    return bool(config.trainer.gradient_checkpointing)
 
 
 def token_budget(config: Any) -> int | None:
@@ -38,10 +38,8 @@ def token_budget(config: Any) -> int | None:
 
 def fix_keys(config: Any) -> dict[str, str]:
     """role -> the config key a suggested fix sets (the schema's own, so a suggestion is always a valid key)."""
-    fields = type(config.trainer).model_fields
-    keys = {"checkpointing": "trainer.gradient_checkpointing" if "gradient_checkpointing" in fields
-            else "distributed.activation_checkpointing"}
-    if "max_tokens_per_micro_batch" in fields:
+    keys = {"checkpointing": "trainer.gradient_checkpointing"}
+    if "max_tokens_per_micro_batch" in type(config.trainer).model_fields:
         keys["token_budget"] = "trainer.max_tokens_per_micro_batch"
     return keys
 
