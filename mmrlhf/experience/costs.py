@@ -7,7 +7,9 @@ prompt pixels, :func:`mmrlhf.experience.grouped.group_by_prompt`), or the planne
 out. Comparing every sample's pixels would read the whole step's vision tensors once more, so the candidates are the
 caller's group keys (the rollout's prompt groups: one record's samples share its prompt by construction; members
 whose prompt ids differ are split off), and only one representative per candidate is compared with the other
-candidates of equal prompt ids (the same image asked twice in a step, as the toy tasks do, is one row).
+candidates of equal prompt ids (the same image asked twice in a step, as the toy tasks do, is one row). Equal
+prompt ids are common (one question over images of one size), so the representatives are first told apart by a
+fingerprint of ~1,000 sampled values per tensor; only equal fingerprints are compared in full.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ def _same_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return True
 
 
+def _fingerprint(vision: Mapping[str, Any], samples: int = 1024) -> int:
+    """A hash of the keys, shapes and ~``samples`` evenly spaced values of each tensor: different fingerprints mean
+    different tensors; equal ones are checked in full."""
+    parts = []
+    for key in sorted(k for k, v in vision.items() if v is not None):
+        t = torch.as_tensor(vision[key])
+        flat = t.reshape(-1)
+        parts.append((key, tuple(t.shape), str(t.dtype),
+                      tuple(flat[:: max(1, flat.numel() // samples)].tolist())))
+    return hash(tuple(parts))
+
+
 def sample_costs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                  vision: Sequence[Mapping[str, Any]], *, adapter: Any, grouped: bool,
                  keys: Sequence[Hashable] | None = None, multi_turn: bool = False) -> list[SampleCost]:
@@ -68,7 +82,7 @@ def sample_costs(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Seq
                          + ("" if keys is None else f", {len(keys)} group keys"))
     prompt_vision, response_patches = [], []
     for i, v in enumerate(vision):
-        if multi_turn:
+        if multi_turn and grouped:  # only the grouped layout tells the prompt's patches (once per row) apart
             head, tail = split_vision(dict(v), prompt_ids[i], adapter)
         else:
             head, tail = v, {}
@@ -87,11 +101,11 @@ def _row_groups(prompt_ids: Sequence[Sequence[int]], prompt_vision: Sequence[Map
         ids = tuple(ids)
         candidates.setdefault((None if keys is None else keys[i], ids), []).append(i)
     groups = [0] * len(prompt_ids)
-    heads: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # prompt ids -> (representative, group index)
+    heads: dict[tuple, list[tuple[int, int]]] = {}  # (prompt ids, fingerprint) -> (representative, group index)
     count = 0
     for (_, ids), members in candidates.items():
         rep = members[0]
-        known = heads.setdefault(ids, [])
+        known = heads.setdefault((ids, _fingerprint(prompt_vision[rep])), [])
         index = next((g for r, g in known if _same_tensors(prompt_vision[r], prompt_vision[rep])), None)
         if index is None:
             index, count = count, count + 1
