@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.rollout import Rollout, ScoredRollout
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
-from mmrlhf.experience.scoring_split import consecutive, regroup, scoring_plan
+from mmrlhf.experience.scoring_split import consecutive, one_at_a_time, regroup, scoring_plan
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
@@ -203,7 +203,7 @@ class FastExperienceMaker(ExperienceMaker):
             build = self._build_grouped if self.settings.shared_prompt else self._build
             scoring: Any = built if micros == chunks and not self.settings.shared_prompt else None
         if scoring is None:
-            scoring = _built_one_at_a_time(build, rows, micros, timer)  # a forward's batch, then the next one's
+            scoring = one_at_a_time(build, rows, micros, timer)  # a forward's batch, then the next one's
         temperature = scoring_temperature(sampling)
         truncation = scoring_truncation(sampling, self.settings.logprob_mode)
         scored = self._score(scoring, timer, temperature, truncation)
@@ -496,14 +496,6 @@ def scoring_truncation(sampling: SamplingSettings, mode: str) -> Truncation | No
         return None
     truncation = Truncation(top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
     return truncation if truncation.active else None
-
-
-def _built_one_at_a_time(build: Any, rows: Rollout, micros: list[list[int]], timer: PhaseTimer) -> Iterator[Any]:
-    """The batches of ``micros`` built as the forwards ask for them (``time/build``), so only one is held."""
-    for m in micros:
-        with timer("build"):
-            batch = build(rows.select(m))
-        yield batch
 
 
 def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):

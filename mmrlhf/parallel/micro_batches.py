@@ -332,7 +332,8 @@ def plan_micro_batches(costs: Sequence[SampleCost], minis: Sequence[Sequence[int
 
 
 def split_metrics(plan: SplitPlan, world: Any, prefix: str) -> dict[str, float]:
-    """``prefix``-ed metrics of a plan over every rank (collective): ``micro_batches`` (forwards each rank ran),
+    """``prefix``-ed metrics of a plan over every rank (collective): ``micro_batches`` (forwards each rank runs,
+    padding included; a mini-batch with nothing to train skips its planned ones),
     ``micro_batch_tokens_max`` / ``_mean`` (cost of the costliest / an average micro-batch, padding left out),
     ``micro_batch_rank_imbalance`` (the forwards' work as the ranks run them in lockstep, each forward as slow as
     its costliest rank, over the same work spread evenly: 1.0 is perfect, and always 1.0 on one rank),
