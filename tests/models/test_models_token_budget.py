@@ -309,3 +309,45 @@ def test_scoring_under_a_budget_gives_the_count_split_experiences(bundle, step, 
             else:
                 assert a.shape == b.shape, name
                 assert_close_at_scale(a, b, msg=name)
+
+
+def test_ray_rescoring_under_a_budget_scores_every_item_in_order_with_agreed_forwards(bundle, step):
+    """The Ray trainer ranks' re-scoring (``RayRollouts._log_probs``): under a budget every item gets the count
+    split's log-probs, in item order; two ranks holding 6 and 2 items run as many forwards each."""
+    import threading
+    from types import SimpleNamespace
+
+    from mmrlhf.launch.ray.source import RayRollouts, RaySettings
+    from mmrlhf.parallel.world import single
+    from mmrlhf.testing.lockstep import run_ranks
+
+    actor, items = step[0][0], step[1]["padded"]
+    policy = SimpleNamespace(s=PolicyUpdateSettings(), actor=actor, pad_id=bundle.processor.tokenizer.pad_token_id)
+
+    def score(tokens, world, part):
+        source = RayRollouts.__new__(RayRollouts)  # only what _log_probs reads
+        source.policy, source.world = policy, world
+        source.s = RaySettings(max_steps=1, max_staleness=0, on_rollout_failure="stop", max_actor_restarts=0,
+                               bucket_bytes=1, weight_kind="full", scoring_micro_batch_size=MICRO,
+                               scoring_max_tokens=tokens)
+        with torch.no_grad():
+            return source._log_probs(part, 0.9)
+
+    want, _ = score(None, single(), items)
+    for tokens in ("auto", _budget(bundle, items, "padded")):
+        got, outside = score(tokens, single(), items)
+        assert len(got) == len(items) and not any(bool(o.any()) for o in outside)
+        for g, w, it in zip(got, want, items):
+            assert g.shape == (len(it.response_ids),)
+            assert_close_at_scale(g, w)
+    calls: list[str] = []
+    hook = actor.model.base_model.register_forward_pre_hook(lambda *a: calls.append(threading.current_thread().name))
+    try:
+        parts = [items[:6], items[6:]]
+        ranked = run_ranks(lambda w: score(_budget(bundle, items, "padded"), w, parts[w.rank])[0], 2)
+    finally:
+        hook.remove()
+    assert calls.count("rank-0") == calls.count("rank-1") > 1  # the short rank pads its forwards
+    for got, part, offset in zip(ranked, parts, (0, 6)):
+        for k, g in enumerate(got):
+            assert_close_at_scale(g, want[offset + k])
