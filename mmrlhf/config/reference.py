@@ -18,6 +18,8 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
     if origin is typing.Union and type(None) not in typing.get_args(annotation):  # e.g. Literal["auto"] | bool
         return " \\| ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is typing.Union and len(typing.get_args(annotation)) > 2:  # e.g. Literal["auto"] | int | None
+        return " \\| ".join([_type_name(a) for a in typing.get_args(annotation) if a is not type(None)] + ["`None`"])
     text = getattr(annotation, "__name__", None) if origin is None else None
     return f"`{text}`" if text else f"`{str(annotation).replace('typing.', '')}`"
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from mmrlhf.config.base import Section
+from mmrlhf.config.budget import check_budget
 
 
 class RolloutConfig(Section):
@@ -49,7 +50,14 @@ class RolloutConfig(Section):
     distribution, so log-probs and ratios stay exact. For toy tasks on tiny random models, where a random policy
     would otherwise never emit a multi-token answer (docs/agents.md)."""
     micro_rollout_batch_size: int = Field(default=16, ge=1)
-    """Samples per forward pass when computing log-probs / values (bounds memory)."""
+    """Samples per forward pass when computing log-probs / values (bounds memory), and per experience; with
+    ``max_tokens_per_micro_batch: auto`` the reference the token budget is taken from."""
+    max_tokens_per_micro_batch: Union[Literal["auto"], int, None] = "auto"
+    """Token budget of one no-grad scoring forward: the experience maker's (old log-probs, reference, values) and
+    the Ray trainer ranks' re-scoring. Cost, packing, rank balance and the meaning of an integer, ``auto`` and null
+    are those of ``trainer.max_tokens_per_micro_batch``, with ``micro_rollout_batch_size`` as the count. On by
+    default: which samples share a forward changes no score (each is scored on its own positions), and the
+    experiences keep the count split's chunks in sample order."""
     prompt_too_long: Literal["skip", "error"] = "skip"
     """What to do with a prompt longer than the engine's context: skip it (counted in metrics) or raise."""
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -95,6 +103,11 @@ class RolloutConfig(Section):
     """Base seed for sampling: every sample of every call draws from its own stream, derived from this seed, the
     call, the request and the sample by hashing (see ``SamplingSettings.seed``); different seeds give unrelated
     samples."""
+
+    @field_validator("max_tokens_per_micro_batch")
+    @classmethod
+    def _check_budget(cls, value: Union[str, int, None]) -> Union[str, int, None]:
+        return check_budget(value, "rollout.max_tokens_per_micro_batch")
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "RolloutConfig":

@@ -55,3 +55,14 @@ class MMRLHFConfig(Section):
                 "weight sync sends only the LoRA adapters (or the adapted layers), never the base weights: use "
                 "rollout.sleep_level=1")
         return self
+
+    @model_validator(mode="after")
+    def _check_token_budget(self) -> "MMRLHFConfig":
+        budget, a = self.trainer.max_tokens_per_micro_batch, self.algorithm
+        if isinstance(budget, int) and a.loss_agg == "seq-mean-token-sum-norm" and a.loss_agg_norm_len is None:
+            raise ValueError(
+                f"trainer.max_tokens_per_micro_batch={budget} with algorithm.loss_agg=seq-mean-token-sum-norm needs "
+                "algorithm.loss_agg_norm_len: without it each response's loss is divided by its micro-batch's padded "
+                "length, which a token budget changes (set loss_agg_norm_len, e.g. to rollout.max_new_tokens, or "
+                "trainer.max_tokens_per_micro_batch to auto or null)")
+        return self

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from mmrlhf.config.base import Section
+from mmrlhf.config.budget import check_budget
 
 
 class TrainerConfig(Section):
@@ -53,7 +54,21 @@ class TrainerConfig(Section):
     train_batch_size: int = Field(default=128, ge=1)
     """Samples per optimiser step (a mini-batch)."""
     micro_train_batch_size: int = Field(default=4, ge=1)
-    """Samples per forward/backward pass (gradient accumulation fills ``train_batch_size`` exactly)."""
+    """Samples per forward/backward pass (gradient accumulation fills ``train_batch_size`` exactly); with
+    ``max_tokens_per_micro_batch: auto`` the reference the token budget is taken from."""
+    max_tokens_per_micro_batch: Union[Literal["auto"], int, None] = "auto"
+    """Token budget of one forward/backward of the policy and critic updates. A micro-batch's cost is the decoder
+    positions its layout computes (padding included) plus the vision patch rows of its images and videos; samples
+    are packed longest first into as few micro-batches as fit the budget (a sample larger than the budget runs
+    alone, counted in ``policy/oversized_micro_batches``), prompt groups kept together where they fit, and with
+    several ranks each rank deals its samples into the same number of micro-batches with balanced costs. An integer
+    REPLACES ``micro_train_batch_size`` (a micro-batch holds as many samples as fit). ``auto``: per mini-batch the
+    budget is the costliest micro-batch the count split of ``micro_train_batch_size`` would run, and that split is
+    kept when the budget would not save a forward: never a higher peak, never more forwards. null: the count split.
+    On by default because it is exact: every micro-batch loss is divided by its MINI-batch's count, so the
+    gradient does not depend on which samples share a micro-batch (up to float32 summation order); the one
+    exception, ``algorithm.loss_agg: seq-mean-token-sum-norm`` without ``algorithm.loss_agg_norm_len`` (it divides
+    by each micro-batch's padded length), makes ``auto`` keep the count split and an integer an error."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each rollout's samples (reshuffled into new mini-batches each pass)."""
     max_steps: int = Field(default=1000, ge=1)
@@ -68,8 +83,9 @@ class TrainerConfig(Section):
     ``model.attn_implementation`` reads arbitrary masks (``sdpa``, ``eager``), except for multi-turn rollouts
     (``agent``), whose long responses make a group's dense row cost more than it saves; ``true`` turns it on
     there too, and refuses other kernels.
-    Micro-batches are counted in samples: make ``micro_train_batch_size`` and ``rollout.micro_rollout_batch_size``
-    multiples of ``n_samples_per_prompt`` so that groups are not split across forwards."""
+    With the count split (``max_tokens_per_micro_batch: null``) micro-batches are counted in samples: make
+    ``micro_train_batch_size`` and ``rollout.micro_rollout_batch_size`` multiples of ``n_samples_per_prompt`` so
+    that groups are not split across forwards; a token budget keeps each group in one forward where it fits."""
     shared_prompt_max_tokens: int = Field(default=8192, ge=1)
     """Longest row of the shared-prompt layout (prompt + responses); a group whose responses do not fit is split
     over several rows. Attention over a row is dense: this bounds its quadratic time and mask memory."""
@@ -115,6 +131,11 @@ class TrainerConfig(Section):
     """Prompt groups shown in the HTML rollout report."""
     progress_bar: bool = True
     """Show a progress bar with reward, KL, length, groups with reward variance and step time."""
+
+    @field_validator("max_tokens_per_micro_batch")
+    @classmethod
+    def _check_budget(cls, value: Union[str, int, None]) -> Union[str, int, None]:
+        return check_budget(value, "trainer.max_tokens_per_micro_batch")
 
     @model_validator(mode="after")
     def _check_batches(self) -> "TrainerConfig":

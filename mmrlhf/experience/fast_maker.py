@@ -21,21 +21,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
+from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.rollout import Rollout, ScoredRollout
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
+from mmrlhf.experience.scoring_split import consecutive, one_at_a_time, regroup, scoring_plan
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.models.placement import to_host
 from mmrlhf.models.truncation import Truncation
+from mmrlhf.parallel.micro_batches import Layout, split_metrics
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
@@ -176,30 +179,45 @@ class FastExperienceMaker(ExperienceMaker):
         """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch, shape the
         rewards and compute KL and advantages over the whole step.
 
-        ``pad_forwards_to``: run the actor's and the critic's forward at least this many times (the extra ones on
-        the first micro-batch, results dropped). Sharded (FSDP) models gather their parameters in collectives
-        inside every forward, so every rank must run as many as the rank with the most micro-batches. ``world``:
-        the training ranks, each holding its share of the step (default: this rollout is the step); the step-wide
+        ``micro_batch_size``: samples per experience (default ``settings.micro_batch_size``); the forwards run
+        the micro-batches ``settings.max_tokens_per_micro_batch`` plans (:mod:`mmrlhf.experience.scoring_split`:
+        by cost, or these chunks when it is None). ``pad_forwards_to``: run the actor's and the critic's forward at
+        least this many times (the extra ones on the first micro-batch, results dropped). Sharded (FSDP) models
+        gather their parameters in collectives inside every forward, so every rank must run as many as the rank
+        with the most micro-batches: the plan agrees on that number over ``world`` (collective). ``world``: the
+        training ranks, each holding its share of the step (default: this rollout is the step); the step-wide
         statistics of the shaping are theirs (every rank calls this once per step)."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(micro_batch_size or self.settings.micro_batch_size)
         rows, sampling = rollout.rows, rollout.sampling
+        world = world or single()
         with timer("build"):
-            micros = [rows.select(range(s, min(s + micro, len(rows)))) for s in range(0, len(rows), micro)]
-            built = [self._build(m) for m in micros]
+            chunks = consecutive(len(rows), micro)
+            built = [self._build(rows.select(c)) for c in chunks]
+            plan = scoring_plan(rows, micro=micro, max_tokens=self.settings.max_tokens_per_micro_batch,
+                                layout=self._layout(), adapter=self.adapter, world=world)
+            micros = [m for m in plan.micro_batches[0] if m]
             # The forwards may see another layout than the experience keeps (grouped: each prompt once per row);
             # every layout scores the same [b, A] values in sample order.
-            scoring = [self._build_grouped(m) for m in micros] if self.settings.shared_prompt else built
+            build = self._build_grouped if self.settings.shared_prompt else self._build
+            scoring: Any = built if micros == chunks and not self.settings.shared_prompt else None
+        if scoring is None:
+            scoring = one_at_a_time(build, rows, micros, timer)  # a forward's batch, then the next one's
         temperature = scoring_temperature(sampling)
         truncation = scoring_truncation(sampling, self.settings.logprob_mode)
         scored = self._score(scoring, timer, temperature, truncation)
-        if pad_forwards_to is not None and pad_forwards_to > len(scoring):
-            self._pad_forwards(scoring[0], pad_forwards_to - len(scoring), timer, temperature, truncation)
+        if micros != chunks:
+            scored = regroup(scored, micros, chunks, [int(b.samples.response_length.max()) for b in built])
+        forwards = max(len(plan.micro_batches[0]), pad_forwards_to or 0)
+        if forwards > len(micros):
+            first = built[0] if scoring is built else build(rows.select(micros[0]))
+            self._pad_forwards(first, forwards - len(micros), timer, temperature, truncation)
         with timer("advantages"):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single())
         info = dict(rollout.metrics)
         info.update(self._experience_metrics(rows, scored, shaped))
+        info.update(split_metrics(plan, world, "scoring/"))
         seconds = dict(rollout.seconds)
         for phase, sec in timer.with_other(time.perf_counter() - t_start).items():
             seconds[phase] = seconds.get(phase, 0.0) + sec
@@ -328,6 +346,11 @@ class FastExperienceMaker(ExperienceMaker):
         }
 
     # ---- stage 2 -----------------------------------------------------------------------------------------------
+    def _layout(self) -> Layout:
+        s = self.settings
+        return forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
+                              max_row_tokens=s.shared_prompt_max_tokens)
+
     def _build(self, rows: Rollout) -> BuiltSamples:
         build = build_packed_samples if self.settings.packing else build_padded_samples
         try:
@@ -352,7 +375,7 @@ class FastExperienceMaker(ExperienceMaker):
                              f"{exc}") from exc
 
     @torch.no_grad()
-    def _score(self, built: list[BuiltSamples], timer: PhaseTimer, temperature: float,
+    def _score(self, built: Iterable[BuiltSamples], timer: PhaseTimer, temperature: float,
                truncation: Truncation | None = None) -> list[dict[str, torch.Tensor | None]]:
         """Actor (+ entropy), reference and critic forwards per micro-batch, all in the padded [b, A] shape,
         scored at the sampling temperature under the sampler's ``truncation`` (the distribution the samples were

@@ -12,6 +12,9 @@ class ExperienceSettings:
 
     n_samples_per_prompt: int = 8
     micro_batch_size: int = 8  # samples per actor / reference / critic forward (bounds memory)
+    # rollout.max_tokens_per_micro_batch: None splits the forwards by micro_batch_size, "auto" or a budget by cost
+    # (mmrlhf.parallel.micro_batches); the experiences keep chunks of micro_batch_size either way
+    max_tokens_per_micro_batch: int | str | None = None
     packing: bool = False  # packed layout (no padding) for the forwards
     shared_prompt: bool = False  # grouped layout (each prompt once per row) for the forwards; wins over packing
     shared_prompt_max_tokens: int | None = None  # longest grouped row (None: a whole group per row)
@@ -55,6 +58,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
     return ExperienceSettings(
         n_samples_per_prompt=rollout.n_samples_per_prompt,
         micro_batch_size=rollout.micro_rollout_batch_size,
+        max_tokens_per_micro_batch=rollout.max_tokens_per_micro_batch,
         packing=trainer.packing_samples,
         shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt,
                                             multi_turn=multi_turn, masked_kernel=masked_kernel),

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from mmrlhf.config.budget import Budget
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.models.placement import module_device
 from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
@@ -64,7 +65,20 @@ def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdat
         norm_len=a.loss_agg_norm_len, entropy_coef=a.entropy_coef, kl_loss_coef=a.kl_loss_coef,
         kl_loss_estimator=a.kl_loss_estimator, high_entropy_top_p=a.high_entropy_top_p, correction=correction,
         correction_level=a.rollout_correction_level, correction_cap=a.rollout_correction_cap,
-        correction_lower=a.rollout_correction_lower, packing=t.packing_samples, **_layout(config))
+        correction_lower=a.rollout_correction_lower, packing=t.packing_samples,
+        max_tokens_per_micro_batch=update_token_budget(config), **_layout(config))
+
+
+def update_token_budget(config: MMRLHFConfig) -> Budget:
+    """``trainer.max_tokens_per_micro_batch`` for the updates: as configured where the loss does not depend on how a
+    mini-batch is split. ``seq-mean-token-sum-norm`` without ``algorithm.loss_agg_norm_len`` divides each
+    response's loss by its MICRO-batch's padded length, so regrouping samples changes the gradient: ``auto`` keeps
+    the count split there (an explicit budget is refused when the config loads)."""
+    t, a = config.trainer, config.algorithm
+    per_micro_length = a.loss_agg == "seq-mean-token-sum-norm" and a.loss_agg_norm_len is None
+    if t.max_tokens_per_micro_batch == "auto" and per_micro_length:
+        return None
+    return t.max_tokens_per_micro_batch
 
 
 def _layout(config: MMRLHFConfig) -> dict[str, Any]:
@@ -276,8 +290,11 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
     # model.dtype is the compute dtype in every launch mode (autocast in one process, FSDP2's policy under torchrun)
     correction = resolve_rollout_correction(a, engine=config.rollout.engine, engine_dtype=_engine_dtype(config),
                                             train_dtype=config.model.dtype, device=module_device(actor))
-    logger.info("rollout correction: %s; shared-prompt forward: %s", correction,
-                "on" if _layout(config)["shared_prompt"] else "off")
+    budget = update_token_budget(config)
+    logger.info("rollout correction: %s; shared-prompt forward: %s; update micro-batches: %s", correction,
+                "on" if _layout(config)["shared_prompt"] else "off",
+                f"{t.micro_train_batch_size} samples" if budget is None else
+                f"token budget {budget} (count {t.micro_train_batch_size})")
     policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),
                            pad_id=pad_id)
     if critic is None:
@@ -287,7 +304,7 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
         CriticUpdateSettings(train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
                              ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
                              agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples,
-                             **_layout(config)),
+                             max_tokens_per_micro_batch=budget, **_layout(config)),
         pad_id=pad_id, adapter=actor.adapter)
     return policy, critic_updater
 

@@ -12,7 +12,9 @@ import torch
 from mmrlhf.algorithms.losses import value_loss
 from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
+from mmrlhf.experience.costs import forward_layout, item_costs
 from mmrlhf.models.placement import to_device
+from mmrlhf.parallel.micro_batches import Budget
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
 
@@ -28,6 +30,7 @@ class CriticUpdateSettings:
     packing: bool = False
     shared_prompt: bool = False  # grouped layout (each prompt once per row); wins over packing
     shared_prompt_max_tokens: int | None = None
+    max_tokens_per_micro_batch: Budget = None  # as PolicyUpdateSettings'
     shuffle: bool = True
 
 
@@ -61,4 +64,8 @@ class CriticUpdater:
         return run_minibatches(counts, batch_size=s.train_batch_size, micro_size=s.micro_batch_size,
                                epochs=s.ppo_epochs, generator=generator if s.shuffle else None, stepper=self.stepper,
                                micro_loss=micro_loss, prefix="critic/",
-                               groups=group_keys(items))
+                               groups=group_keys(items),
+                               costs=item_costs(items, adapter=self.adapter, grouped=s.shared_prompt),
+                               layout=forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
+                                                     max_row_tokens=s.shared_prompt_max_tokens),
+                               max_tokens=s.max_tokens_per_micro_batch)

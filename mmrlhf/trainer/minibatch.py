@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch import nn
 
+from mmrlhf.parallel.micro_batches import Budget, Layout, SampleCost, plan_micro_batches, split_metrics
 from mmrlhf.parallel.world import World, single
 
 logger = logging.getLogger(__name__)
@@ -158,13 +159,22 @@ def _aligned_over_ranks(plan: list[tuple[int, list[list[int]]]], world: Any) -> 
 def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int, epochs: int,
                     generator: torch.Generator | None, stepper: GuardedStepper,
                     micro_loss: Callable[[list[int], float], tuple[torch.Tensor, dict]],
-                    prefix: str, groups: Sequence[Hashable] | None = None) -> dict[str, float]:
+                    prefix: str, groups: Sequence[Hashable] | None = None,
+                    costs: Sequence[SampleCost] | None = None, layout: Layout | None = None,
+                    max_tokens: Budget = None) -> dict[str, float]:
     """The update loop over ``len(counts)`` items; ``counts[i]`` is item ``i``'s aggregation count (tokens or 1 per
     response). ``micro_loss(micro, denominator)`` returns the micro-batch's share of its mini-batch loss (divided by
     ``denominator``, the mini-batch's total count) and its metrics. Returns ``prefix``-ed metrics: count-weighted
     means of the micro-batch metrics, the mean gradient norm of the steps taken, steps taken and skipped (non-finite),
     mini-batches with nothing to train (count 0: no forward, no optimiser or schedule step), the LR.
     ``groups``: per-item group keys that shuffling keeps together (see :func:`epoch_order`).
+
+    ``costs`` (per item, laid out as ``layout``): each mini-batch is split into micro-batches by
+    :func:`~mmrlhf.parallel.micro_batches.plan_micro_batches` under ``micro_size`` and the token budget
+    ``max_tokens`` (None: ``micro_size`` samples each, as without costs), and the split is logged
+    (``micro_batches``, ``micro_batch_tokens_max`` / ``_mean``, ``micro_batch_rank_imbalance``,
+    ``oversized_micro_batches``). Which items share a micro-batch never changes the step: every micro-batch loss is
+    divided by its MINI-batch's count.
 
     With several training ranks (``stepper.world``) every rank holds its own share of the items and ``batch_size`` is the GLOBAL
     mini-batch: each rank takes ``batch_size / world_size`` of its items per optimiser step, the denominator is the
@@ -181,7 +191,17 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
                            "stops here rather than wait on it; check skipped_prompts and the data")
     sums, norms, skipped, empty = MetricSums(), [], 0, 0
     plan = list(minibatches(len(counts), batch_size // n_ranks, micro_size, epochs, generator, groups))
-    plan = _aligned_over_ranks(plan, world)  # as it is in a world of one rank
+    split = None
+    if costs is None:
+        plan = _aligned_over_ranks(plan, world)  # as it is in a world of one rank
+    else:
+        if len(costs) != len(counts):
+            raise ValueError(f"{len(costs)} costs for {len(counts)} items")
+        split = plan_micro_batches(costs, [[i for m in micros for i in m] for _, micros in plan],
+                                   layout or Layout(), samples=micro_size, tokens=max_tokens, world=world)
+        epochs_of = [epoch for epoch, _ in plan]
+        epochs_of += [epochs_of[-1] if epochs_of else 0] * (len(split.micro_batches) - len(epochs_of))
+        plan = [(epoch, [m or PAD for m in micros]) for epoch, micros in zip(epochs_of, split.micro_batches)]
     for _, micros in plan:
         denominator = world.all_sum([sum(counts[i] for m in micros for i in m if i >= 0)])[0]
         if denominator == 0:
@@ -213,6 +233,8 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
             skipped += 1
     sums = sums.all_reduced(world)
     out = sums.means(prefix)
+    if split is not None:
+        out.update(split_metrics(split, world, prefix))
     out.update({f"{prefix}grad_norm": sum(norms) / len(norms) if norms else float("nan"),
                 f"{prefix}optimizer_steps": float(len(norms)), f"{prefix}skipped_steps": float(skipped),
                 f"{prefix}empty_minibatches": float(empty),

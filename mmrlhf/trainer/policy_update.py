@@ -25,8 +25,10 @@ from mmrlhf.algorithms.losses import policy_loss
 from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
+from mmrlhf.experience.costs import forward_layout, item_costs
 from mmrlhf.models.placement import to_device
 from mmrlhf.models.truncation import Truncation
+from mmrlhf.parallel.micro_batches import Budget
 from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
@@ -55,6 +57,9 @@ class PolicyUpdateSettings:
     packing: bool = False
     shared_prompt: bool = False  # grouped layout (each prompt once per row); wins over packing
     shared_prompt_max_tokens: int | None = None
+    # trainer.max_tokens_per_micro_batch: None splits by micro_batch_size, "auto" or a budget by cost
+    # (mmrlhf.parallel.micro_batches)
+    max_tokens_per_micro_batch: Budget = None
     shuffle: bool = True
 
 
@@ -156,4 +161,8 @@ class PolicyUpdater:
         return run_minibatches(counts, batch_size=s.train_batch_size, micro_size=s.micro_batch_size,
                                epochs=s.ppo_epochs, generator=generator if s.shuffle else None, stepper=self.stepper,
                                micro_loss=micro_loss, prefix="policy/",
-                               groups=group_keys(items))
+                               groups=group_keys(items),
+                               costs=item_costs(items, adapter=self.actor.adapter, grouped=s.shared_prompt),
+                               layout=forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
+                                                     max_row_tokens=s.shared_prompt_max_tokens),
+                               max_tokens=s.max_tokens_per_micro_batch)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -136,8 +135,8 @@ class LocalRollouts:
                 self.engine.sleep()
         try:
             with timed(seconds, "experience"):
-                experiences = self.maker.experiences_from(rollout, pad_forwards_to=self._forwards_over_ranks(rollout),
-                                                          world=self.world)
+                # the maker agrees with the other ranks on the number of scoring forwards (sharded ones pair)
+                experiences = self.maker.experiences_from(rollout, world=self.world)
                 items = [item for exp in experiences for item in split_experience(exp)]
         except BaseException:
             self._wake(None)
@@ -147,12 +146,6 @@ class LocalRollouts:
         return StepBatch(items, metrics, temperature=scoring_temperature(rollout.sampling),
                          truncation=scoring_truncation(rollout.sampling, self.maker.settings.logprob_mode),
                          rollout=rollout if describe else None, seconds=seconds)
-
-    def _forwards_over_ranks(self, rollout: ScoredRollout) -> int:
-        """The most scoring micro-batches any rank holds this step: a rank with a skipped prompt holds fewer, and
-        its sharded forwards must still pair with the others' (the rank's own count in a world of one)."""
-        micro = self.maker.settings.micro_batch_size
-        return int(self.world.all_max([float(math.ceil(len(rollout) / micro))])[0])
 
     def _rollout(self) -> tuple[ScoredRollout | None, dict[str, float], bool]:
         """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with

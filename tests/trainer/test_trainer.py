@@ -181,6 +181,8 @@ def test_shared_prompt_on_and_off_train_alike(tmp_path, monkeypatch):
         sa, sb = stable(ra), stable(rb)
         assert sa.keys() == sb.keys()
         for k in sa:
+            if "micro_batch" in k:  # the split's costs count each layout's own tensors (grouped rows cost less)
+                continue
             assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-5), (ra["step"], k)
     for row in a:  # the updates did something, so their equality is not vacuous
         assert row["policy/grad_norm"] > 1e-3 and row["groups/with_variance_frac"] > 0

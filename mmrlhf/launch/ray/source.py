@@ -18,7 +18,6 @@ seeds, so the resumed run continues exactly as the straight one would.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +48,10 @@ class RaySettings:
     bucket_bytes: int
     weight_kind: str  # "full" | "lora" (only the adapters travel)
     push_weights: bool = True  # False: the control of the sync check (versions announced, no tensor sent)
+    # The trainer ranks' re-scoring forwards, no-grad like the experience maker's: rollout.micro_rollout_batch_size
+    # and rollout.max_tokens_per_micro_batch (mmrlhf.parallel.micro_batches)
+    scoring_micro_batch_size: int = 16
+    scoring_max_tokens: int | str | None = None
 
 
 class RayRollouts:
@@ -238,31 +241,35 @@ class RayRollouts:
     def _log_probs(self, items: list[Any], temperature: float,
                    truncation: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """[A_i] log-probs of each item's response under this rank's policy, in item order, and [A_i] bool: the
-        token lay outside this policy's kept set (all False untruncated). Every rank runs as many forwards as the
-        rank with the most micro-batches (sharded forwards are collective); the extra ones repeat a micro-batch and
-        are dropped."""
+        token lay outside this policy's kept set (all False untruncated). The micro-batches are planned by cost
+        (``scoring_max_tokens``, :mod:`mmrlhf.parallel.micro_batches`) and every rank runs as many forwards as the
+        plan agrees on (sharded forwards are collective); a padding forward repeats a micro-batch and is dropped."""
         from mmrlhf.experience.batching import collate
+        from mmrlhf.experience.costs import forward_layout, item_costs
         from mmrlhf.models.placement import to_host
+        from mmrlhf.parallel.micro_batches import plan_micro_batches
 
         s, actor = self.policy.s, self.policy.actor
         actor.eval()
-        micro = s.micro_batch_size
-        count = int(self.world.all_max([float(math.ceil(len(items) / micro))])[0])
-        out: list[torch.Tensor] = []
-        outside: list[torch.Tensor] = []
-        for i in range(count):
-            part = items[i * micro: (i + 1) * micro]
-            pad = not part
-            part = part or items[:micro]
+        layout = forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
+                                max_row_tokens=s.shared_prompt_max_tokens)
+        plan = plan_micro_batches(item_costs(items, adapter=actor.adapter, grouped=s.shared_prompt),
+                                  [list(range(len(items)))], layout, samples=self.s.scoring_micro_batch_size,
+                                  tokens=self.s.scoring_max_tokens, world=self.world)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        outside: list[torch.Tensor | None] = [None] * len(items)
+        first = next((m for m in plan.micro_batches[0] if m), list(range(min(len(items), 1))))
+        for micro in plan.micro_batches[0]:
+            part = [items[i] for i in micro or first]
             batch = collate(part, packed=s.packing, pad_id=self.policy.pad_id, adapter=actor.adapter,
                             shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
             scored = to_host(actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
                                    truncation=truncation))
             lp = scored.log_probs
             cut = scored.outside if scored.outside is not None else torch.zeros_like(scored.action_mask)
-            if not pad:
-                out += [lp[j, : len(it.response_ids)].float() for j, it in enumerate(part)]  # [b, A] -> [A_i]
-                outside += [cut[j, : len(it.response_ids)].bool() for j, it in enumerate(part)]
+            for j, i in enumerate(micro):  # none for a padding forward
+                out[i] = lp[j, : len(items[i].response_ids)].float()  # [b, A] -> [A_i]
+                outside[i] = cut[j, : len(items[i].response_ids)].bool()
         return out, outside
 
     def _sync_check(self, items: Sequence[Any], current: Sequence[torch.Tensor], fresh: Sequence[bool]) -> dict:

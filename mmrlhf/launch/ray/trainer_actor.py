@@ -46,7 +46,9 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
                            on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
                            bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,
-                           weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights)
+                           weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights,
+                           scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
+                           scoring_max_tokens=config.rollout.max_tokens_per_micro_batch)
     return Rollouts(actor, RayRollouts(pool, world, settings), processor, processor.tokenizer)
 
 
