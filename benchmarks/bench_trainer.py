@@ -12,7 +12,13 @@ Groups (``--groups``):
 - ``img448``: one 448 px image (256 vision tokens), n = 8, answers 128-512 tokens;
 - ``img896``: one 896 px image (1,024 vision tokens), n = 16, answers 32-128 tokens;
 - ``agent``: a multi-turn group: one 448 px prompt image, n = 8 trajectories of ~300 tokens, each with one 224 px
-  tool image inside its response (decides whether the shared-prompt layout should be on for agents).
+  tool image inside its response (decides whether the shared-prompt layout should be on for agents);
+- ``mixed``: four prompts whose images grow from 224 to 896 px, n = 4 each, answers 32-512 tokens (the token
+  budget's case).
+
+``--splits count,budget``: micro-batches of ``--micro`` samples, and the trainer's token-budget split at ``auto``
+(``trainer.max_tokens_per_micro_batch``: the count split's costliest micro-batch as the budget, never more
+forwards). ``--checkpointing off,on``: ``trainer.gradient_checkpointing``; compare the peak memory and the time.
 
 Per row: seconds (median of ``--repeats`` after warm-up: compile time is never in it), decoder tokens, tokens/s,
 achieved TFLOP/s and its share of a bf16 matrix product timed in the same process, peak memory. FLOPs counted:
@@ -21,7 +27,9 @@ achieved TFLOP/s and its share of a bf16 matrix product timed in the same proces
 parameters x patches) and the merger's forward and backward. ``--profile DIR`` writes torch.profiler tables of one
 micro-batch per layout and kernel.
 
-Run:  python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b        (a GPU; ~80 GiB for the 7B in float32)
+Run:  python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b        (a GPU; ~100-110 GiB for the 7B in float32)
+      python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b --groups mixed --splits count,budget \
+          --checkpointing off,on
       python benchmarks/bench_trainer.py --quick                      (CPU smoke run at a small shape)
 """
 
@@ -117,6 +125,8 @@ def make_group(name: str, adapter, vocab: int, patch_dim: int, quick: bool, seed
         pads = int(adapter.tokens_per_grid(img["image_grid_thw"]).sum())
         return [adapter.vision_start_token_id] + [adapter.image_token_id] * pads + [adapter.vision_end_token_id]
 
+    if name == "mixed":
+        return _mixed_group(adapter, vocab, patch_dim, quick, gen, banned, vision_span)
     spec = {"img448": (448, 8, 128, 512), "img896": (896, 16, 32, 128), "agent": (448, 8, 100, 160)}[name]
     px, n, lo, hi = spec
     px = max(px // scale // (adapter.patch_size * adapter.spatial_merge_size), 1) * adapter.patch_size \
@@ -143,20 +153,56 @@ def make_group(name: str, adapter, vocab: int, patch_dim: int, quick: bool, seed
                  notes={"image_px": px, "n": n, "answers": f"2 x {lo}-{hi} + a {obs_px} px tool image"})
 
 
-def build_layout(group: Group, layout: str, adapter, micro: int):
-    """The micro-batches of ``layout`` (BuiltSamples each)."""
+def _mixed_group(adapter, vocab, patch_dim, quick, gen, banned, vision_span) -> Group:
+    """Four prompts whose images grow 4x in side (224 to 896 px: 64 to 1,024 vision tokens), n = 4 each, answers
+    32-512 tokens: a step whose samples differ 16x in vision work, where a sample count bounds neither memory nor
+    time (the token-budget split's case)."""
+    scale = 4 if quick else 1
+    unit = adapter.patch_size * adapter.spatial_merge_size
+    prompts, responses, vision = [], [], []
+    for px in (224, 448, 672, 896):
+        side = max(px // scale // unit, 1) * unit
+        img = _image(adapter, side, gen, patch_dim)
+        prompt = _text(20, vocab, banned, gen) + vision_span(img) + _text(12, vocab, banned, gen)
+        for k in torch.randint(max(32 // scale, 2), 512 // scale + 1, (4,), generator=gen).tolist():
+            prompts.append(prompt)
+            responses.append(_text(k, vocab, banned, gen))
+            vision.append(img)
+    return Group("mixed", prompts, responses, vision, notes={"image_px": "224-896", "n": 4, "answers": "32-512"})
+
+
+def split_indices(group: Group, layout: str, adapter, micro: int, split: str) -> list[list[int]]:
+    """The micro-batches (sample indices) of the group: ``count`` = consecutive ``micro`` samples (the grouped
+    layout: the whole group in one row), ``budget`` = the trainer's token-budget split at ``auto`` (the count
+    split's costliest micro-batch as the budget; :mod:`mmrlhf.parallel.micro_batches`)."""
+    n = len(group.prompts)
+    if split == "count":
+        return [list(range(n))] if layout == "grouped" else [list(range(i, min(i + micro, n)))
+                                                              for i in range(0, n, micro)]
+    from mmrlhf.experience.costs import forward_layout, sample_costs
+    from mmrlhf.parallel.micro_batches import plan_micro_batches
+
+    costs = sample_costs(group.prompts, group.responses, group.vision, adapter=adapter, grouped=layout == "grouped",
+                         multi_turn=group.masks is not None)
+    kind = forward_layout(packing=layout == "packed", shared_prompt=layout == "grouped", max_row_tokens=None)
+    plan = plan_micro_batches(costs, [list(range(n))], kind, samples=micro, tokens="auto")
+    return [m for m in plan.micro_batches[0] if m]
+
+
+def build_layout(group: Group, layout: str, adapter, micro: int, split: str = "count"):
+    """The micro-batches of ``layout`` (BuiltSamples each), split as :func:`split_indices` says."""
     from mmrlhf.experience.grouped import build_grouped_samples
     from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 
     kw = dict(pad_id=0, eos_id=(), adapter=adapter)
-    if layout == "grouped":
-        return [build_grouped_samples(group.prompts, group.responses, vision=group.vision,
-                                      response_masks=group.masks, **kw)]
-    build = build_padded_samples if layout == "padded" else build_packed_samples
-    n = len(group.prompts)
-    return [build(group.prompts[i: i + micro], group.responses[i: i + micro], vision=group.vision[i: i + micro],
-                  response_masks=None if group.masks is None else group.masks[i: i + micro], **kw)
-            for i in range(0, n, micro)]
+    build = {"grouped": build_grouped_samples, "padded": build_padded_samples, "packed": build_packed_samples}[layout]
+
+    def pick(values, idx):
+        return None if values is None else [values[i] for i in idx]
+
+    return [build(pick(group.prompts, idx), pick(group.responses, idx), vision=pick(group.vision, idx),
+                  response_masks=pick(group.masks, idx), **kw)
+            for idx in split_indices(group, layout, adapter, micro, split)]
 
 
 # ---- work counted -----------------------------------------------------------------------------------------------
@@ -269,8 +315,8 @@ def profile(actor, micros, device, path: Path, rows: int = 30) -> str:
 
 
 def main() -> None:
-    from mmrlhf.models import attention
     from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
     from mmrlhf.models.precision import DTYPES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,6 +327,9 @@ def main() -> None:
     ap.add_argument("--layouts", default="padded,packed,grouped")
     ap.add_argument("--kernels", default="dense,flex")
     ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--splits", default="count", help="count (micro-batches of --micro samples) and / or budget "
+                                                        "(trainer.max_tokens_per_micro_batch: auto)")
+    ap.add_argument("--checkpointing", default="off", help="off and / or on (trainer.gradient_checkpointing)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--matmul-size", type=int, default=8192)
@@ -305,36 +354,52 @@ def main() -> None:
     autocast = compute if compute != torch.float32 else None
     kernels = [k for k in args.kernels.split(",") if k]
     rows = []
-    for gname in args.groups.split(","):
-        group = make_group(gname, adapter, vocab, patch_dim, args.quick)
-        for layout in args.layouts.split(","):
-            micros = build_layout(group, layout, adapter, args.micro)
-            for kernel in kernels:
-                if kernel == "dense":  # decoder masks dense, vision tower on its per-segment loop
-                    attention.uninstall(model)
-                actor = ActorVL(model, adapter, compute_dtype=autocast, masked_attention=kernel)
-                try:
-                    seconds, peak, first = time_layout(actor, micros, device, args.repeats, args.warmup)
-                except Exception as exc:  # a kernel that cannot run this row: reported, the others still run
-                    traceback.print_exc()
-                    print(f"[bench_trainer] {gname} {layout} {kernel}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    actor.model.zero_grad(set_to_none=True)
-                    rows.append({"group": gname, "layout": layout, "kernel": kernel, "error": type(exc).__name__})
-                    continue
-                work = flops(group, layout, micros, counts, cfg)
-                tokens = sum(decoder_tokens(b) for b in micros)
-                rows.append({"group": gname, "layout": layout, "kernel": kernel, "forwards": len(micros),
-                             "tokens": tokens, "s": seconds, "tok_s": tokens / seconds, "tflops": work / seconds / 1e12,
-                             "share": work / seconds / 1e12 / matmul, "peak_gib": peak,
-                             "first_s": first})
-                if args.profile and gname == args.groups.split(",")[0]:
-                    out = Path(args.profile)
-                    out.mkdir(parents=True, exist_ok=True)
-                    profile(actor, micros, device, out / f"{gname}_{layout}_{kernel}.txt")
-            del micros
+    for ckpt in args.checkpointing.split(","):
+        blocks = checkpoint_blocks(ActorVL(model, adapter)) if ckpt == "on" else []
+        for gname in args.groups.split(","):
+            group = make_group(gname, adapter, vocab, patch_dim, args.quick)
+            for layout in args.layouts.split(","):
+                for split in args.splits.split(","):
+                    if split == "budget" and layout == "grouped" and len(args.splits.split(",")) > 1:
+                        continue  # one group is one row either way
+                    micros = build_layout(group, layout, adapter, args.micro, split)
+                    for kernel in kernels:
+                        row = {"group": gname, "layout": layout, "kernel": kernel, "split": split,
+                               "checkpointing": ckpt}
+                        rows.append(_run_row(row, model, adapter, autocast, micros, group, counts, cfg, matmul,
+                                             device, args))
+                    del micros
+        for block in blocks:  # back to the blocks' own forward
+            del block.__dict__["forward"]
     _print(args, device, counts, matmul, rows)
     if args.json:
         _write_json(args, counts, matmul, rows)
+
+
+def _run_row(row, model, adapter, autocast, micros, group, counts, cfg, matmul, device, args) -> dict:
+    from mmrlhf.models import attention
+    from mmrlhf.models.actor import ActorVL
+
+    kernel = row["kernel"]
+    if kernel == "dense":  # decoder masks dense, vision tower on its per-segment loop
+        attention.uninstall(model)
+    actor = ActorVL(model, adapter, compute_dtype=autocast, masked_attention=kernel)
+    try:
+        seconds, peak, first = time_layout(actor, micros, device, args.repeats, args.warmup)
+    except Exception as exc:  # a kernel that cannot run this row: reported in the table, the others still run
+        traceback.print_exc()
+        print(f"[bench_trainer] {row}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        model.zero_grad(set_to_none=True)
+        return {**row, "error": type(exc).__name__}
+    work = flops(group, row["layout"], micros, counts, cfg)
+    tokens = sum(decoder_tokens(b) for b in micros)
+    if args.profile and row["group"] == args.groups.split(",")[0]:
+        out = Path(args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        profile(actor, micros, device, out / f"{row['group']}_{row['layout']}_{kernel}_{row['split']}.txt")
+    return {**row, "forwards": len(micros), "tokens": tokens, "s": seconds, "tok_s": tokens / seconds,
+            "tflops": work / seconds / 1e12, "share": work / seconds / 1e12 / matmul, "peak_gib": peak,
+            "first_s": first}
 
 
 def _print(args, device, counts, matmul, rows) -> None:
@@ -348,19 +413,21 @@ def _print(args, device, counts, matmul, rows) -> None:
           f"float32 master, {args.dtype} compute; per-sample layouts in micro-batches of {args.micro}; median of "
           f"{args.repeats} after {args.warmup} warm-up(s). Same-process {args.dtype} matmul "
           f"({args.matmul_size}^3): {matmul:.0f} TFLOP/s\n")
-    print("| group | layout | kernel | forwards | decoder tokens | s | tokens/s | TFLOP/s | of matmul | peak GiB "
-          "| first call s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| group | layout | kernel | split | checkpointing | forwards | decoder tokens | s | tokens/s | TFLOP/s "
+          "| of matmul | peak GiB | first call s |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        head = f"| {r['group']} | {r['layout']} | {r['kernel']} | {r['split']} | {r['checkpointing']} |"
         if "error" in r:
-            print(f"| {r['group']} | {r['layout']} | {r['kernel']} | failed: {r['error']} | | | | | | | |")
+            print(f"{head} failed: {r['error']} | | | | | | | |")
             continue
-        print(f"| {r['group']} | {r['layout']} | {r['kernel']} | {r['forwards']} | {r['tokens']:,} | {r['s']:.3f} | "
-              f"{r['tok_s']:,.0f} | {r['tflops']:.1f} | {r['share']:.0%} | {r['peak_gib']:.1f} | {r['first_s']:.1f} |")
+        print(f"{head} {r['forwards']} | {r['tokens']:,} | {r['s']:.3f} | {r['tok_s']:,.0f} | {r['tflops']:.1f} | "
+              f"{r['share']:.0%} | {r['peak_gib']:.1f} | {r['first_s']:.1f} |")
     print()
     for g in sorted({r["group"] for r in rows}):
         for kernel in sorted({r["kernel"] for r in rows}):
-            ok = {r["layout"]: r for r in rows if r["group"] == g and r["kernel"] == kernel and "error" not in r}
+            ok = {r["layout"]: r for r in rows if r["group"] == g and r["kernel"] == kernel and "error" not in r
+                  and r["split"] == "count" and r["checkpointing"] == "off"}
             pad, packed, grouped = ok.get("padded"), ok.get("packed"), ok.get("grouped")
             if pad and packed:
                 print(f"{g}, {kernel}: packed vs padded {pad['s'] / packed['s']:.2f}x faster with "
@@ -373,10 +440,10 @@ def _print(args, device, counts, matmul, rows) -> None:
 def _write_json(args, counts, matmul, rows) -> None:
     from _results import table, write_json
 
-    columns = ["group", "layout", "kernel", "forwards", "decoder tokens", "s", "tokens/s", "TFLOP/s", "of matmul",
-               "peak GiB"]
-    cells = [[r["group"], r["layout"], r["kernel"], r.get("forwards"), r.get("tokens"), r.get("s"), r.get("tok_s"),
-              r.get("tflops"), r.get("share"), r.get("peak_gib")] for r in rows]
+    columns = ["group", "layout", "kernel", "split", "checkpointing", "forwards", "decoder tokens", "s", "tokens/s",
+               "TFLOP/s", "of matmul", "peak GiB"]
+    cells = [[r["group"], r["layout"], r["kernel"], r["split"], r["checkpointing"], r.get("forwards"), r.get("tokens"),
+              r.get("s"), r.get("tok_s"), r.get("tflops"), r.get("share"), r.get("peak_gib")] for r in rows]
     best = max((r for r in rows if "share" in r), key=lambda r: r["share"], default=None)
     headline = (f"best {best['group']} {best['layout']} {best['kernel']}: {best['share']:.0%} of a {matmul:.0f} "
                 f"TFLOP/s matmul" if best else "no row ran")

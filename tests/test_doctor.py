@@ -64,6 +64,7 @@ def test_the_trainer_benchmark_row_runs_the_small_shape_on_the_cpu(tmp_path):
     assert row.status == "pass", row.reason
     assert "of a" in row.reason and "TFLOP/s matmul" in row.reason  # the headline: best row's share of a matmul
     table = row.details["tables"][0]
-    layouts = {(r[0], r[1], r[2]) for r in table["rows"]}
+    col = {name: i for i, name in enumerate(table["columns"])}
+    layouts = {(r[col["group"]], r[col["layout"]], r[col["kernel"]]) for r in table["rows"]}
     assert layouts == {("img448", "padded", "dense"), ("img448", "packed", "dense"), ("img448", "grouped", "dense")}
-    assert all(r[5] is not None and r[5] > 0 for r in table["rows"])  # every layout ran and was timed
+    assert all(r[col["s"]] is not None and r[col["s"]] > 0 for r in table["rows"])  # every layout ran and was timed

@@ -431,7 +431,8 @@ def trainer_bench_args(opts: DoctorOptions) -> list[str]:
         return ["--quick", "--groups", "img448", "--device", "cpu" if not cuda_device(opts.device) else opts.device]
     gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     shape = "qwen2_5_vl_7b" if gib >= 100 else "qwen2_5_vl_3b"
-    return ["--shape", shape, "--groups", "img448,img896", "--repeats", "2", "--warmup", "1"]
+    return ["--shape", shape, "--groups", "img448,img896,mixed", "--splits", "count,budget", "--checkpointing",
+            "off,on", "--repeats", "2", "--warmup", "1"]
 
 
 def _bench_trainer(opts: DoctorOptions) -> list[CheckResult]:
