@@ -7,7 +7,6 @@ import json
 import pytest
 
 from mmrlhf.config import build_config, load_config
-from mmrlhf.models.memory import inputs as plan_inputs_module
 from mmrlhf.models.memory.advice import memory_plan, to_json
 from mmrlhf.models.memory.inputs import PlanError, checkpointing, facts_of, plan_inputs, token_budget
 from mmrlhf.models.memory.plan import GIB, plan_launch
@@ -114,7 +113,7 @@ def test_an_engine_share_too_small_for_its_weights_is_named():
                for p in plan.launch.problems)
 
 
-def test_checkpointing_and_the_token_budget_are_read_in_one_place(monkeypatch):
+def test_checkpointing_and_the_token_budget_are_read_in_one_place():
     cfg = _config()
     assert checkpointing(cfg) is False and token_budget(cfg) is None
     on = _config(["trainer.gradient_checkpointing=true"])
@@ -123,9 +122,11 @@ def test_checkpointing_and_the_token_budget_are_read_in_one_place(monkeypatch):
     off_update = plan_launch(facts, plan_inputs(cfg, facts, gpu_gib=80), "single").gpus[0].phases["update"]
     on_update = plan_launch(facts, plan_inputs(on, facts, gpu_gib=80), "single").gpus[0].phases["update"]
     assert on_update["activations (saved)"] < off_update["activations (saved)"] / 10
-    # a schema with the budget key (another branch adds it): the plan sizes the micro-batch by tokens
-    monkeypatch.setattr(plan_inputs_module, "token_budget", lambda config: 8192)
-    budget = plan_inputs(_config(["trainer.shared_prompt=false", "trainer.packing_samples=false"]), facts, gpu_gib=80)
+    # auto's budget is the count split's costliest micro-batch: the plan's micro-batch is the count's
+    assert token_budget(_config(["trainer.max_tokens_per_micro_batch=auto"])) is None
+    # a fixed budget sizes the micro-batch by tokens
+    fixed = ["trainer.shared_prompt=false", "trainer.packing_samples=false", "trainer.max_tokens_per_micro_batch=8192"]
+    budget = plan_inputs(_config(fixed), facts, gpu_gib=80)
     assert budget.train.rows == 8192 // 2048 and budget.train.tokens == 8192
 
 

@@ -1,8 +1,8 @@
 """The one place the memory plan reads a run's config: ``MMRLHFConfig`` -> (:class:`ModelFacts`, :class:`PlanInputs`).
 
-Keys that other branches are adding (``trainer.gradient_checkpointing``, ``trainer.max_tokens_per_micro_batch``)
-are read here, and only here, with their defaults when the schema has no such key yet (:func:`checkpointing`,
-:func:`token_budget`); the fixes the plan suggests name whichever key the schema has (:func:`fix_keys`).
+The keys that change a micro-batch's activations (``trainer.gradient_checkpointing``,
+``trainer.max_tokens_per_micro_batch``) are read here, and only here (:func:`checkpointing`, :func:`token_budget`);
+the fixes the plan suggests name their keys (:func:`fix_keys`).
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ def checkpointing(config: Any) -> bool:
 
 
 def token_budget(config: Any) -> int | None:
-    """``trainer.max_tokens_per_micro_batch`` (None: micro-batches are counted in samples, or no such key yet)."""
-    return getattr(config.trainer, "max_tokens_per_micro_batch", None)
+    """``trainer.max_tokens_per_micro_batch`` as a fixed bound; None where the largest micro-batch is the sample
+    count's: the key off (null), or ``auto``, whose budget IS the count split's costliest micro-batch (it packs
+    more samples into fewer forwards, never a larger one)."""
+    budget = config.trainer.max_tokens_per_micro_batch
+    return budget if isinstance(budget, int) else None
 
 
 def fix_keys(config: Any) -> dict[str, str]:
     """role -> the config key a suggested fix sets (the schema's own, so a suggestion is always a valid key)."""
-    keys = {"checkpointing": "trainer.gradient_checkpointing"}
-    if "max_tokens_per_micro_batch" in type(config.trainer).model_fields:
-        keys["token_budget"] = "trainer.max_tokens_per_micro_batch"
-    return keys
+    return {"checkpointing": "trainer.gradient_checkpointing", "token_budget": "trainer.max_tokens_per_micro_batch"}
 
 
 def hf_config(config: Any, shape: str | None = None) -> tuple[Any, str]:
