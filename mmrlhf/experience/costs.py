@@ -19,7 +19,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import torch
 
 from mmrlhf.experience.batching import TrainItem, group_keys
-from mmrlhf.experience.grouped import split_vision
+from mmrlhf.experience.grouped import split_vision, vision_equal
 from mmrlhf.parallel.micro_batches import Layout, SampleCost
 
 _GRIDS = ("image_grid_thw", "video_grid_thw")
@@ -40,22 +40,6 @@ def patch_rows(vision: Mapping[str, Any]) -> int:
         if grid is not None:
             total += int(torch.as_tensor(grid).reshape(-1, 3).prod(dim=-1).sum())
     return total
-
-
-def _same_tensors(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Equal keys and equal tensors (the builder's test), with a shortcut for shared storage."""
-    keys = {k for k, v in a.items() if v is not None} | {k for k, v in b.items() if v is not None}
-    for k in keys:
-        x, y = a.get(k), b.get(k)
-        if x is None or y is None:
-            return False
-        x, y = torch.as_tensor(x), torch.as_tensor(y)
-        if x.shape != y.shape:
-            return False
-        same = x.data_ptr() == y.data_ptr() and x.stride() == y.stride() and x.dtype == y.dtype
-        if not same and not torch.equal(x, y):
-            return False
-    return True
 
 
 def _fingerprint(vision: Mapping[str, Any], samples: int = 1024) -> int:
@@ -106,7 +90,7 @@ def _row_groups(prompt_ids: Sequence[Sequence[int]], prompt_vision: Sequence[Map
     for (_, ids), members in candidates.items():
         rep = members[0]
         known = heads.setdefault((ids, _fingerprint(prompt_vision[rep])), [])
-        index = next((g for r, g in known if _same_tensors(prompt_vision[r], prompt_vision[rep])), None)
+        index = next((g for r, g in known if vision_equal(prompt_vision[r], prompt_vision[rep])), None)
         if index is None:
             index, count = count, count + 1
             known.append((rep, index))

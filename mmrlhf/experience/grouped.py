@@ -25,7 +25,7 @@ see the same result as with the other layouts.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -34,15 +34,19 @@ from mmrlhf.models.adapters import FamilyAdapter
 from mmrlhf.models.batch import PADDING, PROMPT, GroupedSamples
 
 
-def _vision_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same keys and equal tensors: equal prompt ids with different images must not share a prompt."""
+def vision_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Same keys and equal tensors: equal prompt ids with different images must not share a prompt. The same
+    storage (one processed image shared by a group's samples) is equal without reading it."""
     keys = {k for k, v in a.items() if v is not None} | {k for k, v in b.items() if v is not None}
     for k in keys:
         x, y = a.get(k), b.get(k)
         if x is None or y is None:
             return False
         x, y = torch.as_tensor(x), torch.as_tensor(y)
-        if x.shape != y.shape or not torch.equal(x, y):
+        if x.shape != y.shape:
+            return False
+        same = x.data_ptr() == y.data_ptr() and x.stride() == y.stride() and x.dtype == y.dtype
+        if not same and not torch.equal(x, y):
             return False
     return True
 
@@ -55,7 +59,7 @@ def group_by_prompt(prompts: Sequence[Sequence[int]], vision: Sequence[dict[str,
     for i, ids in enumerate(prompts):
         candidates = by_ids.setdefault(tuple(ids), [])
         for g in candidates:
-            if _vision_equal(vision[groups[g][0]], vision[i]):
+            if vision_equal(vision[groups[g][0]], vision[i]):
                 groups[g].append(i)
                 break
         else:

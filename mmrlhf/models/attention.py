@@ -85,7 +85,7 @@ def rows_kernel(setting: str, resolved: str, layout: str, base: str) -> str:
     ``auto`` keeps the grouped (shared-prompt) rows on the dense mask where the base kernel reads one (``sdpa``,
     ``eager``): measured at Qwen2.5-VL-7B shape on an H200, rows of 2,500-3,000 tokens ran 0-10% faster through
     SDPA's masked kernel than through FlexAttention (their masked tiles are few; docs/performance.md), while packed
-    rows ran 6-7% faster through FlexAttention. An explicit ``flex`` runs every masked row through it."""
+    rows ran 0-7% faster through FlexAttention. An explicit ``flex`` runs every masked row through it."""
     if resolved != "flex" or layout not in ("packed", "grouped"):
         return "dense"
     if setting == "auto" and layout == "grouped" and base in ("sdpa", "eager"):
@@ -291,9 +291,8 @@ def _register_vision() -> str:
 
 def _register(base: str) -> str:
     """Register ``block_sparse_<base>`` with transformers (attention function and mask builder) once."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     name = _NAME + base
     if name not in ALL_ATTENTION_FUNCTIONS:

@@ -436,42 +436,35 @@ def trainer_bench_args(opts: DoctorOptions) -> list[str]:
 
 
 def _bench_trainer(opts: DoctorOptions) -> list[CheckResult]:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / "bench_trainer.py"
-    if not script.exists():
-        return [CheckResult("bench/trainer", "skip", reason=f"{script} not found (not a source checkout)")]
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=opts.workdir or None) as out:
-        out_json = Path(out) / "trainer.json"
-        proc = subprocess.run([sys.executable, str(script), *trainer_bench_args(opts), "--json", str(out_json)],
-                              capture_output=True, text=True, timeout=900, cwd=str(root))
-        if proc.returncode != 0 or not out_json.exists():
-            return [CheckResult("bench/trainer", "fail", reason=f"rc {proc.returncode}: "
-                                + " | ".join(proc.stderr.strip().splitlines()[-3:]), seconds=time.perf_counter() - t0)]
-        result = json.loads(out_json.read_text())
-    return [CheckResult("bench/trainer", "pass", reason=result["headline"], seconds=time.perf_counter() - t0,
-                        details={"tables": result["tables"]})]
+    return [run_benchmark("bench/trainer", "bench_trainer.py", trainer_bench_args(opts), opts, timeout=900)]
 
 
 def _bench_seeding(opts: DoctorOptions) -> list[CheckResult]:
+    args = ["--rows", "64", "--vocab", "32768", "--iters", "3", "--prompts", "4", "--samples", "2",
+            "--new-tokens", "8", "--repeats", "1"] if opts.quick else []
+    parts = ["sampler"] if vllm_missing() else ["engine", "sampler"]
+    return [run_benchmark("bench/seeding", "bench_seeding.py", ["--part", *parts, *args], opts, timeout=600)]
+
+
+def run_benchmark(name: str, script_name: str, args: Sequence[str], opts: DoctorOptions, *,
+                  timeout: int) -> CheckResult:
+    """One benchmark script as a doctor row: run with ``args`` and ``--json``; its headline is the reason, its
+    tables the details; a non-zero exit or no JSON is a ``fail`` with the last lines of its stderr."""
     root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / "bench_seeding.py"
+    script = root / script_name
     if not script.exists():
-        return [CheckResult("bench/seeding", "skip", reason=f"{script} not found (not a source checkout)")]
+        return CheckResult(name, "skip", reason=f"{script} not found (not a source checkout)")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=opts.workdir or None) as out:
-        out_json = Path(out) / "seeding.json"
-        args = ["--rows", "64", "--vocab", "32768", "--iters", "3", "--prompts", "4", "--samples", "2",
-                "--new-tokens", "8", "--repeats", "1"] if opts.quick else []
-        parts = ["sampler"] if vllm_missing() else ["engine", "sampler"]
-        proc = subprocess.run([sys.executable, str(script), "--part", *parts, *args, "--json", str(out_json)],
-                              capture_output=True, text=True, timeout=600, cwd=str(root))
+        out_json = Path(out) / "result.json"
+        proc = subprocess.run([sys.executable, str(script), *args, "--json", str(out_json)],
+                              capture_output=True, text=True, timeout=timeout, cwd=str(root))
         if proc.returncode != 0 or not out_json.exists():
-            return [CheckResult("bench/seeding", "fail", reason=f"rc {proc.returncode}: "
-                                + " | ".join(proc.stderr.strip().splitlines()[-3:]), seconds=time.perf_counter() - t0)]
+            return CheckResult(name, "fail", reason=f"rc {proc.returncode}: "
+                               + " | ".join(proc.stderr.strip().splitlines()[-3:]), seconds=time.perf_counter() - t0)
         result = json.loads(out_json.read_text())
-    return [CheckResult("bench/seeding", "pass", reason=result["headline"], seconds=time.perf_counter() - t0,
-                        details={"tables": result["tables"]})]
+    return CheckResult(name, "pass", reason=result["headline"], seconds=time.perf_counter() - t0,
+                       details={"tables": result["tables"]})
 
 
 CHECKS: dict[str, Callable[[DoctorOptions], list[CheckResult]]] = {

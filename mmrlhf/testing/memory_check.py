@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from mmrlhf.models.batch import SamplesVL
+from mmrlhf.testing.saved_tensors import saved_tensor_bytes
 
 # The doctor's row passes when the measured peak is within this fraction of the plan's.
 PEAK_TOLERANCE = 0.2
@@ -66,18 +67,7 @@ def image_batch(adapter: Any, vocab: int, rows: int, row_tokens: int, response: 
 def saved_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> int:
     """Bytes of the tensors autograd saves for the backward while ``forward()`` runs, each storage once, the
     model's own parameters excluded (they exist anyway; cast copies of them are counted)."""
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in own:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward()
-    return sum(seen.values())
+    return saved_tensor_bytes(forward, exclude=model.parameters())[1]
 
 
 def memory_statistic(device: torch.device) -> tuple[Callable[[], None], Callable[[], int]] | None:
