@@ -156,31 +156,64 @@ class MainThreadRunner:
                 future.set_exception(exc)
 
 
+STOP_GRACE_S = 2.0
+"""How long an interrupted :func:`run_loop_serving_main_thread` waits for its loop to wind down before it re-raises."""
+
+
 def run_loop_serving_main_thread(coro_factory: Callable[[], Any]) -> Any:
     """``asyncio.run(coro_factory())`` in a helper thread while this (main) thread serves :func:`main_thread` calls.
 
-    The coroutine's exception is re-raised here as it is (no chained context).
+    The coroutine's exception is re-raised here as it is (no chained context). Interrupted (Ctrl-C reaches the main
+    thread), the loop's task is cancelled and the loop thread given :data:`STOP_GRACE_S` to end before the interrupt
+    propagates: left running, it could still be inside a C++ call (a torch op) when the interpreter tears its
+    libraries down, which aborted the process ("terminate called without an active exception", seen when Ctrl-C
+    came within milliseconds of a reward computation's start). A reward function stuck in its own thread is not
+    waited for (daemon threads, see :class:`DaemonThreadPool`).
     """
     runner = MainThreadRunner()
     outcome: dict[str, Any] = {}
+    stop = threading.Event()
+    running: dict[str, Any] = {}  # the loop and its main task, once they exist
+
+    async def main() -> Any:
+        running["loop"], running["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        if stop.is_set():  # interrupted before the task existed (checked after registering it: no gap)
+            raise asyncio.CancelledError
+        return await coro_factory()
 
     def loop_thread() -> None:
         _runner.set(runner)  # this thread's context: every task of the loop inherits it
         try:
-            outcome["value"] = asyncio.run(coro_factory())
+            outcome["value"] = asyncio.run(main())
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
             outcome["error"] = exc
         finally:
             runner.close()
 
     thread = threading.Thread(target=loop_thread, name="reward-loop", daemon=True)
-    thread.start()
-    runner.serve()
+    try:
+        thread.start()  # (waits for the thread to start: interruptible too)
+        runner.serve()
+    except BaseException:
+        stop.set()
+        if "task" in running:
+            _cancel_soon(running["loop"], running["task"])
+        thread.join(STOP_GRACE_S)
+        raise
     thread.join()
     if "error" in outcome:
         error = outcome.pop("error")
         raise error
     return outcome["value"]
+
+
+def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+    """Cancel ``task`` from another thread, unless its loop has already closed (then it has ended anyway)."""
+    try:
+        loop.call_soon_threadsafe(task.cancel)
+    except RuntimeError:  # "Event loop is closed": the run finished between the check and the call
+        if not loop.is_closed():
+            raise
 
 
 async def run_sync(call: Callable[[], Any], *, needs_main_thread: bool, executor: Executor | None) -> Any:

@@ -154,15 +154,21 @@ def test_the_config_key_bounds_function_sources():
     assert RewardComputationEngine.from_config(cfg).sources["f"].timeout_s == 7
 
 
+def _hang_announced(responses, prompts, labels, references):
+    """``_hang``, saying first that it runs (the Ctrl-C test signals then, not after a guessed sleep)."""
+    print("running", flush=True)
+    return _hang(responses, prompts, labels, references)
+
+
 HUNG_RUN = """
-import sys, threading
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's diagnosis if the process does not end
 sys.path.insert(0, {here!r})
 from mmrlhf.config import build_config
 from mmrlhf.rewards import RewardBatch, RewardComputationEngine
-cfg = build_config({{"reward": {{"label_map": {{"h": {{"type": "function", "function": "test_reward_threads:_hang",
-                                                     "timeout_s": 3600}}}}, "recipe": {{"a": [["h", 1]]}}}}}}).reward
+hang = {{"type": "function", "function": "test_reward_threads:_hang_announced", "timeout_s": 3600}}
+cfg = build_config({{"reward": {{"label_map": {{"h": hang}}, "recipe": {{"a": [["h", 1]]}}}}}}).reward
 engine = RewardComputationEngine.from_config(cfg)
-print("ready", flush=True)
 engine.compute(RewardBatch(responses=["1"], prompts=[""], labels=["a"], references=[None]))
 """
 
@@ -179,13 +185,18 @@ def test_ctrl_c_ends_a_process_whose_reward_function_hangs():
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=Path(__file__).parents[2])
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # inside compute(), the function running in its thread
+        before = []  # whatever start-up printed before the function ran
+        while (line := proc.stdout.readline()) and line.strip() != "running":
+            before.append(line)
+        assert line, f"the process ended before its reward function ran:\n{''.join(before)}"
+        # the function now runs in its thread: the signal comes when it is known to be there, no guessed sleep
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=15)
     finally:
         if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, for the failure message
+            time.sleep(2.0)
             proc.kill()
-            proc.wait()
-            pytest.fail("the process did not end within 15 s of Ctrl-C")
+            stacks, _ = proc.communicate()
+            pytest.fail(f"the process did not end within 15 s of Ctrl-C; its threads:\n{stacks}")
     assert proc.returncode != 0 and "KeyboardInterrupt" in out
