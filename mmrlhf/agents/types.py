@@ -13,7 +13,9 @@ Vocabulary used across :mod:`mmrlhf.agents`:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 # Kinds of tool failure, each counted in the step metrics (``agent/errors/<kind>``) and answered to the model as an
@@ -45,13 +47,19 @@ class ToolResult:
 class ToolContext:
     """What a tool call sees besides its arguments.
 
-    ``record``: the dataset record of the trajectory (``prompt``, ``reference``, ``label``, ``id`` and any extra
-    columns); ``images`` / ``videos``: the record's ORIGINAL inputs at full resolution (a zoom tool crops these, not
-    the resized copy the model saw); ``model_image_sizes``: ``(width, height)`` of each input image as the model
-    saw it after the processor's resize (the space Qwen2.5-VL's absolute boxes live in); ``box_space``: how the
-    model family writes boxes (``"absolute"``: pixels of the resized image, Qwen2.5-VL; ``"relative1000"``: 0-1000
-    of the image, Qwen2-VL and Qwen3-VL); ``state``: a per-trajectory dict the tools of one trajectory share
-    (e.g. the images they returned so far); ``trajectory_index``: the trajectory's position in the step."""
+    ``record``: the dataset record of the trajectory: ``prompt``, ``reference``, ``label``, ``id`` (under these
+    names whatever ``data.*_key`` reads them) and every other column of the row under its own name, as read (the
+    images / videos columns come as ``images`` / ``videos`` below instead); ``data_dir``: the folder the record's
+    relative paths are relative to (the folder of its data file; None for generated records, whose relative paths
+    are relative to the working directory, as for the data processor); ``images`` / ``videos``: the record's
+    ORIGINAL inputs at full resolution (a zoom tool crops these, not the resized copy the model saw);
+    ``model_image_sizes``: ``(width, height)`` of each input image as the model saw it after the processor's resize
+    (the space Qwen2.5-VL's absolute boxes live in); ``box_space``: how the model family writes boxes
+    (``"absolute"``: pixels of the resized image, Qwen2.5-VL; ``"relative1000"``: 0-1000 of the image, Qwen2-VL and
+    Qwen3-VL); ``state``: a per-trajectory dict the tools of one trajectory share (e.g. the images they returned so
+    far); ``trajectory_index``: the trajectory's position in the step.
+
+    ``record`` is shared by the trajectories of one prompt: read it, keep what a call changes in ``state``."""
 
     record: dict[str, Any]
     images: list[Any] = field(default_factory=list)
@@ -60,6 +68,16 @@ class ToolContext:
     box_space: str = "relative1000"
     state: dict[str, Any] = field(default_factory=dict)
     trajectory_index: int = 0
+    data_dir: str | None = None
+
+    def resolve(self, path: str | os.PathLike[str]) -> Path:
+        """Where a path written in the record points: an absolute path as it is, a relative one under
+        :attr:`data_dir` (under the working directory when there is none). Not checked here: a missing file raises
+        where the tool opens it, naming the path (a ``tool_raised`` observation)."""
+        path = Path(path)
+        if path.is_absolute() or self.data_dir is None:
+            return path
+        return Path(self.data_dir) / path
 
 
 @dataclass

@@ -82,7 +82,14 @@ def record_from_row(row: dict, index: int, columns: Any, *, base_dir: Optional[s
     return PromptRecord(index=index, prompt=prompt, images=images, videos=videos,
                         label=None if _is_missing(label) else label,
                         reference=None if _is_missing(reference) else reference,
-                        record_id=record_id, base_dir=base_dir, source=source)
+                        record_id=record_id, base_dir=base_dir, source=source, extras=extra_columns(row, columns))
+
+
+def extra_columns(row: dict, columns: Any) -> dict[str, Any]:
+    """The row's columns that no ``data.*_key`` maps: kept as they are for tools and environments."""
+    mapped = {columns.prompt_key, columns.image_key, columns.video_key, columns.label_key, columns.reference_key,
+              columns.id_key}
+    return {name: value for name, value in row.items() if name not in mapped}
 
 
 def check_slots(prompt: Any, n_images: int, n_videos: int, image_placeholder: str, video_placeholder: str, *,

@@ -160,7 +160,8 @@ def describe_data_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> st
 
 def record_columns(records: Sequence[PromptRecord]) -> dict[str, list]:
     """Records as the experience maker's per-prompt columns (prompts, images, videos, references, labels, ids,
-    record numbers in their files, base dirs)."""
+    record numbers in their files, base dirs, extra columns). Every launch mode (one process, torchrun ranks, Ray
+    rollout actors, evaluation) hands records to the experience maker through this one function."""
     return {
         "prompts": [r.prompt for r in records],
         "images": [r.images for r in records],
@@ -170,4 +171,5 @@ def record_columns(records: Sequence[PromptRecord]) -> dict[str, list]:
         "record_ids": [r.record_id if r.record_id is not None else f"{r.source or 'row'}#{r.index}" for r in records],
         "record_indices": [r.index for r in records],  # each record's number in its file: what errors name
         "base_dirs": [r.base_dir for r in records],
+        "extras": [r.extras for r in records],  # the records' own dicts (no copy)
     }

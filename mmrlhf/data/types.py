@@ -37,6 +37,9 @@ class PromptRecord:
     record_id: Any = None
     base_dir: Optional[str] = None  # relative file paths in this record resolve against it
     source: Optional[str] = None  # the file the row came from (for messages)
+    # The row's other columns, by name, as read (plain JSON values): a tool or an environment may need a column the
+    # pipeline has no use for (a card's back, a target). One dict per record, shared by its samples, never copied.
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

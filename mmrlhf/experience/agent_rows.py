@@ -8,7 +8,7 @@ log-probs on policy tokens, and the vision tensors of the prompt's images follow
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from mmrlhf.agents.rollout import AgentResult, EncodedImage
 from mmrlhf.agents.types import ToolContext
@@ -18,10 +18,12 @@ from mmrlhf.experience.rollout import Rollout
 def tool_contexts(batch: Any, n: int, data_processor: Any, adapter: Any, *, prompts: Sequence[Any],
                   images: Sequence[Any] | None, videos: Sequence[Any] | None, references: Sequence[Any] | None,
                   labels: Sequence[Any] | None, record_ids: Sequence[Any] | None,
-                  base_dirs: Sequence[str | None] | None) -> list[ToolContext]:
-    """One :class:`ToolContext` per kept prompt of ``batch``: its record, its ORIGINAL images at full resolution
-    (a zoom tool crops these), the sizes the model saw them at (from their ``grid_thw``) and the family's box
-    space."""
+                  base_dirs: Sequence[str | None] | None,
+                  extras: Sequence[Mapping[str, Any]] | None = None) -> list[ToolContext]:
+    """One :class:`ToolContext` per kept prompt of ``batch``: its record (the standard fields and its ``extras``,
+    the row's other columns), the folder its relative paths are relative to, its ORIGINAL images at full
+    resolution (a zoom tool crops these), the sizes the model saw them at (from their ``grid_thw``) and the
+    family's box space. Per prompt, not per sample: its trajectories share the context's record."""
     contexts = []
     patch = adapter.patch_size
     for k in range(0, len(batch), n):
@@ -34,10 +36,22 @@ def tool_contexts(batch: Any, n: int, data_processor: Any, adapter: Any, *, prom
         record = {"prompt": prompts[i], "reference": references[i] if references is not None else None,
                   "label": labels[i] if labels is not None else None,
                   "id": record_ids[i] if record_ids is not None else None}
+        if extras is not None and extras[i]:
+            record = with_extras(record, extras[i], batch.describe_sample(k))
         contexts.append(ToolContext(record=record, images=originals,
                                     videos=list(videos[i]) if videos is not None and videos[i] else [],
-                                    model_image_sizes=sizes, box_space=adapter.box_space))
+                                    model_image_sizes=sizes, box_space=adapter.box_space, data_dir=base))
     return contexts
+
+
+def with_extras(standard: dict[str, Any], extras: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The standard fields and the extra columns in one dict. An extra column named like a standard field (a
+    ``label`` column while ``data.label_key`` reads another) would hide one of the two from the tools: refused."""
+    clash = sorted(set(standard) & set(extras))
+    if clash:
+        raise ValueError(f"{where}: column(s) {clash} clash with the standard record field(s) of that name that "
+                         f"tools read ({', '.join(standard)}); rename the column(s) or point data.*_key at them")
+    return {**standard, **extras}
 
 
 def encoder_of(data_processor: Any):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -138,12 +138,13 @@ class FastExperienceMaker(ExperienceMaker):
                          videos: Sequence[Any] | None = None, references: Sequence[Any] | None = None,
                          labels: Sequence[Any] | None = None, *, record_ids: Sequence[Any] | None = None,
                          record_indices: Sequence[int] | None = None, base_dirs: Sequence[str | None] | None = None,
-                         n: int | None = None, **generate_kwargs: Any) -> ScoredRollout:
+                         extras: Sequence[Mapping[str, Any]] | None = None, n: int | None = None,
+                         **generate_kwargs: Any) -> ScoredRollout:
         """Stage 1: process the prompts, generate ``n`` (default: the settings' group size) responses each, score
         them with the reward engine. No model forward runs here. ``record_ids`` (one per prompt) name the records
         in errors and travel with the samples, ``record_indices`` (their numbers in their files; default: the
         position in this batch) number them in errors; ``base_dirs`` resolve relative image / video paths per
-        prompt."""
+        prompt; ``extras`` (the records' other columns, one dict per prompt) reach the tools' contexts."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         n = self.settings.n_samples_per_prompt if n is None else int(n)
@@ -157,7 +158,7 @@ class FastExperienceMaker(ExperienceMaker):
             rows, counts, agent_metrics = self._agent_rollout(batch, n, sampling, timer, prompts=prompts,
                                                               images=images, videos=videos, references=references,
                                                               labels=labels, record_ids=record_ids,
-                                                              base_dirs=base_dirs)
+                                                              base_dirs=base_dirs, extras=extras)
         else:
             with timer("generate"):
                 result = self.engine.generate(self._requests(batch, n), sampling)

@@ -52,6 +52,29 @@ def test_custom_columns_and_placeholders(tmp_path):
     assert (rec.images, rec.reference, rec.label, rec.record_id) == (["a.png"], "x", "t", 7)
 
 
+def test_extra_columns_are_kept_per_record_for_the_tools(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmrlhf.data.stream import record_columns
+
+    rows = [{"question": "[IMG] flip?", "pics": ["front.png"], "answer": "x", "task": "t", "uid": 7,
+             "back": "cards/back.png", "card": {"suit": "hearts", "rank": 3}, "prompt": "shown to tools only"},
+            {"question": "plain", "uid": 8}]
+    cfg = DataConfig(prompt_key="question", image_key="pics", reference_key="answer", label_key="task",
+                     id_key="uid", image_placeholder="[IMG]")
+    ds = PromptDataset(_write_jsonl(tmp_path / "p.jsonl", rows), cfg)
+    # every column no data.*_key maps, as read (a column named like a standard field included: it is not mapped)
+    assert ds[0].extras == {"back": "cards/back.png", "card": {"suit": "hearts", "rank": 3},
+                            "prompt": "shown to tools only"}
+    assert ds[1].extras == {}
+    columns = record_columns(list(ds))
+    assert columns["extras"][0] is ds[0].extras  # carried per record, not copied
+    pq.write_table(pa.table({"prompt": ["a", "b"], "back": ["b1.png", None], "n": [1, 2]}), tmp_path / "p.parquet")
+    assert [r.extras for r in PromptDataset(str(tmp_path / "p.parquet"), DataConfig())] == [
+        {"back": "b1.png", "n": 1}, {"back": None, "n": 2}]
+
+
 def test_chat_messages_with_inline_parts(tmp_path):
     rows = [{"prompt": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
                                                       {"type": "text", "text": "and"},
