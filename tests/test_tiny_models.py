@@ -131,3 +131,35 @@ def test_small_size_has_tens_of_millions_of_parameters(tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(path)
     n = sum(p.numel() for p in model.parameters())
     assert 10e6 <= n <= 100e6, n
+
+
+def test_tool_variant_holds_a_user_tools_call_as_one_token(capsys):
+    """``tool_names`` / ``tool_calls``: the user's tool's whole call is one added token that the agent's parser reads
+    as that call; the plain tool variant (the zoom toy task's) keeps its cache name and its tokens."""
+    from mmrlhf.agents.calls import parse_turn
+    from mmrlhf.agents.tools import build_tools
+    from mmrlhf.testing.tiny_models import TOY_CALL_TOKEN, _factory_hash, main
+    from mmrlhf.testing.tiny_tool_calls import call_token
+
+    calls = [{"name": "calculator", "arguments": {"expression": "2 + 2"}}]
+    path = tiny_model_dir("qwen2_vl", tools=True, tool_calls=calls, tool_names=["calculator"])
+    zoom = tiny_model_dir("qwen2_vl", tools=True)
+    assert zoom.name == f"qwen2_vl-tiny-seed0-tools-{_factory_hash()}"
+    assert path.name.startswith("qwen2_vl-tiny-seed0-tools-calculator-") and path != zoom
+    tok, zoom_tok = (AutoProcessor.from_pretrained(p).tokenizer for p in (path, zoom))
+    assert {k: v for k, v in tok.get_vocab().items() if k in zoom_tok.get_vocab()} == zoom_tok.get_vocab()
+    named = '<tool_call>{"name": "calculator", "arguments": {}}</tool_call>'  # tool_names: a call without arguments
+    for token in (call_token(calls[0]), named):
+        ids = tok(token, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tok.decode(ids) == token and token not in zoom_tok.get_vocab()
+    parsed = parse_turn(call_token(calls[0]), build_tools(["calculator"]), remaining_calls=1)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("calculator", {"expression": "2 + 2"})]
+    assert len(tok(TOY_CALL_TOKEN, add_special_tokens=False)["input_ids"]) == 1
+    assert main(["--tool-call", '{"name": "calculator", "arguments": {"expression": "2 + 2"}}',
+                 "--tool", "calculator"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(path) and f"call token: {call_token(calls[0])}" in err
+    with pytest.raises(ValueError, match="need tools=True"):
+        tiny_model_dir("qwen2_vl", tool_names=["calculator"])
+    with pytest.raises(ValueError, match="given twice"):
+        tiny_model_dir("qwen2_vl", tools=True, tool_names=["calculator", "calculator"])

@@ -13,7 +13,10 @@ class DataConfig(Section):
     prompt_data: list[str] = Field(default_factory=list)
     """Prompt dataset paths (JSONL, Parquet, or a ``datasets.save_to_disk`` folder)."""
     prompt_max_len: int = Field(default=1024, ge=1)
-    """Maximum prompt length in tokens (vision tokens included)."""
+    """Maximum prompt length in tokens (vision tokens included). A longer prompt is handled by ``prompt_overflow``:
+    by default its oldest user text is cut, which is counted (the step metric ``truncated_prompts``) and warned once
+    per batch (how many, the first one's record and its lengths), never silent: a recipe with a short limit (the zoom
+    toy's 64) would otherwise train on questions without their start. ``prompt_overflow: error`` refuses instead."""
     generator: Optional[str] = None
     """Prompts made on the fly instead of (or, for evaluation, besides) files: ``package.module:function`` or
     ``path/to/file.py:function`` with ``fn(index, *, split, **generator_options) -> row`` (a dict shaped like a

@@ -30,7 +30,7 @@ import torch
 from mmrlhf.data.errors import DataError, SkipLog
 from mmrlhf.data.prompts import PromptRenderer
 from mmrlhf.data.records import as_image_list, as_video_list, check_slots, items_from_parts
-from mmrlhf.data.truncation import collapse_vision_blocks, structure_mask, truncate_text_left
+from mmrlhf.data.truncation import collapse_vision_blocks, structure_mask, truncate_text_left, warn_truncated
 from mmrlhf.data.types import IMAGE_KEYS, VIDEO_KEYS, LoadedVideo, MultimodalBatch, PromptRecord, VisionInputs
 from mmrlhf.data.vision import VisionLoader, VisionSettings
 
@@ -234,20 +234,26 @@ class MultimodalDataProcessor:
         self._process_vision(with_vision, skips)
 
         kept: list[_Prompt] = []
-        truncated = 0
+        cut: list[tuple[_Prompt, int]] = []  # the truncated prompts, each with its length before the cut
         for p in prompts:
             if p.failed:
                 continue
+            before = len(p.ids)
             try:
                 self._check_vision_tokens(p, first_sample=len(kept) * n, n=n)
                 outcome = self._fit_length(p, skips)
             except DataError as err:
                 skips.handle(err)
                 continue
-            truncated += outcome == "truncated"
+            if outcome == "truncated":
+                cut.append((p, before))
             if outcome != "skipped":
                 kept.append(p)
-        return kept, truncated
+        if cut:
+            first, before = cut[0]
+            warn_truncated(len(cut), self.prompt_max_len, index=first.index, record_id=first.record_id,
+                           before=before, after=len(first.ids))
+        return kept, len(cut)
 
     # ---- stage 1: per prompt --------------------------------------------------------------------------------
     def _prepare(self, index: int, record_id: Any, prompt: Any, images: Any, videos: Any, images_num: Optional[int],

@@ -9,7 +9,12 @@ The system turn is kept whole too: it holds the task's instructions, which matte
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+from mmrlhf.data.errors import describe_record
+
+logger = logging.getLogger("mmrlhf.data")
 
 
 def structure_mask(ids: Sequence[int], *, special_ids: frozenset[int], vision_start: int, vision_end: int,
@@ -100,3 +105,14 @@ def truncate_text_left(ids: list[int], mm_types: list[int], max_len: int,
     if dropped < excess:
         return None
     return [t for t, k in zip(ids, keep) if k], [t for t, k in zip(mm_types, keep) if k]
+
+
+def warn_truncated(count: int, limit: int, *, index: Optional[int], record_id: Any, before: int, after: int) -> None:
+    """One warning per batch that lost text to ``prompt_max_len``, naming the first such prompt and its lengths.
+
+    Why: a cut is not an error (the default ``prompt_overflow``), but a recipe whose limit is too short for its own
+    questions would otherwise train on prompts without their start and never say so; the count alone
+    (``truncated_prompts``) is easy to miss."""
+    logger.warning("left-truncated %d prompt(s) of this batch to prompt_max_len=%d (data.prompt_overflow="
+                   "truncate_left), first %s: %d -> %d tokens; raise data.prompt_max_len or shorten the prompts",
+                   count, limit, describe_record(index, record_id), before, after)

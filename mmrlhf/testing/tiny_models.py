@@ -18,7 +18,11 @@ Variants (keywords of ``tiny_model_dir`` / ``build_tiny_model``):
   tag) and the zoom toy task's whole call (:data:`TOY_CALL_TOKEN`) as single added tokens (so a tiny random policy
   finds a call at all), and :data:`TOOLS_TEMPLATE`,
   which renders ``tools=`` into a short system turn and tool turns (images included) in the hermes form that
-  :mod:`mmrlhf.agents.template` writes incrementally.
+  :mod:`mmrlhf.agents.template` writes incrementally;
+- ``tools=True`` with ``tool_calls=[...]`` / ``tool_names=[...]``: also the user's own tools' whole calls as single
+  added tokens (:mod:`mmrlhf.testing.tiny_tool_calls`), so a toy task of one's own tool can run on a tiny model as
+  the zoom task does; cached under a name that carries the tools' names and a hash of the calls, so the plain tool
+  variant keeps its name (``python -m mmrlhf.testing.tiny_models --help``).
 
 Why these settings:
 - text ``head_dim`` is 64: vLLM's CPU attention rejects small head sizes (16 fails, 64 works);
@@ -39,7 +43,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Mapping, Sequence
+
+from mmrlhf.testing.tiny_tool_calls import user_call_tokens, variant_suffix
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 SIZES = ("tiny", "small")
@@ -162,7 +168,9 @@ RELEASED_GENERATION_DEFAULTS = {"repetition_penalty": 1.05, "temperature": 0.1, 
 
 
 def _factory_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    """This file's and the call-token module's bytes: a change to either builds anew."""
+    here = Path(__file__)
+    return hashlib.sha256(here.read_bytes() + (here.parent / "tiny_tool_calls.py").read_bytes()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
@@ -171,14 +179,19 @@ def cache_root() -> Path:
 
 
 def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *, tied: bool = False,
-                   released_generation_config: bool = False, tools: bool = False) -> Path:
+                   released_generation_config: bool = False, tools: bool = False,
+                   tool_calls: Sequence[str | Mapping[str, Any]] = (), tool_names: Sequence[str] = ()) -> Path:
     """Path of a built tiny model (built on first use, then reused from the cache); variants: module docstring.
+    ``tool_calls`` (``{"name": ..., "arguments": {...}}``, or its JSON text) and ``tool_names`` (one call without
+    arguments each) need ``tools=True``; :func:`~mmrlhf.testing.tiny_tool_calls.call_token` gives a call's token.
 
     Safe under concurrent callers: each builds in a private temporary folder and renames it into place; the loser
     of a race discards its copy.
     """
     _check(family, size)
+    extra = _extra_calls(tools, tool_calls, tool_names)
     variant = ("-tied" if tied else "") + ("-relgen" if released_generation_config else "") + ("-tools" if tools else "")
+    variant += variant_suffix(extra)
     target = cache_root() / f"{family}-{size}-seed{seed}{variant}-{_factory_hash()}"
     if (target / "config.json").is_file():
         return target
@@ -186,7 +199,8 @@ def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int =
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         build_tiny_model(tmp, family=family, size=size, seed=seed, tied=tied,
-                         released_generation_config=released_generation_config, tools=tools)
+                         released_generation_config=released_generation_config, tools=tools,
+                         tool_calls=tool_calls, tool_names=tool_names)
         try:
             tmp.rename(target)
         except OSError:
@@ -205,16 +219,26 @@ def _check(family: str, size: str) -> None:
         raise ValueError(f"unknown tiny-model size {size!r}; valid: {', '.join(SIZES)}")
 
 
+def _extra_calls(tools: bool, tool_calls: Sequence[str | Mapping[str, Any]], tool_names: Sequence[str]) -> list[str]:
+    """The user's call tokens; refused without ``tools=True`` (the plain template has no tool turns)."""
+    extra = user_call_tokens(tool_calls, tool_names)
+    if extra and not tools:
+        raise ValueError("tool_calls / tool_names need tools=True (the tool-calling tokenizer and template)")
+    return extra
+
+
 def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *,
-                     tied: bool = False, released_generation_config: bool = False, tools: bool = False) -> Path:
+                     tied: bool = False, released_generation_config: bool = False, tools: bool = False,
+                     tool_calls: Sequence[str | Mapping[str, Any]] = (), tool_names: Sequence[str] = ()) -> Path:
     """Build a model directory at ``out_dir`` (created if needed). Same arguments -> identical files."""
     import torch
 
     _check(family, size)
+    extra = _extra_calls(tools, tool_calls, tool_names)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = _DIMS[size]
-    tokenizer = _build_tokenizer(dims.vocab, tools=tools)
+    tokenizer = _build_tokenizer(dims.vocab, tools=tools, extra_calls=extra)
     processor = _build_processor(family, tokenizer, TOOLS_TEMPLATE if tools else CHAT_TEMPLATE)
     config = _build_config(family, dims, tokenizer, tied=tied)
 
@@ -228,7 +252,8 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     processor.save_pretrained(out)
     _write_generation_config(out, tokenizer, RELEASED_GENERATION_DEFAULTS if released_generation_config else {})
     meta = {"family": family, "size": size, "seed": seed, "tied": tied,
-            "released_generation_config": released_generation_config, "tools": tools, "factory": _factory_hash()}
+            "released_generation_config": released_generation_config, "tools": tools, "tool_calls": extra,
+            "factory": _factory_hash()}
     (out / "mmrlhf_tiny.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
@@ -243,7 +268,7 @@ def _model_class(family: str):
     }[family]
 
 
-def _build_tokenizer(vocab_size: int, *, tools: bool = False):
+def _build_tokenizer(vocab_size: int, *, tools: bool = False, extra_calls: Sequence[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -278,7 +303,11 @@ def _build_tokenizer(vocab_size: int, *, tools: bool = False):
         # Non-special, as in the released Qwen tokenizers: decoding with skip_special_tokens keeps them, so a turn's
         # text still shows its calls. Added after training, so the BPE merges (and every other token) are the plain
         # variant's.
-        fast.add_tokens(TOOL_TAGS + TOY_CALLS + [TOY_CALL_TOKEN], special_tokens=False)
+        # The user's calls come last, so every id of the plain tool variant stays what it was (one that is already
+        # there, the zoom call, is not added twice).
+        known = set(TOOL_TAGS + TOY_CALLS + [TOY_CALL_TOKEN])
+        fast.add_tokens(TOOL_TAGS + TOY_CALLS + [TOY_CALL_TOKEN] + [c for c in extra_calls if c not in known],
+                        special_tokens=False)
     return fast
 
 
@@ -380,9 +409,36 @@ def _write_generation_config(out: Path, tokenizer, sampling_defaults: dict) -> N
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-if __name__ == "__main__":  # `python -m mmrlhf.testing.tiny_models [family] [size] [seed]` prints a model dir
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mmrlhf.testing.tiny_models [family] [size] [seed] [--tools] [--tool NAME] [--tool-call JSON]``:
+    print a model dir (stdout, for ``$(...)``); with tools, each added call token on stderr, ready for
+    ``rollout.allowed_tokens``."""
+    import argparse
     import sys
 
-    args = sys.argv[1:]
-    print(tiny_model_dir(args[0] if args else "qwen2_vl", args[1] if len(args) > 1 else "tiny",
-                         int(args[2]) if len(args) > 2 else 0))
+    parser = argparse.ArgumentParser(prog="python -m mmrlhf.testing.tiny_models", description=main.__doc__)
+    parser.add_argument("family", nargs="?", default="qwen2_vl", choices=FAMILIES)
+    parser.add_argument("size", nargs="?", default="tiny", choices=SIZES)
+    parser.add_argument("seed", nargs="?", default=0, type=int)
+    parser.add_argument("--tools", action="store_true", help="the tool-calling tokenizer and template (zoom call)")
+    parser.add_argument("--tool", action="append", default=[], metavar="NAME",
+                        help="also NAME's call without arguments as one token (repeatable; implies --tools)")
+    parser.add_argument("--tool-call", action="append", default=[], metavar="JSON",
+                        help='also this call, {"name": ..., "arguments": {...}}, as one token (repeatable; implies '
+                             "--tools)")
+    args = parser.parse_args(argv)
+    tools = args.tools or bool(args.tool or args.tool_call)
+    try:
+        path = tiny_model_dir(args.family, args.size, args.seed, tools=tools, tool_calls=args.tool_call,
+                              tool_names=args.tool)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if tools:
+        for token in [TOY_CALL_TOKEN, *user_call_tokens(args.tool_call, args.tool)]:
+            print(f"call token: {token}", file=sys.stderr)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

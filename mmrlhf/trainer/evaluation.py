@@ -1,5 +1,9 @@
 """Periodic evaluation on held-out prompts: generate (greedy by default, one response per prompt), score with the
-same reward engine, report ``eval/*`` metrics. Training state is untouched (no forward of the trainer's models)."""
+same reward engine, report ``eval/*`` metrics. Training state is untouched (no forward of the trainer's models).
+
+With an agent, the rollout's ``agent/*`` metrics (tool calls per trajectory, turns, errors, endings, reward with and
+without a tool) are reported as ``eval/agent/*``, under the names a training step uses: whether the policy calls its
+tools on held-out prompts (greedy, by default) is otherwise invisible."""
 
 from __future__ import annotations
 
@@ -42,4 +46,10 @@ class Evaluator:
             pick = torch.tensor([str(x) == label for x in labels]) & valid
             if pick.any():
                 out[f"eval/reward/label/{label}/mean"] = float(r.rewards[pick].mean())
+        out.update(agent_metrics(rollout.metrics))
         return out
+
+
+def agent_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The rollout's ``agent/*`` metrics under ``eval/`` (none for a single-turn rollout)."""
+    return {f"eval/{k}": float(v) for k, v in metrics.items() if k.startswith("agent/")}

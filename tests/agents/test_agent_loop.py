@@ -292,3 +292,42 @@ def test_an_engine_that_saw_other_ids_is_an_error_naming_the_turn(tiny):
     engine = ScriptedEngine({0: [call, _ids(tok, "red", "<|im_end|>")]}, drop_pad_at_turn=1)
     with pytest.raises(ValueError, match=r"record 'rec', trajectory 0, turn 2: the engine's prompt ids differ"):
         _loop(tiny, engine).run(batch, 1, SamplingSettings(n=1, max_new_tokens=8), [_context(batch, image)])
+
+
+def _first_word(responses, prompts, labels, references):
+    return [float(r.split()[:1] == [ref]) for r, ref in zip(responses, references)]
+
+
+def test_evaluation_reports_the_agent_metrics_under_eval(tiny):
+    """The held-out evaluation through an agent maker logs the step's ``agent/*`` metrics as ``eval/agent/*``: one
+    of two greedy trajectories calls the zoom tool, so the eval's tool-use rate is 0.5."""
+    from mmrlhf.data.stream import record_columns
+    from mmrlhf.data.types import PromptRecord
+    from mmrlhf.experience.fast_maker import FastExperienceMaker
+    from mmrlhf.experience.settings import ExperienceSettings
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.rewards.engine import RewardComputationEngine
+    from mmrlhf.rewards.sources import FunctionSource
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+    from mmrlhf.trainer.evaluation import Evaluator
+
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    call, answer = _ids(tok, "<tool_call>", TOY_CALLS[0], "</tool_call>"), _ids(tok, "red", "<|im_end|>")
+    engine = ScriptedEngine({0: [call, answer], 1: [answer]})
+    actor = ActorVL.from_pretrained(str(tiny_model_dir("qwen2_vl", tools=True)), dtype=torch.float32)
+    rewards = RewardComputationEngine({"first": FunctionSource(_first_word, name="first")}, {},
+                                      default_recipe=[("first", 1.0)])
+    maker = FastExperienceMaker(actor, engine, data, rewards, tok, ExperienceSettings(n_samples_per_prompt=1),
+                                SamplingSettings(max_new_tokens=8, seed=0), agent=_loop(tiny, engine))
+    image = Image.new("RGB", (112, 112), (200, 40, 40))
+    records = [PromptRecord(i, "<image>What color?", images=[image], reference="red", record_id="rec")
+               for i in range(2)]
+    out = Evaluator(maker, records).run()
+    assert out["eval/agent/tool_use_rate"] == 0.5 and out["eval/agent/tool_calls/mean"] == 0.5
+    assert out["eval/agent/calls/image_zoom/count"] == 1.0 and out["eval/agent/turns/mean"] == 1.5
+    assert out["eval/reward/mean"] == 1.0
+    # The same names a training step logs, under eval/ (the script replayed from its start).
+    engine.turn = {k: 0 for k in engine.scripts}
+    step = maker.generate_rollout(**record_columns(records), n=1).metrics
+    assert {k for k in out if k.startswith("eval/agent/")} == {f"eval/{k}" for k in step if k.startswith("agent/")}

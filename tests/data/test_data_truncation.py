@@ -36,6 +36,25 @@ def test_truncate_left_keeps_the_system_turn(make_processor, hf_processor, adapt
     assert ids == full[: end + 1] + full[end + 1 + 20:]  # exactly the 20 oldest user-text tokens went
 
 
+def test_a_truncated_prompt_is_counted_and_warned_a_short_one_is_not(make_processor, caplog):
+    """The zoom toy's ``prompt_max_len: 64`` cuts a longer question: the batch counts it and one warning names how
+    many were cut and the first one's record and lengths."""
+    long_prompt, short_prompt = "<image>" + " red green" * 40 + " What colour?", "<image>What colour?"
+    processor = make_processor(prompt_max_len=64)
+    with caplog.at_level("WARNING", logger="mmrlhf.data"):
+        out = processor.process_multimodal_batch([short_prompt], [[solid_image()]], record_ids=["short"])
+    assert out.truncated == 0 and not caplog.records
+    with caplog.at_level("WARNING", logger="mmrlhf.data"):
+        out = processor.process_multimodal_batch([short_prompt, long_prompt, long_prompt],
+                                                 [[solid_image()]] * 3, record_ids=["short", "q-long", "q-long-2"])
+    assert out.truncated == 2 and len(out.all_prompt_token_ids[1]) == 64
+    (record,) = caplog.records
+    before = len(make_processor().process_multimodal_batch([long_prompt], [[solid_image()]]).all_prompt_token_ids[0])
+    assert record.levelname == "WARNING"
+    assert (f"left-truncated 2 prompt(s) of this batch to prompt_max_len=64 (data.prompt_overflow=truncate_left), "
+            f"first record 1 (id='q-long'): {before} -> 64 tokens") in record.getMessage()
+
+
 def test_system_turn_too_long_is_refused_not_cut(make_processor):
     prompt = _messages("red " * 80, "What colour?")
     with pytest.raises(DataError, match=r"record 0\b.*system-turn tokens.*prompt_max_len=48") as info:
