@@ -172,7 +172,7 @@ def run_loop_serving_main_thread(coro_factory: Callable[[], Any]) -> Any:
     """
     runner = MainThreadRunner()
     outcome: dict[str, Any] = {}
-    stop = threading.Event()
+    stop, alive = threading.Event(), threading.Event()
     running: dict[str, Any] = {}  # the loop and its main task, once they exist
 
     async def main() -> Any:
@@ -182,6 +182,7 @@ def run_loop_serving_main_thread(coro_factory: Callable[[], Any]) -> Any:
         return await coro_factory()
 
     def loop_thread() -> None:
+        alive.set()  # (an interrupt inside thread.start() may come before threading counts it as started)
         _runner.set(runner)  # this thread's context: every task of the loop inherits it
         try:
             outcome["value"] = asyncio.run(main())
@@ -198,7 +199,8 @@ def run_loop_serving_main_thread(coro_factory: Callable[[], Any]) -> Any:
         stop.set()
         if "task" in running:
             _cancel_soon(running["loop"], running["task"])
-        thread.join(STOP_GRACE_S)
+        if alive.wait(STOP_GRACE_S):
+            thread.join(STOP_GRACE_S)
         raise
     thread.join()
     if "error" in outcome:
