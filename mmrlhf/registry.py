@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, TypeVar
@@ -62,6 +63,22 @@ def import_object(spec: str) -> Any:
             raise RegistryError(f"{spec!r}: {target!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def check_options(factory: Callable[..., Any], options: dict[str, Any], label: str, *, args: tuple[Any, ...] = (),
+                  error: type[Exception] = ValueError) -> None:
+    """Refuse, before anything is built, config ``options`` that do not fit ``factory(*args, **options)``: the
+    message names ``label`` (``"tool 'calculator'"``), the options and the signature, where a bare TypeError from
+    deep inside a run would name neither. A factory without a readable signature (a builtin) passes: its call says
+    what is wrong."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*args, **options)
+    except TypeError as exc:
+        raise error(f"{label}: options {sorted(options)} do not fit {signature}: {exc}") from exc
 
 
 class Registry(Generic[T]):

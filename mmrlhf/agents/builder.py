@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from mmrlhf.agents.rollout import AgentLimits, AgentLoop, ImageEncoder
+from mmrlhf.agents.loop_types import AgentLimits, ImageEncoder
+from mmrlhf.agents.rollout import AgentLoop
 from mmrlhf.config.agent import AgentConfig
 
 

@@ -16,7 +16,7 @@ import inspect
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from mmrlhf.agents.types import StepResult, ToolResult
-from mmrlhf.registry import import_object
+from mmrlhf.registry import check_options, import_object
 
 
 class EnvironmentSpecError(ValueError):
@@ -65,13 +65,7 @@ def load_environment(spec: str, options: dict[str, Any] | None = None) -> Callab
             raise EnvironmentSpecError(f"environment {spec!r}: class {target.__name__} has no "
                                        f"{' / '.join(missing)} method; an environment needs reset(record) and "
                                        "step(action_text)")
-    try:
-        inspect.signature(target).bind(**options)
-    except TypeError as exc:
-        raise EnvironmentSpecError(f"environment {spec!r}: options {sorted(options)} do not fit "
-                                   f"{inspect.signature(target)}: {exc}") from exc
-    except ValueError:  # no signature to read (a builtin): the call itself will say what is wrong
-        pass
+    check_options(target, options, f"environment {spec!r}", error=EnvironmentSpecError)
 
     def make() -> Environment:
         return _check_environment(target(**options), spec)

@@ -15,7 +15,7 @@ Invariants (each checked or built in):
 - an observation is committed only if it fits the context budget with room for one more token, so ids and pixels
   never disagree and no image is ever cut;
 - every failure (malformed call, unknown tool, bad arguments, a tool that raises or hangs, an oversize image, a
-  budget) is an observation the model can learn from or a marked ending, counted in :meth:`AgentResult.metrics`;
+  budget) is an observation the model can learn from or a marked ending, counted in :attr:`AgentResult.metrics`;
   nothing is dropped silently.
 """
 
@@ -31,67 +31,15 @@ import torch
 
 from mmrlhf.agents.calls import parse_turn
 from mmrlhf.agents.environment import close_environment
+from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, ImageEncoder, LoopStats
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
-from mmrlhf.agents.types import ERROR_KINDS, ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
+from mmrlhf.agents.types import ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
 from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed
 
 logger = logging.getLogger(__name__)
 
 CALL_CLOSE = "</tool_call>"  # Qwen's hermes closing tag: a turn that makes calls ends here
-
-
-@dataclass
-class EncodedImage:
-    """One image as the model sees it: the resized PIL image (what the engine receives), its processor tensors
-    (``pixel_values`` [rows, D], ``image_grid_thw`` [1, 3]) and its token count."""
-
-    image: Any
-    pixel_values: torch.Tensor
-    grid_thw: torch.Tensor
-    tokens: int
-
-
-ImageEncoder = Callable[[list[Any]], list[EncodedImage]]
-"""Encodes tool-returned images (resize under the data's pixel bounds, then the processor), one result per image;
-raises ``ValueError`` naming the image on one it cannot encode."""
-
-
-@dataclass(frozen=True)
-class AgentLimits:
-    """The budgets of one trajectory (from :class:`~mmrlhf.config.agent.AgentConfig`)."""
-
-    max_turns: int = 4
-    max_tool_calls: int = 8
-    max_context_tokens: int = 4096
-    max_new_tokens_per_turn: int = 1024
-    max_images: int = 8
-    stop_at_tool_call: bool = True
-
-
-@dataclass
-class AgentSample:
-    """One finished trajectory in the row form the experience maker trains on."""
-
-    sample_index: int  # index into the processor's batch
-    group: int  # the prompt (request) it was sampled from
-    prompt_ids: list[int]  # the first prompt, shared by the group
-    response_ids: list[int]  # every token after the prompt: turns and observations
-    policy_mask: list[int]  # per response token: 1 policy, 0 observation
-    engine_logprobs: list[float] | None  # per response token (0.0 on observation tokens)
-    finished: bool  # ended by an answer or the environment (False: a budget ended it)
-    vision: dict[str, torch.Tensor]  # the prompt's processor tensors with every tool image appended, in order
-    images: list[Any]  # the prompt's images then the tool images (as the model saw them)
-    trajectory: Trajectory
-
-
-@dataclass
-class AgentResult:
-    samples: list[AgentSample]  # in sample order
-    skipped: dict[int, str]  # request index -> reason (the first turn's prompt did not fit)
-    generated_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,7 +116,7 @@ class AgentLoop:
         """Trajectories of every sample of ``batch`` (a processed, n-expanded batch: sample ``k`` belongs to prompt
         ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``)."""
         seconds = {"generate": 0.0, "tools": 0.0}
-        stats = _Stats()
+        stats = LoopStats()
         live = [self._start(batch, k, n, contexts[k // n]) for k in range(len(batch))]
         skipped: dict[int, str] = {}
         if self.environment is not None:
@@ -225,7 +173,7 @@ class AgentLoop:
             mm_token_type_ids=list(self.adapter.mm_token_type_ids(ids)),
             request_id=f"{t.context.record.get('id')}#{t.sample_index}")  # record id, then the trajectory
 
-    def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: "_Stats") -> dict[int, str]:
+    def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: LoopStats) -> dict[int, str]:
         """One request per prompt with ``n`` completions (the group shares its first turn); returns the prompts the
         engine skipped (request index -> reason)."""
         heads = active[::n]  # every trajectory is live before the first turn: whole groups, in order
@@ -247,7 +195,7 @@ class AgentLoop:
                     t.ended = "skipped"
         return skipped
 
-    def _next_turn(self, active: list[_Live], sampling: SamplingSettings, turn: int, stats: "_Stats") -> None:
+    def _next_turn(self, active: list[_Live], sampling: SamplingSettings, turn: int, stats: LoopStats) -> None:
         """One request per live trajectory; each may generate what is left of its context (capped per turn)."""
         ready = []
         for t in active:
@@ -305,7 +253,7 @@ class AgentLoop:
         return dataclasses.replace(sampling, n=n, max_new_tokens=max(1, room), stop_token_ids=tuple(sorted(stops)),
                                    stop=words, min_new_tokens=min(sampling.min_new_tokens, max(1, room)))
 
-    def _append_turn(self, t: _Live, completion: Any, stats: "_Stats") -> None:
+    def _append_turn(self, t: _Live, completion: Any, stats: LoopStats) -> None:
         """Append a turn as sampled, through its first stop token (or, when turns end at their calls, the token that
         closes the first call: what an engine wrote past it is dropped, never trained)."""
         tokens = list(completion.token_ids)
@@ -342,7 +290,7 @@ class AgentLoop:
         return lo
 
     # ---- observations ------------------------------------------------------------------------------------------
-    def _observe(self, active: list[_Live], stats: "_Stats") -> None:
+    def _observe(self, active: list[_Live], stats: LoopStats) -> None:
         """Parse every live trajectory's last turn, run all calls of the step together, append observations."""
         if self.environment is not None:
             self._observe_environment(active, stats)
@@ -381,7 +329,7 @@ class AgentLoop:
                     results.append(value)
             self._commit(t, results, latency, stats, environment=False)
 
-    def _observe_environment(self, active: list[_Live], stats: "_Stats") -> None:
+    def _observe_environment(self, active: list[_Live], stats: LoopStats) -> None:
         ready = []
         for t in active:
             if t.num_turns >= self.limits.max_turns:
@@ -401,7 +349,7 @@ class AgentLoop:
                 continue
             self._commit(t, [step.observation], sec, stats, environment=True)
 
-    def _reset_environments(self, live: list[_Live], stats: "_Stats") -> None:
+    def _reset_environments(self, live: list[_Live], stats: LoopStats) -> None:
         """Each environment's first observation, if it gives one, comes before the first turn (which is then
         generated per trajectory); resets run concurrently under the tool deadline. A reset that fails or times
         out gives its error as the first observation (counted by kind, as every failure); the environment's next
@@ -413,7 +361,7 @@ class AgentLoop:
                 t.info.update(first.info or {})
                 self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
 
-    def _commit(self, t: _Live, results: list[ToolResult], latency: float, stats: "_Stats", *, environment: bool,
+    def _commit(self, t: _Live, results: list[ToolResult], latency: float, stats: LoopStats, *, environment: bool,
                 opening: bool = False) -> None:
         """Encode the results' images (capped), build the observation's tokens, append it if it fits."""
         results = self._cap_images(t, results)
@@ -489,38 +437,3 @@ def _ordered(parsed: Any) -> list[tuple[str, Any]]:
     """The parsed turn's calls (``("call", ToolCall)``) and parse errors (``("error", ToolResult)``) in the order
     they appear in the text."""
     return [("call", item) if isinstance(item, ToolCall) else ("error", item) for item in parsed.items()]
-
-
-@dataclass
-class _Stats:
-    generated: int = 0
-    observation_tokens: int = 0
-    latency: list[float] = field(default_factory=list)
-    errors: dict[str, int] = field(default_factory=dict)
-    calls_by_tool: dict[str, int] = field(default_factory=dict)
-    empty: int = 0  # trajectories left out: ended before their first turn
-
-    def metrics(self, samples: list[AgentSample]) -> dict[str, float]:
-        """Per-step agent metrics (docs/agents.md lists them): means per trajectory and counts."""
-        n = max(len(samples), 1)
-        trajs = [s.trajectory for s in samples]
-        policy = sum(sum(s.policy_mask) for s in samples)
-        out = {
-            "agent/turns/mean": sum(t.num_turns for t in trajs) / n,
-            "agent/tool_calls/mean": sum(t.num_tool_calls for t in trajs) / n,
-            "agent/tool_use_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
-            "agent/errors/mean": sum(len(t.errors) for t in trajs) / n,
-            "agent/out_of_budget_rate": sum(t.out_of_budget for t in trajs) / n,
-            "agent/policy_tokens/mean": policy / n,
-            "agent/observation_tokens/mean": sum(len(s.policy_mask) - sum(s.policy_mask) for s in samples) / n,
-            "agent/tool_latency/mean": sum(self.latency) / len(self.latency) if self.latency else 0.0,
-            "agent/tool_latency/max": max(self.latency, default=0.0),
-        }
-        for kind in ERROR_KINDS:
-            out[f"agent/errors/{kind}/count"] = float(self.errors.get(kind, 0))
-        for name, count in self.calls_by_tool.items():
-            out[f"agent/calls/{name}/count"] = float(count)
-        for ending in ("answer", "done", "max_turns", "context", "length"):
-            out[f"agent/ended/{ending}/count"] = float(sum(t.ended == ending for t in trajs))
-        out["agent/ended/before_first_turn/count"] = float(self.empty)
-        return out

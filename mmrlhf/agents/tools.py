@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 from mmrlhf.agents.builtin_tools import Calculator, ImageCrop, ImageRotate, ImageZoom
 from mmrlhf.agents.tool_base import Tool, ToolSpecError, as_result, check_tool, is_async_tool, validate_arguments
 from mmrlhf.config.agent import ToolEntry
-from mmrlhf.registry import Registry
+from mmrlhf.registry import Registry, check_options
 
 __all__ = [
     "TOOLS", "Tool", "ToolSpecError", "as_result", "build_tool", "build_tools", "is_async_tool", "tool_schemas",
@@ -54,15 +54,7 @@ def _entry(entry: str | ToolEntry | Mapping[str, Any]) -> ToolEntry:
 def _construct(factory: Any, options: dict[str, Any], spec: str) -> Any:
     """``factory(**options)``, with a message naming the spec when the options do not fit its signature or the
     constructor refuses them."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # a builtin without a signature: let the call say what is wrong
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(**options)
-        except TypeError as exc:
-            raise ToolSpecError(f"tool {spec!r}: options {sorted(options)} do not fit {signature}: {exc}") from exc
+    check_options(factory, options, f"tool {spec!r}", error=ToolSpecError)
     try:
         return factory(**options)
     except (TypeError, ValueError) as exc:

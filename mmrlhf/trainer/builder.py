@@ -84,13 +84,13 @@ def update_token_budget(config: MMRLHFConfig) -> Budget:
 def _layout(config: MMRLHFConfig) -> dict[str, Any]:
     """The forward layout keys the policy and critic updates share with the experience maker."""
     from mmrlhf.devices import resolve_device
-    from mmrlhf.experience.builder import masked_kernel
+    from mmrlhf.experience.builder import masked_kernel, rollout_kind_class
     from mmrlhf.models.shared_prompt import resolve_shared_prompt
 
     t = config.trainer
     return {"shared_prompt": resolve_shared_prompt(t.shared_prompt, config.model.attn_implementation,
                                                    config.rollout.n_samples_per_prompt,
-                                                   multi_turn=config.agent.enabled,
+                                                   multi_turn=rollout_kind_class(config).multi_turn,
                                                    masked_kernel=masked_kernel(config.model,
                                                                                resolve_device(t.device))),
             "shared_prompt_max_tokens": t.shared_prompt_max_tokens}

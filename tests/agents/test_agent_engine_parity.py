@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmrlhf.agents.rollout import AgentLimits, AgentLoop
+from mmrlhf.agents.loop_types import AgentLimits
+from mmrlhf.agents.rollout import AgentLoop
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.types import ToolContext
 from mmrlhf.experience.agent_rows import encoder_of

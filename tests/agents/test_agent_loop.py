@@ -9,7 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mmrlhf.agents.rollout import AgentLimits, AgentLoop
+from mmrlhf.agents.loop_types import AgentLimits
+from mmrlhf.agents.rollout import AgentLoop
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.tools import Tool, build_tools
 from mmrlhf.agents.types import ToolContext
@@ -304,6 +305,7 @@ def test_evaluation_reports_the_agent_metrics_under_eval(tiny):
     from mmrlhf.data.stream import record_columns
     from mmrlhf.data.types import PromptRecord
     from mmrlhf.experience.fast_maker import FastExperienceMaker
+    from mmrlhf.experience.kinds import AgentKind, KindSetup
     from mmrlhf.experience.settings import ExperienceSettings
     from mmrlhf.models.actor import ActorVL
     from mmrlhf.rewards.engine import RewardComputationEngine
@@ -319,7 +321,8 @@ def test_evaluation_reports_the_agent_metrics_under_eval(tiny):
     rewards = RewardComputationEngine({"first": FunctionSource(_first_word, name="first")}, {},
                                       default_recipe=[("first", 1.0)])
     maker = FastExperienceMaker(actor, engine, data, rewards, tok, ExperienceSettings(n_samples_per_prompt=1),
-                                SamplingSettings(max_new_tokens=8, seed=0), agent=_loop(tiny, engine))
+                                SamplingSettings(max_new_tokens=8, seed=0),
+                                kind=AgentKind(KindSetup(_loop(tiny, engine))))
     image = Image.new("RGB", (112, 112), (200, 40, 40))
     records = [PromptRecord(i, "<image>What color?", images=[image], reference="red", record_id="rec")
                for i in range(2)]

@@ -8,7 +8,8 @@ from transformers import AutoProcessor
 
 from mmrlhf.algorithms.kl import FixedKLController
 from mmrlhf.data.processor import MultimodalDataProcessor
-from mmrlhf.experience.fast_maker import FastExperienceMaker, PromptMismatchError
+from mmrlhf.experience.fast_maker import FastExperienceMaker
+from mmrlhf.experience.kinds.single_turn import PromptMismatchError
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.adapters import get_adapter

@@ -1,0 +1,105 @@
+"""The turn loop's plain data: its budgets (:class:`AgentLimits`), the images it encodes (:class:`EncodedImage`), the
+finished trajectories it returns (:class:`AgentSample`, :class:`AgentResult`) and what a step's turns counted
+(:class:`LoopStats`, the ``agent/*`` metrics). Apart from the loop (:mod:`mmrlhf.agents.rollout`) so that its readers
+(the experience rows, the builder) need not read the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mmrlhf.agents.types import ERROR_KINDS, Trajectory
+
+
+@dataclass
+class EncodedImage:
+    """One image as the model sees it: the resized PIL image (what the engine receives), its processor tensors
+    (``pixel_values`` [rows, D], ``image_grid_thw`` [1, 3]) and its token count."""
+
+    image: Any
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+    tokens: int
+
+
+ImageEncoder = Callable[[list[Any]], list[EncodedImage]]
+"""Encodes tool-returned images (resize under the data's pixel bounds, then the processor), one result per image;
+raises ``ValueError`` naming the image on one it cannot encode."""
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """The budgets of one trajectory (from :class:`~mmrlhf.config.agent.AgentConfig`)."""
+
+    max_turns: int = 4
+    max_tool_calls: int = 8
+    max_context_tokens: int = 4096
+    max_new_tokens_per_turn: int = 1024
+    max_images: int = 8
+    stop_at_tool_call: bool = True
+
+
+@dataclass
+class AgentSample:
+    """One finished trajectory in the row form the experience maker trains on."""
+
+    sample_index: int  # index into the processor's batch
+    group: int  # the prompt (request) it was sampled from
+    prompt_ids: list[int]  # the first prompt, shared by the group
+    response_ids: list[int]  # every token after the prompt: turns and observations
+    policy_mask: list[int]  # per response token: 1 policy, 0 observation
+    engine_logprobs: list[float] | None  # per response token (0.0 on observation tokens)
+    finished: bool  # ended by an answer or the environment (False: a budget ended it)
+    vision: dict[str, torch.Tensor]  # the prompt's processor tensors with every tool image appended, in order
+    images: list[Any]  # the prompt's images then the tool images (as the model saw them)
+    trajectory: Trajectory
+
+
+@dataclass
+class AgentResult:
+    samples: list[AgentSample]  # in sample order
+    skipped: dict[int, str]  # request index -> reason (the first turn's prompt did not fit)
+    generated_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+
+@dataclass
+class LoopStats:
+    """What one step's turns counted (tokens, tool latencies, errors, calls per tool), turned into its metrics."""
+
+    generated: int = 0
+    observation_tokens: int = 0
+    latency: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    calls_by_tool: dict[str, int] = field(default_factory=dict)
+    empty: int = 0  # trajectories left out: ended before their first turn
+
+    def metrics(self, samples: list[AgentSample]) -> dict[str, float]:
+        """Per-step agent metrics (docs/agents.md lists them): means per trajectory and counts."""
+        n = max(len(samples), 1)
+        trajs = [s.trajectory for s in samples]
+        policy = sum(sum(s.policy_mask) for s in samples)
+        out = {
+            "agent/turns/mean": sum(t.num_turns for t in trajs) / n,
+            "agent/tool_calls/mean": sum(t.num_tool_calls for t in trajs) / n,
+            "agent/tool_use_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
+            "agent/errors/mean": sum(len(t.errors) for t in trajs) / n,
+            "agent/out_of_budget_rate": sum(t.out_of_budget for t in trajs) / n,
+            "agent/policy_tokens/mean": policy / n,
+            "agent/observation_tokens/mean": sum(len(s.policy_mask) - sum(s.policy_mask) for s in samples) / n,
+            "agent/tool_latency/mean": sum(self.latency) / len(self.latency) if self.latency else 0.0,
+            "agent/tool_latency/max": max(self.latency, default=0.0),
+        }
+        for kind in ERROR_KINDS:
+            out[f"agent/errors/{kind}/count"] = float(self.errors.get(kind, 0))
+        for name, count in self.calls_by_tool.items():
+            out[f"agent/calls/{name}/count"] = float(count)
+        for ending in ("answer", "done", "max_turns", "context", "length"):
+            out[f"agent/ended/{ending}/count"] = float(sum(t.ended == ending for t in trajs))
+        out["agent/ended/before_first_turn/count"] = float(self.empty)
+        return out

@@ -1,0 +1,78 @@
+"""The metrics the experience maker reports about a step: what was sampled (:func:`rollout_metrics`, stage 1) and
+how the scoring forwards agreed with the sampler (:func:`outside_metrics`, :func:`engine_mismatch`, stage 2).
+
+Kept apart from the maker so that the maker stays orchestration; every function here reads plain rows and tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmrlhf.experience.kinds.base import Generated
+from mmrlhf.experience.rollout import Rollout
+from mmrlhf.experience.timing import PhaseTimer
+
+
+def rollout_metrics(batch: Any, out: Generated, timer: PhaseTimer) -> dict[str, float]:
+    """Counts, lengths and throughput of what a kind generated from the processor's ``batch``. Response lengths
+    count policy tokens (a multi-turn response's observation tokens are in ``agent/observation_tokens/mean``)."""
+    rows = out.rows
+    lengths = torch.tensor(rows.policy_lengths(), dtype=torch.float32)  # [N]
+    truncated = torch.tensor([not f for f in rows.finished], dtype=torch.float32)  # [N]
+    return {
+        "prompts": float(out.prompts),
+        "samples": float(len(rows)),
+        "skipped_prompts": float(len(out.skipped) + len(batch.skipped)),
+        "truncated_prompts": float(batch.truncated),
+        "generated_tokens": float(out.generated_tokens),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "truncation_rate": float(truncated.mean()),
+        "throughput/gen_tokens_per_s": out.generated_tokens / max(timer.seconds.get("generate", 0.0), 1e-9),
+    }
+
+
+def outside_metrics(scored) -> dict[str, float]:
+    """Under ``logprob_mode: sampled`` with a truncating sampler: the share of scored tokens that lay outside the
+    actor's kept set (masked out of the loss; only float disagreement at the boundary puts a sampled token there, so
+    anything but ~0 means the engine truncates differently) and outside the reference's (its untruncated log-prob
+    stands in: KL against a reference that would never sample the token)."""
+    if scored[0].get("outside") is None:
+        return {}
+    tokens = sum(int(p["action_mask"].sum()) for p in scored)
+    out = {"logprobs/outside_kept_frac": sum(int(p["outside"].sum()) for p in scored) / max(tokens, 1)}
+    if scored[0].get("ref_outside") is not None:
+        out["logprobs/ref_outside_kept_frac"] = sum(int(p["ref_outside"].sum()) for p in scored) / max(tokens, 1)
+    return out
+
+
+def engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
+    """Mean / max |engine log-prob - actor log-prob| over response tokens: the off-policy gap of the rollout.
+    Tokens outside the actor's kept set (scored untruncated, out of the loss) are left out: they are counted in
+    ``logprobs/outside_kept_frac``."""
+    diffs, turns, row = [], [], 0
+    for part in scored:
+        lp, mask, outside = part["log_probs"], part["action_mask"], part.get("outside")
+        for i in range(lp.shape[0]):
+            eng = rollout.engine_logprobs[row + i]
+            if eng is None:
+                continue
+            keep = mask[i, : len(eng)].bool()  # policy tokens of the response (all of a single-turn one)
+            inside = keep if outside is None else keep & ~outside[i, : keep.shape[0]].bool()
+            diffs.append((torch.tensor(eng[: keep.shape[0]])[inside] - lp[i, : keep.shape[0]][inside]).abs())
+            if rollout.multi_turn:  # the turn of each policy token: a turn starts where a run of policy tokens does
+                starts = keep & ~torch.nn.functional.pad(keep, (1, 0))[:-1]
+                turns.append(torch.cumsum(starts.long(), 0)[inside])
+        row += lp.shape[0]
+    if not diffs:
+        return {}
+    d = torch.cat(diffs)
+    out = {"engine_logprob_diff/mean": float(d.mean()), "engine_logprob_diff/max": float(d.max())}
+    if turns:  # a divergence that grows with the turn points at observations (pixels, positions) going wrong
+        t = torch.cat(turns)
+        for k in sorted(set(t.tolist())):
+            out[f"engine_logprob_diff/turn_{k}/max"] = float(d[t == k].max())
+    return out
