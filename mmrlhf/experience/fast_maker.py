@@ -170,11 +170,13 @@ class FastExperienceMaker(ExperienceMaker):
         metrics.update(out.metrics)
         metrics.update(kind_metrics)
         metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
-        return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start))
+        return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start),
+                             self.settings.logprob_mode)
 
     def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None, *,
                          pad_forwards_to: int | None = None, world: World | None = None) -> list[ExperienceVL]:
-        """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch, shape the
+        """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch (under
+        ``rollout.distribution``: its sampling temperature and truncation), shape the
         rewards and compute KL and advantages over the whole step.
 
         ``micro_batch_size``: samples per experience (default ``settings.micro_batch_size``); the forwards run
@@ -202,8 +204,7 @@ class FastExperienceMaker(ExperienceMaker):
             scoring: Any = built if micros == chunks and not self.settings.shared_prompt else None
         if scoring is None:
             scoring = one_at_a_time(build, rows, micros, timer)  # a forward's batch, then the next one's
-        temperature = scoring_temperature(sampling)
-        truncation = scoring_truncation(sampling, self.settings.logprob_mode)
+        temperature, truncation = rollout.distribution.temperature, rollout.distribution.truncation
         scored = self._score(scoring, timer, temperature, truncation)
         if micros != chunks:
             scored = regroup(scored, micros, chunks, [int(b.samples.response_length.max()) for b in built])
@@ -389,22 +390,6 @@ class FastExperienceMaker(ExperienceMaker):
 
 
 DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a recipe or a default_recipe)
-
-
-def scoring_temperature(sampling: SamplingSettings) -> float:
-    """The temperature log-probs are taken at: the sampling temperature; greedy decoding (0) is scored at 1."""
-    return sampling.temperature if sampling.temperature > 0 else 1.0
-
-
-def scoring_truncation(sampling: SamplingSettings, mode: str) -> Truncation | None:
-    """The truncation log-probs are taken under (``rollout.logprob_mode``): the sampler's min-p / top-k / top-p
-    with ``sampled``, none with ``full``; greedy decoding is never truncated (vLLM reports its full distribution)."""
-    if mode not in ("sampled", "full"):
-        raise ValueError(f"logprob_mode must be 'sampled' or 'full', got {mode!r}")
-    if mode == "full" or sampling.temperature <= 0:
-        return None
-    truncation = Truncation(top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
-    return truncation if truncation.active else None
 
 
 def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):

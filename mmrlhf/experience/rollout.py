@@ -16,8 +16,33 @@ from typing import Any, Sequence
 
 import torch
 
+from mmrlhf.models.truncation import Truncation
 from mmrlhf.rewards.types import RewardResult
 from mmrlhf.rollout.types import SamplingSettings
+
+LOGPROB_MODES = ("sampled", "full")
+
+
+@dataclass(frozen=True)
+class ScoringDistribution:
+    """The distribution a rollout's log-probs are taken under, by the maker's forwards (old log-probs), the
+    update (new ones) and Ray's re-scoring alike: the sampling temperature and, with ``rollout.logprob_mode:
+    sampled``, the sampler's truncation. Derived here only (:meth:`of`) and carried by the rollout and the step
+    batch, so the three cannot disagree."""
+
+    temperature: float = 1.0
+    truncation: Truncation | None = None
+
+    @classmethod
+    def of(cls, sampling: SamplingSettings, logprob_mode: str = "sampled") -> "ScoringDistribution":
+        """Greedy decoding (temperature 0) is scored at 1 and never truncated (vLLM reports its full
+        distribution); ``full`` scores untruncated; ``sampled`` under the sampler's min-p / top-k / top-p."""
+        if logprob_mode not in LOGPROB_MODES:
+            raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {logprob_mode!r}")
+        if sampling.temperature <= 0:
+            return cls()
+        truncation = Truncation(top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p)
+        return cls(sampling.temperature, truncation if logprob_mode == "sampled" and truncation.active else None)
 
 
 @dataclass
@@ -74,9 +99,15 @@ class ScoredRollout:
     sampling: SamplingSettings  # the call's sampling settings (the one source of temperature / max length)
     metrics: dict[str, float] = field(default_factory=dict)  # generation + reward metrics of what was SAMPLED
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (prepare, generate, reward)
+    logprob_mode: str = "sampled"  # rollout.logprob_mode of the maker that generated it
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def distribution(self) -> ScoringDistribution:
+        """What its log-probs, old and new, are taken under (see :class:`ScoringDistribution`)."""
+        return ScoringDistribution.of(self.sampling, self.logprob_mode)
 
     @property
     def group_ids(self) -> torch.Tensor:
@@ -90,7 +121,8 @@ class ScoredRollout:
         rewards = RewardResult(
             rewards=r.rewards[pick], valid=r.valid[pick], sources={k: v[pick] for k, v in r.sources.items()},
             parts={k: v[pick] for k, v in r.parts.items()}, metrics=dict(r.metrics))
-        return ScoredRollout(self.rows.select(rows), rewards, self.sampling, dict(self.metrics), dict(self.seconds))
+        return ScoredRollout(self.rows.select(rows), rewards, self.sampling, dict(self.metrics), dict(self.seconds),
+                             self.logprob_mode)
 
     @staticmethod
     def concat(parts: Sequence["ScoredRollout"]) -> "ScoredRollout":
@@ -109,6 +141,8 @@ class ScoredRollout:
         if other is not None:
             raise ValueError(f"rounds sampled with different settings cannot be trained on together: "
                              f"{parts[0].sampling} vs {other}")
+        if len({p.logprob_mode for p in parts}) > 1:
+            raise ValueError("rounds scored under different rollout.logprob_mode cannot be trained on together")
         if len({p.rows.multi_turn for p in parts}) > 1:
             raise ValueError("single-turn and multi-turn rounds cannot be trained on together")
         cols: dict[str, list] = {f.name: [] for f in dataclasses.fields(Rollout)}
@@ -130,7 +164,7 @@ class ScoredRollout:
             for k, v in p.seconds.items():
                 seconds[k] = seconds.get(k, 0.0) + v
         metrics = merge_round_metrics([p.metrics for p in parts], [p.metrics.get("samples", len(p)) for p in parts])
-        return ScoredRollout(Rollout(**cols), rewards, parts[0].sampling, metrics, seconds)
+        return ScoredRollout(Rollout(**cols), rewards, parts[0].sampling, metrics, seconds, parts[0].logprob_mode)
 
 
 # Metrics that are counts (they add up over rounds, ranks and rollout actors); everything else is a mean or a rate

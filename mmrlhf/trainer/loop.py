@@ -135,7 +135,8 @@ class Trainer:
             metrics.update(prepare_policy_targets(items, p.policy.s, p.world))
             metrics.update(_entropy_metric(items, p.world))
             with timed(seconds, "policy_update"):
-                metrics.update(p.policy.update(items, temperature=batch.temperature, truncation=batch.truncation,
+                metrics.update(p.policy.update(items, temperature=batch.distribution.temperature,
+                                               truncation=batch.distribution.truncation,
                                                generator=p.shuffle))
             if p.critic is not None:
                 with timed(seconds, "critic_update"):

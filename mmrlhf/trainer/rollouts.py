@@ -30,9 +30,7 @@ from mmrlhf.algorithms.dynamic_sampling import (
 from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
-from mmrlhf.experience.fast_maker import scoring_temperature, scoring_truncation
-from mmrlhf.experience.rollout import Rollout, ScoredRollout, merge_round_metrics
-from mmrlhf.models.truncation import Truncation
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution, merge_round_metrics
 from mmrlhf.parallel.world import World
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
 from mmrlhf.rollout.weight_sync import sync_weights
@@ -51,8 +49,8 @@ class StepBatch:
 
     items: list[TrainItem]  # empty: nothing kept this step (dynamic sampling found no group with variance)
     metrics: dict[str, float]  # rollout and experience metrics of this rank's share
-    temperature: float  # the temperature the old log-probs were computed at (the update's too)
-    truncation: Truncation | None = None  # the sampler's truncation they were scored under (the update's too)
+    # what the old log-probs were computed under, and so the update's new ones (the rollout's, as generated)
+    distribution: ScoringDistribution = field(default_factory=ScoringDistribution)
     rollout: ScoredRollout | None = None  # this rank's rollout (the per-step report shows it)
     seconds: dict[str, float] = field(default_factory=dict)  # phase timings
 
@@ -121,7 +119,7 @@ class LocalRollouts:
         with timed(seconds, "rollout"):
             rollout, metrics, trains = self._rollout()
         if rollout is None:
-            return StepBatch([], metrics, temperature=1.0, seconds=seconds)
+            return StepBatch([], metrics, seconds=seconds)
         return self.prepare(rollout, metrics, seconds, describe=trains)
 
     def prepare(self, rollout: ScoredRollout, metrics: dict[str, float],
@@ -143,9 +141,8 @@ class LocalRollouts:
             raise
         if describe:
             metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
-        return StepBatch(items, metrics, temperature=scoring_temperature(rollout.sampling),
-                         truncation=scoring_truncation(rollout.sampling, self.maker.settings.logprob_mode),
-                         rollout=rollout if describe else None, seconds=seconds)
+        return StepBatch(items, metrics, rollout.distribution, rollout=rollout if describe else None,
+                         seconds=seconds)
 
     def _rollout(self) -> tuple[ScoredRollout | None, dict[str, float], bool]:
         """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with

@@ -6,6 +6,7 @@ policy update masks tokens outside the CURRENT policy's kept set (their advantag
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -13,9 +14,9 @@ from models_testing import PROMPT_ONLY_KEYS
 
 from mmrlhf.algorithms.kl import FixedKLController
 from mmrlhf.experience.batching import split_experience
-from mmrlhf.experience.fast_maker import FastExperienceMaker, scoring_truncation
+from mmrlhf.experience.fast_maker import FastExperienceMaker
 from mmrlhf.experience.grouped import build_grouped_samples
-from mmrlhf.experience.rollout import Rollout, ScoredRollout
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution
 from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.models.actor import ActorVL
@@ -152,8 +153,10 @@ def test_tokens_outside_the_kept_set_are_counted_and_kept_out_of_the_loss(bundle
     bundle = bundles["qwen2_vl"]
     cases, responses, planted = _responses(bundle)
     sampling = SamplingSettings(max_new_tokens=16, temperature=T, top_k=TRUNC.top_k, top_p=TRUNC.top_p)
-    assert scoring_truncation(sampling, "sampled") == TRUNC and scoring_truncation(sampling, "full") is None
-    assert scoring_truncation(SamplingSettings(temperature=0.0, top_k=5), "sampled") is None  # greedy: untruncated
+    assert ScoringDistribution.of(sampling, "sampled") == ScoringDistribution(T, TRUNC)
+    assert ScoringDistribution.of(sampling, "full") == ScoringDistribution(T, None)
+    greedy = ScoringDistribution.of(SamplingSettings(temperature=0.0, top_k=5), "sampled")
+    assert greedy == ScoringDistribution(1.0, None)  # greedy: scored at 1, untruncated
     rollout = _scored_rollout(bundle, cases, responses, sampling)
 
     actor = ActorVL(copy.deepcopy(bundle.model), bundle.adapter, chunk_size=16)
@@ -169,7 +172,9 @@ def test_tokens_outside_the_kept_set_are_counted_and_kept_out_of_the_loss(bundle
     for e in exps:
         for t in (e.action_log_probs, e.base_action_log_probs, e.advantages, e.kl):
             assert bool(torch.isfinite(t).all())
-    full = _maker(bundle, ActorVL(copy.deepcopy(bundle.model), bundle.adapter), "full").experiences_from(rollout)
+    # control: the same samples from a maker that scores untruncated (the mode travels with the rollout)
+    full = _maker(bundle, ActorVL(copy.deepcopy(bundle.model), bundle.adapter), "full").experiences_from(
+        dataclasses.replace(rollout, logprob_mode="full"))
     assert "logprobs/outside_kept_frac" not in full[0].info["batch"]  # control: nothing truncated, nothing masked
     assert bool(torch.cat([e.action_mask for e in full])[:, :7].all())
 

@@ -103,12 +103,9 @@ class ExperienceMakerHolder:
             metrics.update(variance_metrics([rollout], self.config.algorithm.dynamic_sampling_tol))
             metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
             self._last_end = time.perf_counter()
-        from mmrlhf.experience.fast_maker import scoring_temperature, scoring_truncation
-
         meta = {"step": step, "share": self.index, "version": version, "samples": len(rollout),
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
-                "temperature": scoring_temperature(rollout.sampling),
-                "truncation": scoring_truncation(rollout.sampling, self.maker.settings.logprob_mode),
+                "distribution": rollout.distribution,
                 "metrics": metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
         return meta, {**meta, "experiences": experiences}

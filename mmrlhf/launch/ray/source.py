@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from mmrlhf.experience.batching import group_keys, split_experience
-from mmrlhf.experience.rollout import merge_share_metrics
+from mmrlhf.experience.rollout import ScoringDistribution, merge_share_metrics
 from mmrlhf.launch.ray.holder import holder_name
 from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, check_staleness, min_rollout_version
 from mmrlhf.parallel.world import World
@@ -113,9 +113,9 @@ class RayRollouts:
             mine = self.world.scatter_objects(None)
             if isinstance(mine, tuple):
                 raise RolloutSourceError(mine[1])
-        items, temperature, truncation = mine["items"], mine["temperature"], mine["truncation"]
+        items, distribution = mine["items"], mine["distribution"]
         with torch.no_grad():
-            current, outside = self._log_probs(items, temperature, truncation)  # [A_i] per item each
+            current, outside = self._log_probs(items, distribution)  # [A_i] per item each
         for it, out in zip(items, outside):  # outside this policy's kept set: out of the loss (and of the check)
             it.token["loss_mask"] = it.token["loss_mask"] & ~out
         metrics = self._sync_check(items, current, mine["fresh"])
@@ -123,7 +123,7 @@ class RayRollouts:
             for it, lp in zip(items, current):
                 it.token["action_log_probs"] = lp
         metrics.update(mine["metrics"])
-        return StepBatch(items, metrics, temperature=temperature, truncation=truncation,
+        return StepBatch(items, metrics, distribution,
                          seconds={"rollout": time.perf_counter() - t0})
 
     def _parts(self, step: int) -> list[dict[str, Any]]:
@@ -142,12 +142,12 @@ class RayRollouts:
         payloads = ray.get([self.pending[(step, share)][1] for share in range(self.pool.count)])
         for share in range(self.pool.count):
             del self.pending[(step, share)]
-        scorings = {(p["temperature"], p["truncation"]) for p in payloads}
+        scorings = {p["distribution"] for p in payloads}
         if len(scorings) != 1:
             raise ValueError(f"step {step}: experiences scored under different distributions "
                              f"{sorted(map(str, scorings))}")
-        n, (temperature, truncation) = self.world.world_size, scorings.pop()
-        parts = [{"items": [], "fresh": [], "temperature": temperature, "truncation": truncation,
+        n, distribution = self.world.world_size, scorings.pop()
+        parts = [{"items": [], "fresh": [], "distribution": distribution,
                   "metrics": {"samples": 0.0}} for _ in range(n)]
         staleness, order = [], {}
         for p in payloads:
@@ -238,9 +238,10 @@ class RayRollouts:
                        s.max_actor_restarts, [st for st, _ in lost])
 
     # ---- scoring -----------------------------------------------------------------------------------------------
-    def _log_probs(self, items: list[Any], temperature: float,
-                   truncation: Any = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """[A_i] log-probs of each item's response under this rank's policy, in item order, and [A_i] bool: the
+    def _log_probs(self, items: list[Any],
+                   distribution: ScoringDistribution) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """[A_i] log-probs of each item's response under this rank's policy (at the rollout's ``distribution``), in
+        item order, and [A_i] bool: the
         token lay outside this policy's kept set (all False untruncated). The micro-batches are planned by cost
         (``scoring_max_tokens``, :mod:`mmrlhf.parallel.micro_batches`) and every rank runs as many forwards as the
         plan agrees on (sharded forwards are collective); a padding forward repeats a micro-batch and is dropped."""
@@ -263,8 +264,8 @@ class RayRollouts:
             part = [items[i] for i in micro or first]
             batch = collate(part, packed=s.packing, pad_id=self.policy.pad_id, adapter=actor.adapter,
                             shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
-            scored = to_host(actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
-                                   truncation=truncation))
+            scored = to_host(actor(batch.samples, vision_extra=batch.vision_extra,
+                                   temperature=distribution.temperature, truncation=distribution.truncation))
             lp = scored.log_probs
             cut = scored.outside if scored.outside is not None else torch.zeros_like(scored.action_mask)
             for j, i in enumerate(micro):  # none for a padding forward
