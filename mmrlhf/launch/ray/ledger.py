@@ -106,6 +106,13 @@ class StalenessStats:
     def add(self, staleness: int, samples: int) -> None:
         self.counts[int(staleness)] += int(samples)
 
+    def state_dict(self) -> dict[str, int]:
+        """The histogram as JSON (a checkpoint's): it is the run's, so a resumed run goes on counting from it."""
+        return {str(k): int(n) for k, n in sorted(self.counts.items())}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.counts = Counter({int(k): int(n) for k, n in state.items()})
+
     def metrics(self, step_values: list[int]) -> dict[str, float]:
         """``async/staleness_*`` of this step's experiences plus the run's histogram (``async/staleness_count_<k>``,
         samples)."""
