@@ -10,6 +10,7 @@ it at consumption time (a bug there is an error, never a silent off-policy updat
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -120,3 +121,21 @@ class StalenessStats:
                "async/staleness_max": float(max(step_values, default=0))}
         out.update({f"async/staleness_count_{k}": float(n) for k, n in sorted(self.counts.items())})
         return out
+
+
+@dataclass
+class WaitShares:
+    """The trainer's waits for experiences and the rollout actors' idle time between batches, each step's and their
+    shares of the wall time since the pipeline started (what tells whether ``max_staleness`` hides the generation)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    trainer: float = 0.0
+    rollout: float = 0.0
+
+    def add(self, trainer_wait: float, rollout_wait: float) -> dict[str, float]:
+        self.trainer += trainer_wait
+        self.rollout += rollout_wait
+        wall = time.perf_counter() - self.start
+        return {"async/trainer_wait_s": trainer_wait, "async/rollout_wait_s": rollout_wait,
+                "async/trainer_wait_share": self.trainer / wall, "async/rollout_wait_share": self.rollout / wall,
+                "time/wall": wall}
