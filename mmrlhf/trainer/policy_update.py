@@ -73,8 +73,9 @@ def _stack(items: Sequence[TrainItem], name: str) -> torch.Tensor:
 @torch.no_grad()
 def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings,
                            world: World | None = None) -> dict[str, float]:
-    """Write each item's ``policy_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response tokens,
-    narrowed by rollout correction and entropy selection) and ``is_weight`` (per token); returns metrics.
+    """Write each item's ``policy_loss_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response
+    tokens, narrowed by rollout correction and entropy selection; not the multi-turn ``TrainItem.policy_mask`` of
+    policy vs observation tokens, which ``loss_mask`` already holds) and ``is_weight`` (per token); returns metrics.
 
     ``world``: the training ranks, each holding its share of the step's items (default: one process). The entropy
     selection ranks the tokens of the whole step: every rank's candidate entropies are gathered, so each rank keeps
@@ -102,7 +103,7 @@ def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings,
         metrics["policy/high_entropy_kept_frac"] = math.ceil(s.high_entropy_top_p * candidates) / max(candidates, 1)
     for i, it in enumerate(items):
         a = it.token["loss_mask"].shape[0]
-        it.token["policy_mask"] = mask[i, :a].clone()
+        it.token["policy_loss_mask"] = mask[i, :a].clone()
         it.token["is_weight"] = weights[i, :a].clone()
     return metrics
 
@@ -122,7 +123,7 @@ class PolicyUpdater:
         (``policy/outside_kept_frac``)."""
         s = self.s
         need_ref = s.kl_loss_coef > 0
-        counts = [float(agg_count(it.token["policy_mask"][None], s.agg)) for it in items]
+        counts = [float(agg_count(it.token["policy_loss_mask"][None], s.agg)) for it in items]
         # The actor stays in eval mode: dropout would make the new log-probs differ from the old ones (scored
         # without it) for reasons that have nothing to do with the update, and break the ratio's meaning.
         self.actor.eval()
@@ -134,7 +135,7 @@ class PolicyUpdater:
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
                              truncation=truncation, return_entropy=s.entropy_coef > 0)
             tok = to_device(batch.token, out.log_probs.device)  # the loss's other inputs join the outputs
-            mask = tok["policy_mask"]
+            mask = tok["policy_loss_mask"]
             outside = None
             if out.outside is not None:
                 outside = out.outside & mask.bool()  # [b, A]
@@ -145,7 +146,7 @@ class PolicyUpdater:
                 entropy_coef=s.entropy_coef, token_weights=tok["is_weight"], agg_denominator=denom,
                 **dict(s.loss_params))
             if outside is not None:
-                metrics["outside_kept_frac"] = float(outside.sum()) / max(float(tok["policy_mask"].sum()), 1.0)
+                metrics["outside_kept_frac"] = float(outside.sum()) / max(float(tok["policy_loss_mask"].sum()), 1.0)
             if need_ref:
                 kl, m = kl_loss(out.log_probs, tok["base_action_log_probs"], mask, estimator=s.kl_loss_estimator,
                                 agg=s.agg, norm_len=s.norm_len, denominator=denom)

@@ -195,7 +195,7 @@ def _worker(rank: int, port: int, out: Path) -> None:
         entropy_metrics = prepare_policy_targets(items, ENTROPY, world)
         result = {
             "shaping": {name: _shape(name, rank, world) for name in ESTIMATORS},
-            "entropy": ([it.token["policy_mask"] for it in items], entropy_metrics),
+            "entropy": ([it.token["policy_loss_mask"] for it in items], entropy_metrics),
             "sampling": {case: _sampled(case, world) for case in ROUNDS},
             "sampling_control": _sampled("mixed", world, control=True),
         }
@@ -258,7 +258,7 @@ def test_entropy_selection_over_ranks_is_the_one_process_selection(ranks):
     own quantile, keeps other tokens."""
     items = _items(0) + _items(1)
     metrics = prepare_policy_targets(items, ENTROPY)
-    expected = [it.token["policy_mask"] for it in items]
+    expected = [it.token["policy_loss_mask"] for it in items]
     got = ranks[0]["entropy"][0] + ranks[1]["entropy"][0]
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
@@ -275,7 +275,7 @@ def test_entropy_selection_over_ranks_is_the_one_process_selection(ranks):
     for r in range(RANKS):
         share = _items(r)
         prepare_policy_targets(share, ENTROPY)
-        own += [it.token["policy_mask"] for it in share]
+        own += [it.token["policy_loss_mask"] for it in share]
     assert any(not torch.equal(a, b) for a, b in zip(own, expected))
 
 

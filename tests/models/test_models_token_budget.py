@@ -22,7 +22,7 @@ from mmrlhf.algorithms.kl import FixedKLController
 from mmrlhf.experience.batching import collate, split_experience
 from mmrlhf.experience.costs import forward_layout, item_costs, sample_costs
 from mmrlhf.experience.fast_maker import FastExperienceMaker
-from mmrlhf.experience.rollout import Rollout, ScoredRollout
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution
 from mmrlhf.experience.samples import cut_at_stop
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.models.actor import ActorVL
@@ -312,12 +312,12 @@ def test_scoring_under_a_budget_gives_the_count_split_experiences(bundle, step, 
 
 
 def test_ray_rescoring_under_a_budget_scores_every_item_in_order_with_agreed_forwards(bundle, step):
-    """The Ray trainer ranks' re-scoring (``RayRollouts._log_probs``): under a budget every item gets the count
+    """The Ray trainer ranks' re-scoring (``mmrlhf.launch.ray.rescore``): under a budget every item gets the count
     split's log-probs, in item order; two ranks holding 6 and 2 items run as many forwards each."""
     import threading
     from types import SimpleNamespace
 
-    from mmrlhf.launch.ray.source import RayRollouts, RaySettings
+    from mmrlhf.launch.ray.rescore import rescore
     from mmrlhf.parallel.world import single
     from mmrlhf.testing.lockstep import run_ranks
 
@@ -325,13 +325,7 @@ def test_ray_rescoring_under_a_budget_scores_every_item_in_order_with_agreed_for
     policy = SimpleNamespace(s=PolicyUpdateSettings(), actor=actor, pad_id=bundle.processor.tokenizer.pad_token_id)
 
     def score(tokens, world, part):
-        source = RayRollouts.__new__(RayRollouts)  # only what _log_probs reads
-        source.policy, source.world = policy, world
-        source.s = RaySettings(max_steps=1, max_staleness=0, on_rollout_failure="stop", max_actor_restarts=0,
-                               bucket_bytes=1, weight_kind="full", scoring_micro_batch_size=MICRO,
-                               scoring_max_tokens=tokens)
-        with torch.no_grad():
-            return source._log_probs(part, 0.9)
+        return rescore(policy, part, ScoringDistribution(0.9), world, micro_batch_size=MICRO, max_tokens=tokens)
 
     want, _ = score(None, single(), items)
     for tokens in ("auto", _budget(bundle, items, "padded")):

@@ -10,6 +10,7 @@ it at consumption time (a bug there is an error, never a silent off-policy updat
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -106,6 +107,13 @@ class StalenessStats:
     def add(self, staleness: int, samples: int) -> None:
         self.counts[int(staleness)] += int(samples)
 
+    def state_dict(self) -> dict[str, int]:
+        """The histogram as JSON (a checkpoint's): it is the run's, so a resumed run goes on counting from it."""
+        return {str(k): int(n) for k, n in sorted(self.counts.items())}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.counts = Counter({int(k): int(n) for k, n in state.items()})
+
     def metrics(self, step_values: list[int]) -> dict[str, float]:
         """``async/staleness_*`` of this step's experiences plus the run's histogram (``async/staleness_count_<k>``,
         samples)."""
@@ -113,3 +121,21 @@ class StalenessStats:
                "async/staleness_max": float(max(step_values, default=0))}
         out.update({f"async/staleness_count_{k}": float(n) for k, n in sorted(self.counts.items())})
         return out
+
+
+@dataclass
+class WaitShares:
+    """The trainer's waits for experiences and the rollout actors' idle time between batches, each step's and their
+    shares of the wall time since the pipeline started (what tells whether ``max_staleness`` hides the generation)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    trainer: float = 0.0
+    rollout: float = 0.0
+
+    def add(self, trainer_wait: float, rollout_wait: float) -> dict[str, float]:
+        self.trainer += trainer_wait
+        self.rollout += rollout_wait
+        wall = time.perf_counter() - self.start
+        return {"async/trainer_wait_s": trainer_wait, "async/rollout_wait_s": rollout_wait,
+                "async/trainer_wait_share": self.trainer / wall, "async/rollout_wait_share": self.rollout / wall,
+                "time/wall": wall}
