@@ -164,19 +164,23 @@ RolloutFactory = Callable[[MMRLHFConfig, World, Any, "str | None", Callable[[Any
 
 
 def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path: str | None,
-                   freeze: Callable[[Any], None]) -> Rollouts:
-    """The rollout factory of one process and of every torchrun rank: an engine in this process, the experience
-    maker (its actor is the trained policy), the prompt stream and the held-out evaluation (rank 0)."""
+                   freeze: Callable[[Any], None], *, share: tuple[int, int] | None = None,
+                   engine_sleeps: bool = True) -> Rollouts:
+    """The rollout factory of one process, of every torchrun rank and of every Ray rollout actor: an engine in this
+    process, the experience maker (its actor is the trained policy, or a Ray actor's scoring copy), the prompt stream
+    and the held-out evaluation (rank 0, or the first ``share``). ``share`` and ``engine_sleeps``: see
+    :class:`~mmrlhf.trainer.rollouts.LocalSettings`."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
 
     t, a, d = config.trainer, config.algorithm, config.data
     stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path)
-    evaluator = build_evaluator(config, stack.maker) if t.eval_steps and world.is_main else None
+    first = world.is_main if share is None else share[0] == 0
+    evaluator = build_evaluator(config, stack.maker) if t.eval_steps and first else None
     settings = LocalSettings(
         rollout_batch_size=t.rollout_batch_size, dynamic_sampling=a.dynamic_sampling,
         dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
-        dynamic_sampling_tol=a.dynamic_sampling_tol)
+        dynamic_sampling_tol=a.dynamic_sampling_tol, engine_sleeps=engine_sleeps, share=share)
     stream = PromptStream(build_prompt_source(config), seed=t.seed, shuffle=d.shuffle,
                           restart_on_change=d.restart_stream_on_resume)
     return Rollouts(stack.actor, LocalRollouts(stack.maker, stream, world, settings, evaluator), stack.processor,

@@ -88,10 +88,18 @@ class LocalSettings:
     dynamic_sampling_max_extra_rounds: int = 3
     dynamic_sampling_tol: float = 0.0
     sync_only_trainable: bool = True
+    # The engine sleeps from the end of a generation until :meth:`LocalRollouts.publish` wakes it (where it can:
+    # vLLM sleep mode). Off for a Ray rollout actor: its weights arrive by push, and nothing would wake it.
+    engine_sleeps: bool = True
+    # Which prompts of each step this producer generates: (index, count) takes ``records[index::count]``; None: this
+    # rank's share of the world's (``rank::world_size``). A Ray rollout actor is one share of the step.
+    share: tuple[int, int] | None = None
 
 
 class LocalRollouts:
-    """An engine in this process (vLLM or transformers), its experience maker and the prompt stream.
+    """An engine in this process (vLLM or transformers), its experience maker and the prompt stream: the one
+    producer of step batches, for one process, every torchrun rank and every Ray rollout actor (which holds one
+    made by the same factory and only positions its stream and seeds its maker per step).
 
     Every rank reads the same stream (same seed) and generates its own share of whole prompts (``rank::world``), so
     GRPO groups never straddle ranks. With dynamic sampling every rank samples its share of each round and the ranks
@@ -108,7 +116,7 @@ class LocalRollouts:
     @property
     def sleeps(self) -> bool:
         """Whether the engine sleeps between generations (vLLM sleep mode, ``rollout.enable_sleep`` on CUDA)."""
-        return bool(getattr(self.engine, "supports_sleep", False))
+        return self.s.engine_sleeps and bool(getattr(self.engine, "supports_sleep", False))
 
     def start(self, step: int, policy: Any, critic: Any | None) -> None:
         return None  # the engine was built from the policy's weights (or the checkpoint's)
@@ -191,7 +199,8 @@ class LocalRollouts:
     def _sample(self, n_prompts: int) -> tuple[ScoredRollout, list[Any]]:
         """This rank's share of a round, and the record ids of the prompts it asked for, in order."""
         records = self.stream.next_batch(n_prompts)  # every rank draws the same global batch (same seed) ...
-        columns = record_columns(records[self.world.rank::self.world.world_size])  # ... and generates its share
+        index, count = self.s.share or (self.world.rank, self.world.world_size)
+        columns = record_columns(records[index::count])  # ... and generates its share
         return self.maker.generate_rollout(**columns), columns["record_ids"]
 
     # ---- publish -------------------------------------------------------------------------------------------------

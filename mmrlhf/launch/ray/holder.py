@@ -1,6 +1,9 @@
-"""``ExperienceMakerHolder``: a rollout actor. It owns an experience maker (engine, scoring copy of the policy,
-reference, critic copy, reward engine), generates its share of each step's prompts and returns finished experiences
-(CPU tensors) through Ray's object store; trainers push new weights back with :meth:`update_experience_maker`.
+"""``ExperienceMakerHolder``: a rollout actor. It holds the producer every launch mode uses
+(:class:`~mmrlhf.trainer.rollouts.LocalRollouts`, made by the same factory: engine, scoring copy of the policy,
+reference, critic copy, reward engine, prompt stream), positions its stream and seeds its maker for the step it is
+asked for, and returns that producer's step batch for its share of the step's prompts (train items, CPU tensors, with
+their metrics and scoring distribution) through Ray's object store; trainers push new weights back with
+:meth:`update_experience_maker`.
 
 Why a lock: the actor runs with two threads so that weight chunks can be received while a batch is generated, but
 the weights it generates and scores with change only between batches: chunks are staged, and the last one applies
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -30,12 +33,6 @@ def holder_name(index: int) -> str:
     return f"{HOLDER_NAME}-{index}"
 
 
-def share_of(records: Sequence[Any], index: int, count: int) -> list[Any]:
-    """The prompts of one step that rollout actor ``index`` of ``count`` generates (whole prompts: GRPO groups
-    never straddle two actors)."""
-    return list(records[index::count])
-
-
 class ExperienceMakerHolder:
     """Rollout actor ``index`` of ``count`` (wrapped with ``ray.remote`` by the driver).
 
@@ -47,9 +44,8 @@ class ExperienceMakerHolder:
 
     def __init__(self, config: dict[str, Any], index: int, count: int, threads: int) -> None:
         from mmrlhf.config import build_config
-        from mmrlhf.data.stream import PromptStream
-        from mmrlhf.experience.builder import build_experience_maker
-        from mmrlhf.trainer.builder import build_critic, build_evaluator, build_prompt_source
+        from mmrlhf.parallel.world import single
+        from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
         from mmrlhf.trainer.state import seed_everything
 
@@ -65,10 +61,11 @@ class ExperienceMakerHolder:
         def freeze(actor: Any) -> None:
             freeze_vision(actor.model, actor.adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
 
-        self.stack = build_experience_maker(cfg, critic=critic, before_engine=freeze)
-        self.maker = self.stack.maker
-        self.stream = PromptStream(build_prompt_source(cfg), seed=t.seed, shuffle=cfg.data.shuffle)
-        self.evaluator = build_evaluator(cfg, self.maker) if (t.eval_steps and index == 0) else None
+        # One share of every step (whole prompts: GRPO groups never straddle two actors); the engine never sleeps
+        # (weights arrive by push). Its own world: the shaping's statistics are this share's, as they always were.
+        made = local_rollouts(cfg, single(), critic, None, freeze, share=(index, count), engine_sleeps=False)
+        self.producer, self.actor = made.source, made.actor
+        self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0
         self._lock = threading.Lock()  # held by a generation and by the application of an update
         self._stage_lock = threading.Lock()
@@ -78,13 +75,11 @@ class ExperienceMakerHolder:
 
     # ---- rollout ---------------------------------------------------------------------------------------------------
     def generate(self, step: int, min_version: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The experiences of this actor's share of ``step``'s prompts, generated with policy version >=
+        """The train items of this actor's share of ``step``'s prompts, generated with policy version >=
         ``min_version`` (the staleness gate; the driver only asks once that version was pushed). Two objects (called
-        with ``num_returns=2``): the small metadata the driver reads, and the same plus the experiences, which only
-        the trainer reads."""
-        from mmrlhf.data.stream import record_columns
+        with ``num_returns=2``): the small metadata the driver reads, and the same plus the items, which only the
+        trainer reads."""
         from mmrlhf.launch.ray.ledger import StaleExperienceError
-        from mmrlhf.trainer.rollouts import variance_metrics
 
         with self._lock:
             start = time.perf_counter()
@@ -93,28 +88,18 @@ class ExperienceMakerHolder:
                 raise StaleExperienceError(f"{holder_name(self.index)}: asked for step {step} with version >= "
                                            f"{min_version} while holding version {self.version}")
             version = self.version
-            records = share_of(self._records(step), self.index, self.count)
-            # Sampling seeds follow (step, actor), not this process's call count: a restarted actor regenerates a
-            # lost batch with the same seeds.
+            # Positioned by step (every actor reads the same stream and keeps its share), and sampling seeds that
+            # follow (step, actor), not this process's call count: a restarted actor regenerates a lost batch with
+            # the same prompts and seeds.
+            self._seek(step)
             self.maker.load_state_dict({"calls": step * self.count + self.index})
-            rollout = self.maker.generate_rollout(**record_columns(records))
-            experiences = self.maker.experiences_from(rollout)  # CPU tensors whatever the models' device
-            metrics = dict(rollout.metrics)
-            metrics.update(variance_metrics([rollout], self.config.algorithm.dynamic_sampling_tol))
-            metrics.update({k: v for k, v in experiences[0].info["batch"].items() if k not in metrics})
+            batch = self.producer.collect(step)  # CPU tensors whatever the models' device
             self._last_end = time.perf_counter()
-        meta = {"step": step, "share": self.index, "version": version, "samples": len(rollout),
+        meta = {"step": step, "share": self.index, "version": version, "samples": len(batch.items),
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
-                "distribution": rollout.distribution,
-                "metrics": metrics, "rollout_wait_s": waited,
+                "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
-        return meta, {**meta, "experiences": experiences}
-
-    def _records(self, step: int) -> list[Any]:
-        """All of ``step``'s prompts (every actor reads the same stream and keeps its share); positioned by step, so
-        a restarted actor picks up where the run is."""
-        self._seek(step)
-        return self.stream.next_batch(self.config.trainer.rollout_batch_size)
+        return meta, {**meta, "items": batch.items}
 
     def _seek(self, step: int) -> None:
         """The stream where step ``step``'s prompts begin."""
@@ -180,15 +165,15 @@ class ExperienceMakerHolder:
         from mmrlhf.models.lora import lora_model
         from mmrlhf.rollout.weight_sync import sync_weights
 
-        if (kind == "lora") != (lora_model(self.stack.actor.model) is not None):
+        if (kind == "lora") != (lora_model(self.actor.model) is not None):
             raise ValueError(f"update_experience_maker: {kind!r} weights for a rollout actor whose policy "
                              f"{'has' if kind != 'lora' else 'has no'} LoRA adapters (model.lora differs)")
         with torch.no_grad():
-            _copy_into(self.stack.actor.model, policy, "policy")
+            _copy_into(self.actor.model, policy, "policy")
             if critic:
                 _copy_into(self.maker.critic, critic, "critic")
         if policy:
-            sync_weights(self.stack.actor.model, self.stack.engine)
+            sync_weights(self.actor.model, self.producer.engine)
 
     def state(self) -> dict[str, Any]:
         """Version and identity (the driver's health check)."""
@@ -196,7 +181,7 @@ class ExperienceMakerHolder:
 
     def scoring_weights(self) -> dict[str, torch.Tensor]:
         """The scoring actor copy's trainable tensors (tests compare them with the trainer's)."""
-        return {n: p.detach().clone() for n, p in self.stack.actor.model.named_parameters() if p.requires_grad}
+        return {n: p.detach().clone() for n, p in self.actor.model.named_parameters() if p.requires_grad}
 
 
 def _copy_into(module: torch.nn.Module, named: list[tuple[str, torch.Tensor]], what: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrlhf.experience.batching import group_keys, split_experience
+from mmrlhf.experience.batching import group_keys
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.launch.ray.delivery import DeliverySettings, WeightDelivery
 from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, WaitShares, check_staleness
@@ -193,14 +193,14 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
               "metrics": {"samples": 0.0}} for _ in range(ranks)]
     order: dict[tuple[int, Any], int] = {}
     for p, s in zip(payloads, staleness):
-        share_items = [it for exp in p["experiences"] for it in split_experience(exp)]
+        share_items = list(p["items"])
         # An item's tensors are views of its experience's: handed to another rank (pickled), a view would carry the
         # experience's whole storage with it.
         if ranks > 1:
             share_items = [_compact(it) for it in share_items]
         if len(share_items) != p["samples"]:
             raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, "
-                               f"{len(share_items)} in the experiences")
+                               f"{len(share_items)} items sent")
         ledger.produce(step, p["share"], p["samples"])
         ledger.consume(step, p["share"], len(share_items))
         for it, key in zip(share_items, group_keys(share_items)):
