@@ -189,7 +189,8 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
     if len(scorings) != 1:
         raise ValueError(f"step {step}: experiences scored under different distributions "
                          f"{sorted(map(str, scorings))}")
-    parts = [{"items": [], "fresh": [], "distribution": scorings.pop(),
+    distribution = scorings.pop()
+    parts = [{"items": [], "fresh": [], "distribution": distribution,
               "metrics": {"samples": 0.0}} for _ in range(ranks)]
     order: dict[tuple[int, Any], int] = {}
     for p, s in zip(payloads, staleness):
