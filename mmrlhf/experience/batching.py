@@ -10,7 +10,7 @@ forward sees exactly the sequences, M-RoPE positions and vision inputs the exper
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -81,6 +81,18 @@ def split_experience(exp: ExperienceVL) -> list[TrainItem]:
                                vision=exp.vision_inputs(i), vision_extra=extra, token=token, info=info,
                                policy_mask=policy))
     return items
+
+
+def compact(item: TrainItem) -> TrainItem:
+    """``item`` with its own copies of its tensors. Split from an experience, an item's tensors are views of the
+    experience's; pickled to another process (Ray's object store, another rank), each view would carry the
+    experience's whole storage with it (measured: a 1,024-sample toy step grew to a 4.9 GB object)."""
+    def own(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in d.items()}
+
+    return replace(item, vision=own(item.vision), vision_extra=own(item.vision_extra),
+                   token=own(item.token), info=own(item.info),
+                   policy_mask=None if item.policy_mask is None else item.policy_mask.clone())
 
 
 def group_keys(items: Sequence[TrainItem]) -> list[Any]:

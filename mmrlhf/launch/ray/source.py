@@ -194,11 +194,7 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
               "metrics": {"samples": 0.0}} for _ in range(ranks)]
     order: dict[tuple[int, Any], int] = {}
     for p, s in zip(payloads, staleness):
-        share_items = list(p["items"])
-        # An item's tensors are views of its experience's: handed to another rank (pickled), a view would carry the
-        # experience's whole storage with it.
-        if ranks > 1:
-            share_items = [_compact(it) for it in share_items]
+        share_items = list(p["items"])  # compact: each owns its tensors (see the rollout actor's generate)
         if len(share_items) != p["samples"]:
             raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, "
                                f"{len(share_items)} items sent")
@@ -227,11 +223,3 @@ def _with_token(item: Any, **token: torch.Tensor) -> Any:
     """``item`` with ``token`` entries replaced (a new item: the one the rollout actor sent stays as it came)."""
     return replace(item, token={**item.token, **token})
 
-
-def _compact(item: Any) -> Any:
-    """``item`` with its own copies of its tensors (not views into the experience it was split from)."""
-    def own(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in d.items()}
-
-    return replace(item, vision=own(item.vision), vision_extra=own(item.vision_extra), token=own(item.token),
-                   info=own(item.info), policy_mask=None if item.policy_mask is None else item.policy_mask.clone())
