@@ -44,6 +44,7 @@ class ExperienceMakerHolder:
 
     def __init__(self, config: dict[str, Any], index: int, count: int, threads: int) -> None:
         from mmrlhf.config import build_config
+        from mmrlhf.devices import resolve_device
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
@@ -63,7 +64,8 @@ class ExperienceMakerHolder:
 
         # One share of every step (whole prompts: GRPO groups never straddle two actors); the engine never sleeps
         # (weights arrive by push). Its own world: the shaping's statistics are this share's, as they always were.
-        made = local_rollouts(cfg, single(), critic, None, freeze, share=(index, count), engine_sleeps=False)
+        made = local_rollouts(cfg, single(resolve_device(t.device)), critic, None, freeze, share=(index, count),
+                              engine_sleeps=False)
         self.producer, self.actor = made.source, made.actor
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0
