@@ -15,7 +15,8 @@ process group, the engine) costs several times the step, so the test launches th
 Cases with the same ``drop-group`` share one trainer and its first rollout: a control records its gradients and
 skips its optimiser step (the weights, the optimiser and the shuffling generator stay as built), so the plain case
 after it trains exactly as in a launch of its own. Other cases get a trainer of their own, built from the same
-seeds; that takes one process (a torchrun rank cannot start a second vLLM engine: launch those cases separately).
+seeds; that takes one process. Under torchrun launch those separately: closing a rank's first engine took the
+default process group with it, and a second engine, after a fresh join, failed to connect its gloo group (tried).
 """
 
 from __future__ import annotations
