@@ -49,15 +49,19 @@ def test_records_are_deterministic_per_split():
         make_record(0, size=55)
 
 
-@pytest.mark.slow  # ~4.5 min on the 2-core machine: 160 multi-turn GRPO steps through vLLM
+@pytest.mark.slow  # ~4 min on the 2-core machine: 140 multi-turn GRPO steps through vLLM
 @pytest.mark.vllm
 # The suite's 900 s hang guard is too close for this one run: on a busy AVX2-only machine its steps took up to 10 s
 # (1.4-2 s idle) and it passed 900 s at step 128 of 160, learning (reward 0.94) but cut off.
 @pytest.mark.timeout(1800)
 def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
-    """Measured with the shipped recipe (seed 0, this machine): eval 0.2-0.3 (guessing) until step 100, 1.0 from
-    step 120; tool use fell to ~0.06 by step 75, then rose to 0.99 (steps 126-150). This run, 40 steps longer than
-    that first 1.0, asserts the rise with margin (another CPU's float order changes the samples and the timing)."""
+    """Measured with the shipped recipe (seed 0, eval every 20 steps; docs/agents.md): eval 0.2-0.3 (guessing) until
+    step 100, 1.0 from step 120 on; reward 25-step means 0.54 (steps 101-125), 0.87 (126-150); tool use fell to
+    ~0.06 by step 75, then rose to 0.69 (101-125) and 0.99 (126-150). An AVX2-only machine gave the same curve to
+    the printed digits. This run ends 20 steps after that first 1.0, where tool use is at 0.99 against the 0.8
+    asserted (it ran 160 steps before; the 20 steps cut are ~30 s here and ~85 s on the AVX2-only machine at the
+    median step times of docs/agents.md). Measured at 140 steps (eval every 70): eval 0.30 then 1.0, last-10 tool
+    use 0.985 and out of budget 0.016, first-10 reward 0.13."""
     from mmrlhf.config import load_config
     from mmrlhf.launch import run
     from mmrlhf.testing.tiny_models import tiny_model_dir
@@ -65,13 +69,15 @@ def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
     out = tmp_path / "run"
     config = load_config("examples/agent_zoom_toy_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', tools=True)}", f"trainer.output_dir={out}",
-        "trainer.max_steps=160", "trainer.eval_steps=80", "trainer.progress_bar=false", "trainer.tensorboard=false",
+        "trainer.max_steps=140", "trainer.eval_steps=70", "trainer.progress_bar=false", "trainer.tensorboard=false",
         "trainer.report_steps=0", "trainer.save_steps=1000"])
     assert run(config) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/reward/mean"] for r in rows if "eval/reward/mean" in r]
-    assert evals[-1] >= 0.9, evals
     late = rows[-10:]
+    print(f"\nagent toy: eval {evals}; last-10 tool use {[r['agent/tool_use_rate'] for r in late]}, out of budget "
+          f"{[r['agent/out_of_budget_rate'] for r in late]}; first-10 reward {[r['reward/mean'] for r in rows[:10]]}")
+    assert evals[-1] >= 0.9, evals
     assert sum(r["agent/tool_use_rate"] for r in late) / len(late) >= 0.8, [r["agent/tool_use_rate"] for r in late]
     assert sum(r["agent/out_of_budget_rate"] for r in late) / len(late) <= 0.2  # it answers, not calls again
     assert sum(r["reward/mean"] for r in rows[:10]) / 10 < 0.3  # it started at guessing

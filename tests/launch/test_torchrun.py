@@ -189,24 +189,41 @@ def test_the_update_normalises_over_ranks():
 
 
 # ---- acceptance: 2 ranks vs one process ---------------------------------------------------------------------------
+CASES = {  # name -> the worker's case options (torchrun_worker.py)
+    "first": "",  # the toy task's first step
+    "control": ",control=per-rank-norm",  # ... with each rank normalising by its own token count (2 ranks only)
+    "uneven": ",drop-group=1",  # ... with group 1 (rank 1's) left out and micro-batches of 16
+}
+
+
 @pytest.fixture(scope="module")
-def first_step(tmp_path_factory, toy_model):
+def worker_steps(tmp_path_factory, toy_model):
+    """{(case, "single" | "sharded") -> (tensors, metrics)} of the worker's first steps.
+
+    Shared by every first-step test of this module and made in three launches (one process: both of its cases; 2
+    ranks: the control and the plain step on one trainer and rollout; 2 ranks: the uneven step, which needs a
+    trainer of its own), where one launch per case made five: a launch (the imports, the process group, the engine)
+    costs several times the step."""
+    launches = [("single", ("first", "uneven")), ("sharded", ("control", "first")), ("sharded", ("uneven",))]
+    folders = {(case, side): tmp_path_factory.mktemp(f"{case}-{side}") for side, cases in launches for case in cases}
+    for side, cases in launches:
+        args = [str(WORKER), "--model", toy_model,
+                *[arg for case in cases for arg in ("--case", f"{folders[case, side]}{CASES[case]}")]]
+        if side == "sharded":
+            _torchrun(*args, timeout=600)
+        else:
+            proc = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=900,
+                                  cwd=ROOT)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {key: (torch.load(folder / "tensors.pt", weights_only=True),
+                  json.loads((folder / "metrics.json").read_text())) for key, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def first_step(worker_steps):
     """{single, sharded, control} -> (tensors, metrics) of the first step."""
-    return {name: _first_step(tmp_path_factory.mktemp(name), toy_model, sharded=name != "single",
-                              extra=["--control", "per-rank-norm"] if name == "control" else [])
-            for name in ("single", "sharded", "control")}
-
-
-def _first_step(folder: Path, toy_model: str, *, sharded: bool, extra: list[str], timeout: int = 600):
-    """(tensors, metrics) of the worker's first step, in one process or on 2 ranks."""
-    args = [str(WORKER), "--out", str(folder), "--model", toy_model, *extra]
-    if sharded:
-        _torchrun(*args, timeout=timeout)
-    else:
-        proc = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout,
-                              cwd=ROOT)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return (torch.load(folder / "tensors.pt", weights_only=True), json.loads((folder / "metrics.json").read_text()))
+    return {"single": worker_steps["first", "single"], "sharded": worker_steps["first", "sharded"],
+            "control": worker_steps["control", "sharded"]}
 
 
 @pytest.mark.slow
@@ -244,13 +261,11 @@ def test_control_per_rank_normalisation_does_not_match(first_step):
 
 
 @pytest.fixture(scope="module")
-def uneven_step(tmp_path_factory, toy_model):
+def uneven_step(worker_steps):
     """{single, sharded} -> (tensors, metrics) of a first step in which group 1 (rank 1's) is left out, as a skipped
     prompt would be: rank 0 holds 64 samples, rank 1 48, so with micro-batches of 16 rank 1 has fewer scoring
     forwards and update micro-batches. Without padding, rank 0's extra FSDP collectives wait forever."""
-    return {name: _first_step(tmp_path_factory.mktemp(f"uneven-{name}"), toy_model, sharded=name == "sharded",
-                              extra=["--drop-group", "1"], timeout=420)
-            for name in ("single", "sharded")}
+    return {side: worker_steps["uneven", side] for side in ("single", "sharded")}
 
 
 @pytest.mark.slow

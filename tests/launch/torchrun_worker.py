@@ -7,14 +7,23 @@ stream and engine (rank 0 samples with the one-process seed), rank 0 broadcasts 
 optimiser receives (all-gathered from the shards), the update metrics and the updated parameters.
 
 The reward leaves about a third of the samples out of the loss, so the ranks train on different numbers of
-tokens. ``--control per-rank-norm``: each rank normalises its loss by its OWN token count (as if the denominator
+tokens. ``control=per-rank-norm``: each rank normalises its loss by its OWN token count (as if the denominator
 were not summed over ranks); that must NOT match.
+
+One launch runs several cases (``--case OUT[,control=per-rank-norm][,drop-group=N]``): a launch (the imports, the
+process group, the engine) costs several times the step, so the test launches three times, not once per case.
+Cases with the same ``drop-group`` share one trainer and its first rollout: a control records its gradients and
+skips its optimiser step (the weights, the optimiser and the shuffling generator stay as built), so the plain case
+after it trains exactly as in a launch of its own. Other cases get a trainer of their own, built from the same
+seeds; that takes one process. Under torchrun launch those separately: closing a rank's first engine took the
+default process group with it, and a second engine, after a fresh join, failed to connect its gloo group (tried).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -22,31 +31,58 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def parse_case(spec: str) -> dict:
+    """``OUT[,control=per-rank-norm][,drop-group=N]`` -> {out, control, drop_group}."""
+    out, *options = spec.split(",")
+    case = {"out": Path(out), "control": "", "drop_group": -1}
+    for option in options:
+        key, value = option.split("=", 1)
+        if key == "control" and value == "per-rank-norm":
+            case["control"] = value
+        elif key == "drop-group":  # leave this group out (as if its prompt were skipped on its rank): the ranks
+            # then hold different numbers of samples; micro-batches of 16 make their forward counts differ
+            case["drop_group"] = int(value)
+        else:
+            raise SystemExit(f"unknown case option {option!r} in {spec!r}")
+    return case
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--control", default="")
-    ap.add_argument("--drop-group", type=int, default=-1,
-                    help="leave this group out (as if its prompt were skipped on its rank): the ranks then hold "
-                         "different numbers of samples; micro-batches of 16 make their forward counts differ")
+    ap.add_argument("--case", action="append", required=True, type=parse_case,
+                    help="OUT[,control=per-rank-norm][,drop-group=N]; repeat for several cases in this launch")
     args = ap.parse_args()
 
-    from mmrlhf.config import load_config
-    from mmrlhf.data.stream import record_columns
     from mmrlhf.launch.backend import launched_by_torchrun
-    from mmrlhf.parallel.world import full, join_from_env, leave
-    from mmrlhf.trainer.builder import build_trainer
+    from mmrlhf.parallel.world import join_from_env, leave
 
     dist = join_from_env("gloo") if launched_by_torchrun() else None
-    out = Path(args.out)
+    for drop_group, cases in groupby(args.case, key=lambda case: case["drop_group"]):
+        cases = list(cases)
+        plain = [case for case in cases if not case["control"]]
+        if len(plain) > 1 or (plain and plain[0] is not cases[-1]):
+            raise SystemExit("a trainer's cases: controls first, then at most one plain case (it steps)")
+        first_step(dist, args.model, drop_group, cases)
+    if dist is not None:
+        leave()
+
+
+def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
+    """Build a trainer, generate the first rollout, and train this rank's share of it once per case."""
+    from mmrlhf.config import load_config
+    from mmrlhf.data.stream import record_columns
+    from mmrlhf.parallel.world import full
+    from mmrlhf.trainer.builder import build_trainer
+
     config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
-        f"model.pretrain={args.model}", f"trainer.output_dir={out / 'run'}", "trainer.overwrite_output_dir=true",
-        "trainer.eval_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
-        "trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=32",
-        "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05", "algorithm.entropy_coef=0.01",
+        f"model.pretrain={model}", f"trainer.output_dir={cases[0]['out'] / 'run'}",
+        "trainer.overwrite_output_dir=true", "trainer.eval_steps=0", "trainer.progress_bar=false",
+        "trainer.tensorboard=false", "trainer.rollout_batch_size=8", "trainer.train_batch_size=128",
+        "trainer.micro_train_batch_size=32", "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05",
+        "algorithm.entropy_coef=0.01",
         "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}",
-        *(["rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16"] if args.drop_group >= 0
+        *(["rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16"] if drop_group >= 0
           else [])])
     trainer = build_trainer(config, world=dist)
     source = trainer.p.source
@@ -58,37 +94,48 @@ def main() -> None:
         rollout = source.maker.generate_rollout(**record_columns(records))
     if dist is not None:
         rollout = dist.broadcast_object(rollout)
-    if args.control == "per-rank-norm":  # single-number sums are the loss denominators (and the finite flags)
-        all_sum = dist.all_sum
-        object.__setattr__(dist, "all_sum", lambda v: [x * world for x in v] if len(v) == 1 else all_sum(v))
     groups = rollout.group_ids.tolist()
-    rows = [i for i, g in enumerate(groups) if g % world == rank and g != args.drop_group]
+    rows = [i for i, g in enumerate(groups) if g % world == rank and g != drop_group]
     share = rollout.select(rows)
 
-    captured: dict[str, torch.Tensor] = {}
     stepper = trainer.p.policy.stepper
     original_step = stepper.step
+    shuffle = trainer.p.shuffle.get_state()
+    for case in cases:
+        control = case["control"] == "per-rank-norm"
+        captured: dict[str, torch.Tensor] = {}
 
-    def recording_step(loss_finite: bool):
-        for name, p in trainer.p.policy.actor.named_parameters():
-            if p.grad is not None:
-                captured[f"grad.{name}"] = full(p.grad).detach().clone()
-        return original_step(loss_finite)
+        def recording_step(loss_finite: bool):
+            for name, p in trainer.p.policy.actor.named_parameters():
+                if p.grad is not None:
+                    captured[f"grad.{name}"] = full(p.grad).detach().clone()
+            if control:  # only its gradients count: no step, so the next case starts from the built weights
+                stepper.optimizer.zero_grad(set_to_none=True)
+                return float("nan"), False
+            return original_step(loss_finite)
 
-    stepper.step = recording_step
-    metrics = trainer.train_on(source.prepare(share, dict(share.metrics)))
-    params = {f"param.{n}": full(p.detach()).clone() for n, p in trainer.p.policy.actor.named_parameters()
-              if p.requires_grad}
-    if rank == 0:
-        torch.save({**captured, **params}, out / "tensors.pt")
-        keep = {k: float(v) for k, v in metrics.items() if k.startswith(("policy/", "engine_logprob_diff/"))}
-        keep["samples_per_rank"] = float(len(share))
-        keep["valid_rewards"] = float(rollout.rewards.valid.sum())
-        keep["rewards_sum"] = float(rollout.rewards.rewards[rollout.rewards.valid].sum())
-        (out / "metrics.json").write_text(json.dumps(keep))
+        stepper.step = recording_step
+        trainer.p.shuffle.set_state(shuffle)  # each case draws the same mini-batch order
+        if control:  # single-number sums are the loss denominators (and the finite flags)
+            all_sum = dist.all_sum
+            object.__setattr__(dist, "all_sum", lambda v: [x * world for x in v] if len(v) == 1 else all_sum(v))
+        try:
+            metrics = trainer.train_on(source.prepare(share, dict(share.metrics)))
+        finally:
+            if control:  # the next case sums over the ranks again
+                object.__delattr__(dist, "all_sum")
+        params = {f"param.{n}": full(p.detach()).clone() for n, p in trainer.p.policy.actor.named_parameters()
+                  if p.requires_grad}
+        if rank == 0:
+            out = case["out"]
+            torch.save({**captured, **params}, out / "tensors.pt")
+            keep = {k: float(v) for k, v in metrics.items() if k.startswith(("policy/", "engine_logprob_diff/"))}
+            keep["samples_per_rank"] = float(len(share))
+            keep["valid_rewards"] = float(rollout.rewards.valid.sum())
+            keep["rewards_sum"] = float(rollout.rewards.rewards[rollout.rewards.valid].sum())
+            (out / "metrics.json").write_text(json.dumps(keep))
+    stepper.step = original_step
     source.engine.close()
-    if dist is not None:
-        leave()
 
 
 if __name__ == "__main__":
