@@ -162,6 +162,7 @@ def _hang_announced(responses, prompts, labels, references):
 
 HUNG_RUN = """
 import faulthandler, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's: not an ignore inherited from the parent
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's diagnosis if the process does not end
 sys.path.insert(0, {here!r})
 from mmrlhf.config import build_config
@@ -222,7 +223,11 @@ def test_an_interrupted_computation_winds_its_loop_down_before_the_interrupt_pro
             raise
 
     assert threading.current_thread() is threading.main_thread()
-    with pytest.raises(KeyboardInterrupt):
-        run_loop_serving_main_thread(interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's (the suite may ignore it)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_loop_serving_main_thread(interrupted)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert seen == ["cancelled"]
     assert not [t for t in threading.enumerate() if t.name == "reward-loop"]
