@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmrlhf.testing.tolerances import assert_close_at_scale, close_at_scale, scale_atol
+from mmrlhf.testing.tolerances import assert_close_at_scale, assert_no_farther, close_at_scale, scale_atol
 
 
 def test_noise_at_an_entry_near_zero_passes_where_an_absolute_tolerance_fails():
@@ -32,3 +32,18 @@ def test_zero_tensor_needs_zeros():
     z = torch.zeros(4)
     assert scale_atol(z) < 1e-30
     assert not close_at_scale(torch.full((4,), 1e-8), z)
+
+
+def test_a_path_as_noisy_as_the_baseline_passes_and_one_ten_times_farther_fails():
+    """Two float32 paths both ~3e-4 of the scale from float64 (TF32 convolutions on CUDA) pass, though they differ by
+    more than the summation bound; the control, an error 10x the baseline's, fails."""
+    gen = torch.Generator().manual_seed(0)
+    reference = torch.randn(64, 64, generator=gen, dtype=torch.float64)
+    top = float(reference.abs().max())
+    baseline = (reference + 3e-4 * top * (2 * torch.rand(64, 64, generator=gen, dtype=torch.float64) - 1)).float()
+    same_noise = (reference + 3e-4 * top * (2 * torch.rand(64, 64, generator=gen, dtype=torch.float64) - 1)).float()
+    assert not close_at_scale(same_noise, baseline)  # the summation-order bound would call them different
+    assert_no_farther(same_noise, baseline, reference)
+    worse = (reference + 3e-3 * top * torch.sign(reference)).float()
+    with pytest.raises(AssertionError, match="float64"):
+        assert_no_farther(worse, baseline, reference)

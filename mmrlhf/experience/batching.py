@@ -39,6 +39,11 @@ class TrainItem:
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample 0-d tensors (reward, valid, group, ...)
     policy_mask: torch.Tensor | None = None  # [A_i] bool multi-turn: policy tokens (None: all response tokens)
 
+    def with_token(self, **token: torch.Tensor) -> "TrainItem":
+        """A new item with these per-token entries replaced or added; this one stays as it is (what a step's items
+        were when they came is what a report, a retry or a re-score reads)."""
+        return replace(self, token={**self.token, **token})
+
 
 @dataclass
 class TrainBatch:

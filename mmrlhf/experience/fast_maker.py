@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -36,15 +36,15 @@ from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.kinds.base import RolloutCall, RolloutKind
 from mmrlhf.experience.kinds.single_turn import SingleTurn
 from mmrlhf.experience.maker_metrics import engine_mismatch, outside_metrics, rollout_metrics
-from mmrlhf.experience.rollout import Rollout, ScoredRollout
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples
-from mmrlhf.experience.scoring_split import consecutive, one_at_a_time, regroup, scoring_plan
+from mmrlhf.experience.scoring_split import consecutive, regroup, scoring_plan
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
 from mmrlhf.models.placement import to_host
-from mmrlhf.models.truncation import Truncation
+from mmrlhf.parallel.aligned import run_aligned
 from mmrlhf.parallel.micro_batches import Layout, split_metrics
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rewards.types import RewardBatch
@@ -174,19 +174,17 @@ class FastExperienceMaker(ExperienceMaker):
                              self.settings.logprob_mode)
 
     def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None, *,
-                         pad_forwards_to: int | None = None, world: World | None = None) -> list[ExperienceVL]:
+                         world: World | None = None) -> list[ExperienceVL]:
         """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch (under
         ``rollout.distribution``: its sampling temperature and truncation), shape the
         rewards and compute KL and advantages over the whole step.
 
         ``micro_batch_size``: samples per experience (default ``settings.micro_batch_size``); the forwards run
         the micro-batches ``settings.max_tokens_per_micro_batch`` plans (:mod:`mmrlhf.experience.scoring_split`:
-        by cost, or these chunks when it is None). ``pad_forwards_to``: run the actor's and the critic's forward at
-        least this many times (the extra ones on the first micro-batch, results dropped). Sharded (FSDP) models
-        gather their parameters in collectives inside every forward, so every rank must run as many as the rank
-        with the most micro-batches: the plan agrees on that number over ``world`` (collective). ``world``: the
-        training ranks, each holding its share of the step (default: this rollout is the step); the step-wide
-        statistics of the shaping are theirs (every rank calls this once per step)."""
+        by cost, or these chunks when it is None). ``world``: the training ranks, each holding its share of the
+        step (default: this rollout is the step); the plan agrees on the number of forwards over them (sharded
+        models gather their parameters in collectives inside every forward: :mod:`mmrlhf.parallel.aligned`), and
+        the step-wide statistics of the shaping are theirs (every rank calls this once per step)."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(micro_batch_size or self.settings.micro_batch_size)
@@ -197,21 +195,23 @@ class FastExperienceMaker(ExperienceMaker):
             built = [self._build(rows.select(c)) for c in chunks]
             plan = scoring_plan(rows, micro=micro, max_tokens=self.settings.max_tokens_per_micro_batch,
                                 layout=self._layout(), adapter=self.adapter, world=world)
-            micros = [m for m in plan.micro_batches[0] if m]
-            # The forwards may see another layout than the experience keeps (grouped: each prompt once per row);
-            # every layout scores the same [b, A] values in sample order.
-            build = self._build_grouped if self.settings.shared_prompt else self._build
-            scoring: Any = built if micros == chunks and not self.settings.shared_prompt else None
-        if scoring is None:
-            scoring = one_at_a_time(build, rows, micros, timer)  # a forward's batch, then the next one's
-        temperature, truncation = rollout.distribution.temperature, rollout.distribution.truncation
-        scored = self._score(scoring, timer, temperature, truncation)
+        micros = [m for m in plan.micro_batches[0] if m]
+        # The forwards may see another layout than the experience keeps (grouped: each prompt once per row);
+        # every layout scores the same [b, A] values in sample order. The chunks' batches serve where they are
+        # the forwards' own; any other forward's batch is built when it runs, so only one is held.
+        build = self._build_grouped if self.settings.shared_prompt else self._build
+        ready = {} if self.settings.shared_prompt else {tuple(c): b for c, b in zip(chunks, built)}
+
+        def forward(micro_rows: list[int], padding: bool) -> dict[str, torch.Tensor | None]:
+            batch = ready.get(tuple(micro_rows))
+            if batch is None:
+                with timer("build"):
+                    batch = build(rows.select(micro_rows))
+            return self._score(batch, timer, rollout.distribution, padding=padding)
+
+        scored = run_aligned(plan.micro_batches[0], forward)
         if micros != chunks:
             scored = regroup(scored, micros, chunks, [int(b.samples.response_length.max()) for b in built])
-        forwards = max(len(plan.micro_batches[0]), pad_forwards_to or 0)
-        if forwards > len(micros):
-            first = built[0] if scoring is built else build(rows.select(micros[0]))
-            self._pad_forwards(first, forwards - len(micros), timer, temperature, truncation)
         with timer("advantages"):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single())
         info = dict(rollout.metrics)
@@ -285,44 +285,31 @@ class FastExperienceMaker(ExperienceMaker):
                              f"{exc}") from exc
 
     @torch.no_grad()
-    def _score(self, built: Iterable[BuiltSamples], timer: PhaseTimer, temperature: float,
-               truncation: Truncation | None = None) -> list[dict[str, torch.Tensor | None]]:
-        """Actor (+ entropy), reference and critic forwards per micro-batch, all in the padded [b, A] shape,
-        scored at the sampling temperature under the sampler's ``truncation`` (the distribution the samples were
-        drawn from). The CPU-built batches go to the models as they are (each moves them to its device); the
-        outputs come back as CPU tensors. ``outside`` / ``ref_outside`` [b, A]: tokens outside the actor's /
-        reference's kept set (None untruncated)."""
-        scored = []
-        for b in built:
-            with timer("actor"):
-                out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
-                                 temperature=temperature, truncation=truncation)
-            row: dict[str, torch.Tensor | None] = {
-                "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
-                "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
-            }
-            if self.settings.need_reference:
-                with timer("reference"):
-                    ref = self.initial_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
-                                             truncation=truncation)
-                row["ref_log_probs"], row["ref_outside"] = ref.log_probs, ref.outside
-            if self.critic is not None:
-                with timer("critic"):
-                    row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
-            scored.append(to_host(row))
-        return scored
-
-    @torch.no_grad()
-    def _pad_forwards(self, b: BuiltSamples, count: int, timer: PhaseTimer, temperature: float,
-                      truncation: Truncation | None = None) -> None:
-        """``count`` forwards of the actor (and critic) whose results are dropped (see ``pad_forwards_to``); the
-        reference is never sharded, so it needs none."""
-        for _ in range(count):
-            with timer("actor"):
-                self.actor(b.samples, vision_extra=b.vision_extra, temperature=temperature, truncation=truncation)
-            if self.critic is not None:
-                with timer("critic"):
-                    self.critic(b.samples, vision_extra=b.vision_extra)
+    def _score(self, b: BuiltSamples, timer: PhaseTimer, distribution: ScoringDistribution, *,
+               padding: bool = False) -> dict[str, torch.Tensor | None]:
+        """Actor (+ entropy), reference and critic forwards of one micro-batch, all in the padded [b, A] shape,
+        scored under ``distribution`` (the sampling temperature and the sampler's truncation: the distribution the
+        samples were drawn from). The CPU-built batch goes to the models as it is (each moves it to its device);
+        the outputs come back as CPU tensors. ``outside`` / ``ref_outside`` [b, A]: tokens outside the actor's /
+        reference's kept set (None untruncated). ``padding``: a rank-aligning forward whose result is dropped;
+        the reference is never sharded, so it runs none."""
+        temperature, truncation = distribution.temperature, distribution.truncation
+        with timer("actor"):
+            out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
+                             temperature=temperature, truncation=truncation)
+        row: dict[str, torch.Tensor | None] = {
+            "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
+            "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
+        }
+        if self.settings.need_reference and not padding:
+            with timer("reference"):
+                ref = self.initial_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
+                                         truncation=truncation)
+            row["ref_log_probs"], row["ref_outside"] = ref.log_probs, ref.outside
+        if self.critic is not None:
+            with timer("critic"):
+                row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
+        return to_host(row)
 
     def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling, world: World
                               ) -> dict[str, Any]:

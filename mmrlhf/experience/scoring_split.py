@@ -12,7 +12,7 @@ experiences equal the count split's up to float32 summation order.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -33,15 +33,6 @@ def scoring_plan(rows: Rollout, *, micro: int, max_tokens: Budget, layout: Layou
     costs = sample_costs(rows.prompt_ids, rows.response_ids, rows.vision, adapter=adapter,
                          grouped=layout.kind == "grouped", keys=rows.group, multi_turn=rows.multi_turn)
     return plan_micro_batches(costs, [list(range(len(rows)))], layout, samples=micro, tokens=max_tokens, world=world)
-
-
-def one_at_a_time(build: Callable[[Rollout], Any], rows: Rollout, micros: Sequence[Sequence[int]],
-                  timer: Any) -> Iterator[Any]:
-    """The batches of ``micros`` built as the forwards ask for them (timed as ``build``), so only one is held."""
-    for m in micros:
-        with timer("build"):
-            batch = build(rows.select(m))
-        yield batch
 
 
 def regroup(parts: Sequence[dict[str, torch.Tensor | None]], micros: Sequence[Sequence[int]],

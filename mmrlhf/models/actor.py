@@ -138,15 +138,8 @@ class ActorVL(nn.Module):
         the decoder the first time (it stays: a model keeps one attention function, see that module)."""
         kernel = resolve_masked_attention(self.masked_attention, self.device, base_implementation(self.model))
         if kernel == "flex":
-            install(self.model, vision=not self._vision_trains())
+            install(self.model)
         return kernel
-
-    def _vision_trains(self) -> bool:
-        """Whether a parameter of the vision tower before its merger(s) takes gradients (the tower unfrozen, or
-        LoRA on it): see :func:`mmrlhf.models.attention.install`."""
-        tower, mergers = self.adapter.vision_parts(self.model)
-        merger = {id(p) for m in mergers for p in m.parameters()}
-        return any(p.requires_grad and id(p) not in merger for p in tower.parameters())
 
     def _autocast(self) -> Any:
         """The forward's precision context (see the module docstring, "Precision")."""

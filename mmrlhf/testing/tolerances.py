@@ -47,3 +47,21 @@ def close_at_scale(actual, expected, *, rtol: float = SUMMATION_RTOL, scale_tol:
     except AssertionError:
         return False
     return True
+
+
+def assert_no_farther(actual, baseline, reference, *, factor: float = 2.0,
+                      scale_tol: float = SUMMATION_SCALE_TOL, msg: str | None = None) -> None:
+    """``actual`` is at most ``factor`` times as far from ``reference`` (the same math in float64) as ``baseline``
+    (the trusted float32 path) is, plus ``scale_tol`` of the reference's scale: for two float32 paths whose own noise
+    is larger than a summation-order bound (on CUDA, cuDNN runs float32 convolutions in TF32 by default: every
+    float32 path of a vision tower is ~3e-4 of its scale from float64, measured on an H200)."""
+    ref = reference.double()
+    if not ref.numel():
+        return
+    top = max(float(ref.abs().max()), 1e-30)
+    err = float((actual.double() - ref).abs().max())
+    base = float((baseline.double() - ref).abs().max())
+    bound = factor * base + scale_tol * top
+    if err > bound:
+        raise AssertionError(f"{msg + ': ' if msg else ''}max |actual - float64| {err:.3g} > {bound:.3g} ({factor:g} x "
+                             f"the baseline's {base:.3g} + {scale_tol:g} of the scale {top:.3g})")

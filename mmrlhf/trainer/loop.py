@@ -132,12 +132,11 @@ class Trainer:
             return metrics
         updated = False
         try:
-            metrics.update(prepare_policy_targets(items, p.policy.s, p.world))
+            items, targets = prepare_policy_targets(items, p.policy.s, p.world)
+            metrics.update(targets)
             metrics.update(_entropy_metric(items, p.world))
             with timed(seconds, "policy_update"):
-                metrics.update(p.policy.update(items, temperature=batch.distribution.temperature,
-                                               truncation=batch.distribution.truncation,
-                                               generator=p.shuffle))
+                metrics.update(p.policy.update(items, distribution=batch.distribution, generator=p.shuffle))
             if p.critic is not None:
                 with timed(seconds, "critic_update"):
                     metrics.update(p.critic.update(items, generator=p.shuffle))

@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import torch
 from torch import nn
 
+from mmrlhf.parallel.aligned import run_aligned
 from mmrlhf.parallel.micro_batches import Budget, Layout, SampleCost, plan_micro_batches, split_metrics
 from mmrlhf.parallel.world import World, single
 
@@ -142,18 +143,16 @@ class GuardedStepper:
         self.steps = int(state["steps"])
 
 
-PAD = [-1]  # a padding micro-batch (see _aligned_over_ranks)
-
-
 def _aligned_over_ranks(plan: list[tuple[int, list[list[int]]]], world: Any) -> list[tuple[int, list[list[int]]]]:
     """``plan`` padded so that every rank runs as many mini-batches, and as many micro-batches in each, as the rank
     with the most. Ranks hold different numbers of samples when prompts were skipped on one of them; FSDP's
     collectives in each forward and backward (and the denominator's all-reduce) must pair across ranks, or every
-    rank waits forever. A padding micro-batch (:data:`PAD`) runs a forward and backward with zero weight."""
+    rank waits forever. A padding micro-batch (an empty list, run by :func:`~mmrlhf.parallel.aligned.run_aligned`)
+    runs a forward and backward with zero weight."""
     minis = int(world.all_max([float(len(plan))])[0])
     plan = plan + [(plan[-1][0] if plan else 0, [])] * (minis - len(plan))
     sizes = world.all_max([float(len(micros)) for _, micros in plan])
-    return [(epoch, micros + [PAD] * (int(size) - len(micros))) for (epoch, micros), size in zip(plan, sizes)]
+    return [(epoch, micros + [[] for _ in range(int(size) - len(micros))]) for (epoch, micros), size in zip(plan, sizes)]
 
 
 def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int, epochs: int,
@@ -201,9 +200,9 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
                                    layout or Layout(), samples=micro_size, tokens=max_tokens, world=world)
         epochs_of = [epoch for epoch, _ in plan]
         epochs_of += [epochs_of[-1] if epochs_of else 0] * (len(split.micro_batches) - len(epochs_of))
-        plan = [(epoch, [m or PAD for m in micros]) for epoch, micros in zip(epochs_of, split.micro_batches)]
+        plan = list(zip(epochs_of, split.micro_batches))
     for _, micros in plan:
-        denominator = world.all_sum([sum(counts[i] for m in micros for i in m if i >= 0)])[0]
+        denominator = world.all_sum([sum(counts[i] for m in micros for i in m)])[0]
         if denominator == 0:
             # Nothing of this mini-batch trains (every sample masked by the reward engine or the correction): a
             # step would still move the weights through Adam's momentum and advance the schedule. No forward, no
@@ -211,21 +210,20 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
             empty += 1
             continue
         finite = True
-        for micro in micros:
-            if micro[0] < 0:  # padding (this rank holds fewer micro-batches): the sharded forward and backward
-                loss, _ = micro_loss([0], denominator)  # must pair with the other ranks', with zero weight
-                finite = finite and bool(torch.isfinite(loss.detach()).all())
-                (loss * 0.0).backward()
-                continue
+
+        def forward(micro: list[int], padding: bool) -> None:
+            nonlocal finite
             loss, metrics = micro_loss(micro, denominator)
-            if not torch.isfinite(loss.detach()).all():
-                # The step is skipped (the flag below, agreed by every rank); the remaining backwards still run, as
-                # sharded ranks must run the same ones (they reduce-scatter).
-                finite = False
-            # FSDP averages the gradients over ranks: scaled by their number, the step is the whole batch's (x 1.0
-            # is exact in a world of one rank)
-            (loss * n_ranks).backward()
-            sums.add(metrics, sum(counts[i] for i in micro))
+            # A non-finite loss skips the step (the flag, agreed by every rank); the remaining backwards still run,
+            # as sharded ranks must run the same ones (they reduce-scatter). FSDP averages the gradients over
+            # ranks: scaled by their number, the step is the whole batch's (x 1.0 is exact in a world of one rank).
+            # A padding micro-batch (this rank holds fewer) pairs the other ranks' collectives with zero weight.
+            finite = finite and bool(torch.isfinite(loss.detach()).all())
+            (loss * (0.0 if padding else n_ranks)).backward()
+            if not padding:
+                sums.add(metrics, sum(counts[i] for i in micro))
+
+        run_aligned(micros, forward, pad=[0])
         grad_norm, ok = stepper.step(world.all_true(finite))
         if ok:
             norms.append(grad_norm)

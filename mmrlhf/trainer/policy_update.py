@@ -26,9 +26,10 @@ from mmrlhf.algorithms.masked import agg_count
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.experience.costs import forward_layout, item_costs
-from mmrlhf.models.placement import to_device
-from mmrlhf.models.truncation import Truncation
-from mmrlhf.parallel.micro_batches import Budget
+from mmrlhf.experience.rollout import ScoringDistribution
+from mmrlhf.models.placement import to_device, to_host
+from mmrlhf.parallel.aligned import run_aligned
+from mmrlhf.parallel.micro_batches import Budget, plan_micro_batches
 from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
@@ -72,17 +73,17 @@ def _stack(items: Sequence[TrainItem], name: str) -> torch.Tensor:
 
 @torch.no_grad()
 def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings,
-                           world: World | None = None) -> dict[str, float]:
-    """Write each item's ``policy_loss_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response
+                           world: World | None = None) -> tuple[list[TrainItem], dict[str, float]]:
+    """The items with their ``policy_loss_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response
     tokens, narrowed by rollout correction and entropy selection; not the multi-turn ``TrainItem.policy_mask`` of
-    policy vs observation tokens, which ``loss_mask`` already holds) and ``is_weight`` (per token); returns metrics.
+    policy vs observation tokens, which ``loss_mask`` already holds) and ``is_weight`` (per token), as new items (the step's items stay as they came); and metrics.
 
     ``world``: the training ranks, each holding its share of the step's items (default: one process). The entropy
     selection ranks the tokens of the whole step: every rank's candidate entropies are gathered, so each rank keeps
     exactly the tokens of its share that one process would keep (collective when ``high_entropy_top_p < 1``)."""
     world = world or single()
     if not items and world.world_size == 1:
-        return {}
+        return [], {}
     mask = _stack(items, "loss_mask").bool() if items else torch.zeros(0, 0, dtype=torch.bool)  # [N, A]
     metrics: dict[str, float] = {}
     weights = torch.ones_like(mask, dtype=torch.float32)  # [N, A]
@@ -101,11 +102,9 @@ def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings,
         mask = high_entropy_mask(entropy, mask, s.high_entropy_top_p, step_scores=step_scores, rank=world.rank)
         candidates = sum(int(x.numel()) for x in step_scores)  # the step's: the fraction is the same on every rank
         metrics["policy/high_entropy_kept_frac"] = math.ceil(s.high_entropy_top_p * candidates) / max(candidates, 1)
-    for i, it in enumerate(items):
-        a = it.token["loss_mask"].shape[0]
-        it.token["policy_loss_mask"] = mask[i, :a].clone()
-        it.token["is_weight"] = weights[i, :a].clone()
-    return metrics
+    width = [it.token["loss_mask"].shape[0] for it in items]  # A_i
+    return [it.with_token(policy_loss_mask=mask[i, :a].clone(), is_weight=weights[i, :a].clone())
+            for i, (it, a) in enumerate(zip(items, width))], metrics
 
 
 class PolicyUpdater:
@@ -115,9 +114,9 @@ class PolicyUpdater:
         self.actor, self.stepper, self.s = actor, stepper, settings
         self.pad_id = pad_id
 
-    def update(self, items: Sequence[TrainItem], *, temperature: float, truncation: Truncation | None = None,
+    def update(self, items: Sequence[TrainItem], *, distribution: ScoringDistribution,
                generator: torch.Generator | None) -> dict[str, float]:
-        """One step's update. ``temperature`` and ``truncation``: the distribution the old log-probs were scored
+        """One step's update. ``distribution``: the temperature and truncation the old log-probs were scored
         under; the new ones are scored under the same. A token outside the CURRENT policy's kept set (its
         truncated probability is 0) is masked out of the micro-batch's loss and counted
         (``policy/outside_kept_frac``)."""
@@ -132,8 +131,8 @@ class PolicyUpdater:
             batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id,
                             adapter=self.actor.adapter, shared_prompt=s.shared_prompt,
                             max_row_tokens=s.shared_prompt_max_tokens)  # on the CPU; the actor moves it
-            out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=temperature,
-                             truncation=truncation, return_entropy=s.entropy_coef > 0)
+            out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=distribution.temperature,
+                             truncation=distribution.truncation, return_entropy=s.entropy_coef > 0)
             tok = to_device(batch.token, out.log_probs.device)  # the loss's other inputs join the outputs
             mask = tok["policy_loss_mask"]
             outside = None
@@ -167,3 +166,37 @@ class PolicyUpdater:
                                layout=forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
                                                      max_row_tokens=s.shared_prompt_max_tokens),
                                max_tokens=s.max_tokens_per_micro_batch)
+
+    @torch.no_grad()
+    def score(self, items: Sequence[TrainItem], distribution: ScoringDistribution, world: World | None = None, *,
+              micro_batch_size: int, max_tokens: Budget) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """[A_i] log-probs of each item's response under this policy at ``distribution``, in item order, and [A_i]
+        bool: the token lies outside this policy's kept set (all False untruncated).
+
+        Why: the Ray trainers re-score what a rollout actor sampled in another process; the log-probs check the
+        weight sync (``max_staleness = 0``) and are the PPO ratio's old policy (``>= 1``). The micro-batches are
+        planned by cost under ``micro_batch_size`` and ``max_tokens`` (the rollout's scoring split,
+        :mod:`mmrlhf.parallel.micro_batches`) and agreed over ``world`` (sharded forwards are collective:
+        :mod:`mmrlhf.parallel.aligned`); a padding forward's result is dropped."""
+        s, actor = self.s, self.actor
+        world = world or single()
+        actor.eval()
+        layout = forward_layout(packing=s.packing, shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
+        plan = plan_micro_batches(item_costs(items, adapter=actor.adapter, grouped=s.shared_prompt),
+                                  [list(range(len(items)))], layout, samples=micro_batch_size, tokens=max_tokens,
+                                  world=world)
+
+        def forward(micro: list[int], padding: bool) -> tuple[list[int], Any]:
+            batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id, adapter=actor.adapter,
+                            shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
+            return micro, to_host(actor(batch.samples, vision_extra=batch.vision_extra,
+                                        temperature=distribution.temperature, truncation=distribution.truncation))
+
+        log_probs: list[torch.Tensor | None] = [None] * len(items)
+        outside: list[torch.Tensor | None] = [None] * len(items)
+        for micro, out in run_aligned(plan.micro_batches[0], forward, pad=[0] if items else None):
+            cut = out.outside if out.outside is not None else torch.zeros_like(out.action_mask)
+            for j, i in enumerate(micro):
+                a = len(items[i].response_ids)
+                log_probs[i], outside[i] = out.log_probs[j, :a].float(), cut[j, :a].bool()  # [b, A] -> [A_i]
+        return log_probs, outside

@@ -192,7 +192,7 @@ def _worker(rank: int, port: int, out: Path) -> None:
     world = join(rank, RANKS, rank, launch="torchrun", process_group="gloo", init_method=f"tcp://127.0.0.1:{port}")
     try:
         items = _items(rank)
-        entropy_metrics = prepare_policy_targets(items, ENTROPY, world)
+        items, entropy_metrics = prepare_policy_targets(items, ENTROPY, world)
         result = {
             "shaping": {name: _shape(name, rank, world) for name in ESTIMATORS},
             "entropy": ([it.token["policy_loss_mask"] for it in items], entropy_metrics),
@@ -256,8 +256,7 @@ def test_entropy_selection_over_ranks_is_the_one_process_selection(ranks):
     """The step's quantile over both ranks' tokens: each rank keeps exactly what one process keeps of the step
     (rank 0's items, then rank 1's: tokens tied at the threshold are taken in that order); the control, each rank's
     own quantile, keeps other tokens."""
-    items = _items(0) + _items(1)
-    metrics = prepare_policy_targets(items, ENTROPY)
+    items, metrics = prepare_policy_targets(_items(0) + _items(1), ENTROPY)
     expected = [it.token["policy_loss_mask"] for it in items]
     got = ranks[0]["entropy"][0] + ranks[1]["entropy"][0]
     assert len(got) == len(expected)
@@ -273,8 +272,7 @@ def test_entropy_selection_over_ranks_is_the_one_process_selection(ranks):
         assert ranks[r]["entropy"][1]["policy/high_entropy_kept_frac"] == metrics["policy/high_entropy_kept_frac"]
     own = []
     for r in range(RANKS):
-        share = _items(r)
-        prepare_policy_targets(share, ENTROPY)
+        share, _ = prepare_policy_targets(_items(r), ENTROPY)
         own += [it.token["policy_loss_mask"] for it in share]
     assert any(not torch.equal(a, b) for a, b in zip(own, expected))
 

@@ -19,7 +19,7 @@ from mmrlhf.experience.samples import build_packed_samples
 from mmrlhf.models import attention
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.attention import BLOCK, PADDING, block_mask, dense_from_block_mask, resolve_masked_attention
-from mmrlhf.testing.tolerances import assert_close_at_scale
+from mmrlhf.testing.tolerances import assert_close_at_scale, assert_no_farther
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 ATOL = 1e-5  # fp32 vs fp32: another kernel, another summation order
@@ -222,18 +222,18 @@ def test_the_install_points_the_decoder_and_the_vision_tower_at_their_kernels(ow
     assert float((leaked - before).abs().max()) > CAUGHT
 
 
-def test_a_training_vision_tower_stays_on_the_per_segment_loop():
-    """The varlen vision path serves a frozen tower only (its gradient is not verified on every family yet, see
-    attention.install): an actor whose tower trains puts an installed tower back; freezing it turns it on."""
+def test_the_varlen_vision_path_serves_a_frozen_and_a_training_tower():
+    """The flex switch installs the varlen vision function whether the tower trains or not (its gradients checked on
+    a GPU against float64: docs/gpu.md, and the gpu-marked test below); dense actors never install anything."""
     from mmrlhf.trainer.optim import freeze_vision
 
     bundle = load_bundle("qwen2_vl")
     built = _built(bundle, "packed")
-    attention.install(bundle.model)
-    assert attention.vision_installed(bundle.model)
+    attention.uninstall(bundle.model)
+    assert not attention.vision_installed(bundle.model)
     _score(bundle, built, "flex")  # every parameter trains (a fresh model)
-    assert attention.installed(bundle.model) and not attention.vision_installed(bundle.model)
-    assert bundle.model.config.vision_config._attn_implementation == "sdpa"
+    assert attention.installed(bundle.model) and attention.vision_installed(bundle.model)
+    attention.uninstall(bundle.model)
     freeze_vision(bundle.model, bundle.adapter, tower=True, merger=False)
     _score(bundle, built, "flex")
     assert attention.vision_installed(bundle.model)
@@ -277,7 +277,7 @@ def _grads(bundle, built, kernel):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("tower", ["frozen", "trained"])  # varlen vision path / per-segment loop
+@pytest.mark.parametrize("tower", ["frozen", "trained"])  # the varlen vision path, without / with its backward
 @pytest.mark.parametrize("layout", ["packed", "grouped"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_compiled_flex_forward_and_backward_equal_dense_on_cuda(family, layout, tower):
@@ -289,12 +289,15 @@ def test_compiled_flex_forward_and_backward_equal_dense_on_cuda(family, layout, 
     built = _built(bundle, layout)
     lp_dense, g_dense = _grads(bundle, built, "dense")
     lp_flex, g_flex = _grads(bundle, built, "flex")
-    assert attention.installed(bundle.model)
-    assert attention.vision_installed(bundle.model) == (tower == "frozen")
+    assert attention.installed(bundle.model) and attention.vision_installed(bundle.model)
     assert_close_at_scale(lp_flex, lp_dense, msg="log-probs")
     assert g_flex.keys() == g_dense.keys() and any("lm_head" in n for n in g_dense)
     assert any("visual" in n for n in g_dense)  # the merger (and with a trained tower its blocks) get gradients
+    # On CUDA both float32 paths are ~3e-4 of the scale from float64 (cuDNN's float32 convolutions run in TF32),
+    # so they may differ by more than a summation-order bound: each gradient of the flex path must be no farther
+    # from the float64 dense one than the float32 dense path is (measured on an H200: equal to 3 digits).
+    attention.uninstall(bundle.model)
+    bundle.model.double()
+    _, g_ref = _grads(bundle, built, "dense")
     for name in g_dense:
-        assert_close_at_scale(g_flex[name], g_dense[name], msg=f"{name}: max |d| "
-                              f"{float((g_flex[name] - g_dense[name]).abs().max()):.3g}, max |g| "
-                              f"{float(g_dense[name].abs().max()):.3g}")
+        assert_no_farther(g_flex[name], g_dense[name], g_ref[name], msg=name)

@@ -22,7 +22,7 @@ from models_testing import batch_pieces, random_value_head
 from mmrlhf.algorithms.kl import FixedKLController
 from mmrlhf.experience.batching import split_experience
 from mmrlhf.experience.fast_maker import FastExperienceMaker
-from mmrlhf.experience.rollout import Rollout, ScoredRollout
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution
 from mmrlhf.experience.samples import cut_at_stop
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.models.actor import ActorVL
@@ -109,9 +109,9 @@ def _update(bundle, actor, critic, items, layout: str) -> dict[str, float]:
 
     ps = PolicyUpdateSettings(train_batch_size=len(items), micro_batch_size=MICRO, kl_loss_coef=0.1, entropy_coef=0.01,
                               shuffle=False, **lay)
-    metrics = prepare_policy_targets(items, ps)
+    items, metrics = prepare_policy_targets(items, ps)
     metrics.update(PolicyUpdater(actor, stepper(actor, "policy"), ps, pad_id=pad).update(
-        items, temperature=0.9, generator=None))
+        items, distribution=ScoringDistribution(0.9), generator=None))
     cs = CriticUpdateSettings(train_batch_size=len(items), micro_batch_size=MICRO, shuffle=False, **lay)
     metrics.update(CriticUpdater(critic, stepper(critic, "critic"), cs, pad_id=pad, adapter=bundle.adapter).update(
         items, generator=None))

@@ -142,9 +142,9 @@ def _update(bundle, actor, items, truncation, *, lr: float = 1e-2) -> dict[str, 
     stepper = GuardedStepper(params, torch.optim.SGD(params, lr=lr), None, max_grad_norm=1e9, max_consecutive=2,
                              name="policy")
     ps = PolicyUpdateSettings(train_batch_size=len(items), micro_batch_size=4, shuffle=False)
-    metrics = prepare_policy_targets(items, ps)
+    items, metrics = prepare_policy_targets(items, ps)
     metrics.update(PolicyUpdater(actor, stepper, ps, pad_id=bundle.processor.tokenizer.pad_token_id).update(
-        items, temperature=T, truncation=truncation, generator=None))
+        items, distribution=ScoringDistribution(T, truncation), generator=None))
     return metrics
 
 

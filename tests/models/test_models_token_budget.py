@@ -150,7 +150,7 @@ def _own_count(monkeypatch, module):
     """The control: each micro-batch divided by its own count instead of its mini-batch's."""
     def run(counts, **kw):
         inner = kw["micro_loss"]
-        kw["micro_loss"] = lambda micro, denom: inner(micro, sum(counts[i] for i in micro) if micro[0] >= 0 else denom)
+        kw["micro_loss"] = lambda micro, denom: inner(micro, sum(counts[i] for i in micro))
         return run_minibatches(counts, **kw)
 
     monkeypatch.setattr(module, "run_minibatches", run)
@@ -158,10 +158,11 @@ def _own_count(monkeypatch, module):
 
 def _laid_out(monkeypatch, module, items) -> list[list[int]]:
     seen: list[list[int]] = []
-    index = {id(it): k for k, it in enumerate(items)}
+    # keyed by a tensor the items share with their policy-target copies (prepare_policy_targets returns new items)
+    index = {id(it.token["loss_mask"]): k for k, it in enumerate(items)}
 
     def spy(batch_items, **kw):
-        seen.append(sorted(index[id(it)] for it in batch_items))
+        seen.append(sorted(index[id(it.token["loss_mask"])] for it in batch_items))
         return collate(batch_items, **kw)
 
     monkeypatch.setattr(module, "collate", spy)
@@ -172,10 +173,10 @@ def _policy(bundle, actor, items, layout, agg, norm_len, tokens):
     ps = PolicyUpdateSettings(train_batch_size=len(items), micro_batch_size=MICRO, kl_loss_coef=0.1,
                               entropy_coef=0.01, agg=agg, norm_len=norm_len, shuffle=False,
                               max_tokens_per_micro_batch=tokens, **LAYOUTS[layout])
-    prepare_policy_targets(items, ps)
+    items, _ = prepare_policy_targets(items, ps)
     pad = bundle.processor.tokenizer.pad_token_id
-    return lambda stepper: PolicyUpdater(actor, stepper, ps, pad_id=pad).update(items, temperature=0.9,
-                                                                                 generator=None)
+    return lambda stepper: PolicyUpdater(actor, stepper, ps, pad_id=pad).update(
+        items, distribution=ScoringDistribution(0.9), generator=None)
 
 
 def _budget(bundle, items, layout) -> int:
@@ -312,20 +313,17 @@ def test_scoring_under_a_budget_gives_the_count_split_experiences(bundle, step, 
 
 
 def test_ray_rescoring_under_a_budget_scores_every_item_in_order_with_agreed_forwards(bundle, step):
-    """The Ray trainer ranks' re-scoring (``mmrlhf.launch.ray.rescore``): under a budget every item gets the count
+    """The Ray trainer ranks' re-scoring (``PolicyUpdater.score``): under a budget every item gets the count
     split's log-probs, in item order; two ranks holding 6 and 2 items run as many forwards each."""
     import threading
-    from types import SimpleNamespace
-
-    from mmrlhf.launch.ray.rescore import rescore
     from mmrlhf.parallel.world import single
     from mmrlhf.testing.lockstep import run_ranks
 
     actor, items = step[0][0], step[1]["padded"]
-    policy = SimpleNamespace(s=PolicyUpdateSettings(), actor=actor, pad_id=bundle.processor.tokenizer.pad_token_id)
+    policy = PolicyUpdater(actor, None, PolicyUpdateSettings(), pad_id=bundle.processor.tokenizer.pad_token_id)
 
     def score(tokens, world, part):
-        return rescore(policy, part, ScoringDistribution(0.9), world, micro_batch_size=MICRO, max_tokens=tokens)
+        return policy.score(part, ScoringDistribution(0.9), world, micro_batch_size=MICRO, max_tokens=tokens)
 
     want, _ = score(None, single(), items)
     for tokens in ("auto", _budget(bundle, items, "padded")):

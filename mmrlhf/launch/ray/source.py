@@ -4,7 +4,7 @@
 Rank 0 asks the rollout actors for step ``t``'s rollouts under the staleness bound ``k`` (``distributed.max_staleness``,
 :mod:`mmrlhf.launch.ray.schedule`), awaits its shares, counts them in the ledger, and deals their samples to the
 ranks (whole GRPO groups per rank). Every rank re-scores its samples with its own policy
-(:mod:`mmrlhf.launch.ray.rescore`): the engine-vs-trainer check of the weight sync (``engine_logprob_diff/trainer_*``:
+(``PolicyUpdater.score``, the update's own rank-aligned forward loop): the engine-vs-trainer check of the weight sync (``engine_logprob_diff/trainer_*``:
 a fresh sample was drawn with the very weights the trainer holds), and with ``k >= 1`` the old-policy log-probs of the
 PPO ratio at the trainer's current version. After the update every rank takes part in gathering the new weights,
 which rank 0 pushes to the rollout actors (:mod:`mmrlhf.launch.ray.delivery`).
@@ -18,7 +18,7 @@ continues, and reports, exactly as the straight one would.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,7 +28,6 @@ from mmrlhf.experience.batching import group_keys
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.launch.ray.delivery import DeliverySettings, WeightDelivery
 from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, WaitShares, check_staleness
-from mmrlhf.launch.ray.rescore import rescore
 from mmrlhf.launch.ray.schedule import RolloutSchedule, ScheduleSettings
 from mmrlhf.parallel.world import World
 from mmrlhf.trainer.rollouts import RolloutSourceError, StepBatch
@@ -87,14 +86,14 @@ class RayRollouts:
             if isinstance(mine, tuple):
                 raise RolloutSourceError(mine[1])
         items, distribution = mine["items"], mine["distribution"]
-        current, outside = rescore(self.weights.policy, items, distribution, self.world,
-                                   micro_batch_size=self.s.scoring_micro_batch_size,
-                                   max_tokens=self.s.scoring_max_tokens)  # [A_i] per item each
+        current, outside = self.weights.policy.score(items, distribution, self.world,
+                                                     micro_batch_size=self.s.scoring_micro_batch_size,
+                                                     max_tokens=self.s.scoring_max_tokens)  # [A_i] per item each
         # outside this policy's kept set: out of the loss (and of the check)
-        items = [_with_token(it, loss_mask=it.token["loss_mask"] & ~out) for it, out in zip(items, outside)]
+        items = [it.with_token(loss_mask=it.token["loss_mask"] & ~out) for it, out in zip(items, outside)]
         metrics = self.weights.sync_check(items, current, mine["fresh"])
         if self.s.max_staleness >= 1:  # the PPO ratio's old policy: the trainer's current version
-            items = [_with_token(it, action_log_probs=lp) for it, lp in zip(items, current)]
+            items = [it.with_token(action_log_probs=lp) for it, lp in zip(items, current)]
         metrics.update(mine["metrics"])
         return StepBatch(items, metrics, distribution,
                          seconds={"rollout": time.perf_counter() - t0})
@@ -217,9 +216,3 @@ def check_position(holder: Any, step: int, have: dict[str, Any]) -> None:
                          f" but the Ray mode's rollout actors read step {step}'s prompts at epoch {want['epoch']} "
                          f"position {want['position']} (was it written with algorithm.dynamic_sampling?): resume "
                          "it in the launch mode that wrote it")
-
-
-def _with_token(item: Any, **token: torch.Tensor) -> Any:
-    """``item`` with ``token`` entries replaced (a new item: the one the rollout actor sent stays as it came)."""
-    return replace(item, token={**item.token, **token})
-
