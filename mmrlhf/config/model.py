@@ -66,12 +66,13 @@ class ModelConfig(Section):
     attend, where several sequences share a row and a mask keeps them apart. ``flex``: PyTorch's FlexAttention with a
     block mask (tiles the mask hides are skipped, tiles it shows run unmasked), beside the kernel
     ``attn_implementation`` names for everything else (``sdpa`` or ``flash_attention_2``); it also lets the
-    shared-prompt layout run with ``flash_attention_2``; and the vision tower (frozen, the default) runs all its
+    shared-prompt layout run with ``flash_attention_2``; and the vision tower (frozen or training) runs all its
     images, frames and windows in one call per block instead of one SDPA call per segment. ``dense``: the mask as a
     dense tensor (``sdpa`` / ``eager`` read it; transformers builds the packed one), the vision tower's loop.
     ``auto``: ``flex`` on CUDA, except the shared-prompt rows where ``attn_implementation`` reads a mask (SDPA's
-    masked kernel measured as fast there); ``dense`` elsewhere (FlexAttention has no CPU backward in torch 2.14).
-    Both compute the same values (tested per family and prompt kind; docs/training.md)."""
+    masked kernel measured as fast there); ``dense`` elsewhere (FlexAttention has no CPU backward in torch 2.14),
+    with the vision tower's segments in one batched SDPA call per segment length instead of the loop.
+    All compute the same values (tested per family and prompt kind; docs/training.md)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code (off: only transformers' built-in families)."""
     reference: str = ""

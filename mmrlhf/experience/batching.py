@@ -88,18 +88,6 @@ def split_experience(exp: ExperienceVL) -> list[TrainItem]:
     return items
 
 
-def compact(item: TrainItem) -> TrainItem:
-    """``item`` with its own copies of its tensors. Split from an experience, an item's tensors are views of the
-    experience's; pickled to another process (Ray's object store, another rank), each view would carry the
-    experience's whole storage with it (measured: a 1,024-sample toy step grew to a 4.9 GB object)."""
-    def own(d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in d.items()}
-
-    return replace(item, vision=own(item.vision), vision_extra=own(item.vision_extra),
-                   token=own(item.token), info=own(item.info),
-                   policy_mask=None if item.policy_mask is None else item.policy_mask.clone())
-
-
 def group_keys(items: Sequence[TrainItem]) -> list[Any]:
     """Per item, the key of its prompt group: the rollout's group id (unique within a step) where the item carries
     one, else its prompt ids."""

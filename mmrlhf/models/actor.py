@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
-from mmrlhf.models.attention import (base_implementation, block_mask, install, resolve_masked_attention,
+from mmrlhf.models.attention import (base_implementation, block_mask, install, install_vision,
+                                     resolve_masked_attention,
                                      row_segments, rows_kernel)
 from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
@@ -139,6 +140,8 @@ class ActorVL(nn.Module):
         kernel = resolve_masked_attention(self.masked_attention, self.device, base_implementation(self.model))
         if kernel == "flex":
             install(self.model)
+        elif self.masked_attention == "auto":  # the decoder dense here; the vision tower's segments batched
+            install_vision(self.model)
         return kernel
 
     def _autocast(self) -> Any:

@@ -236,40 +236,82 @@ def segments_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> torch.Ten
     return (torch.searchsorted(cu_seqlens[1:].contiguous(), idx, right=True) + 1)[None]
 
 
-class _MaskCache:
-    """The last few vision block masks, by the identity of the ``cu_seqlens`` tensor they were built from. The
-    vision tower passes the same two tensors (windows, whole images) to every block of one forward: each mask is
-    built once per forward, not once per block. Entries hold their tensor, so an identity is never reused while
-    cached."""
+class _ByTensor:
+    """The last few values built from a ``cu_seqlens`` tensor, by its identity. The vision tower passes the same two
+    tensors (windows, whole images) to every block of one forward: each value is built once per forward, not once
+    per block. Entries hold their tensor, so an identity is never reused while cached."""
 
-    def __init__(self, size: int = 4) -> None:
-        self.size, self.entries = size, []
+    def __init__(self, build: Callable[[torch.Tensor, int], Any], size: int = 4) -> None:
+        self.build, self.size, self.entries = build, size, []
 
     def get(self, cu_seqlens: torch.Tensor, length: int) -> Any:
-        for tensor, mask in self.entries:
+        for tensor, value in self.entries:
             if tensor is cu_seqlens:
-                return mask
-        mask = block_mask(segments_from_cu_seqlens(cu_seqlens, length), causal=False)
-        self.entries = ([(cu_seqlens, mask)] + self.entries)[: self.size]
-        return mask
+                return value
+        value = self.build(cu_seqlens, length)
+        self.entries = ([(cu_seqlens, value)] + self.entries)[: self.size]
+        return value
+
+
+def length_buckets(cu_seqlens: torch.Tensor, length: int) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor]:
+    """The segments of a varlen sequence grouped by length: per length ``n``, the positions of its ``k`` segments
+    ([k * n], segment by segment), and the permutation [L] that puts the buckets' concatenation back in sequence
+    order. Images of one size have one length, so a batch of them is one bucket."""
+    bounds = cu_seqlens.tolist()  # host values (the vision tower builds them on the host side of the device)
+    if bounds[-1] != length:
+        raise ValueError(f"vision segments end at {bounds[-1]}, the sequence holds {length} positions")
+    starts: dict[int, list[int]] = {}
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            starts.setdefault(e - s, []).append(s)
+    buckets = [(n, (torch.tensor(ss)[:, None] + torch.arange(n)[None]).reshape(-1)) for n, ss in starts.items()]
+    inverse = torch.empty(length, dtype=torch.long)
+    inverse[torch.cat([idx for _, idx in buckets])] = torch.arange(length)
+    return buckets, inverse
+
+
+def bucketed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       buckets: list[tuple[int, torch.Tensor]], inverse: torch.Tensor,
+                       scaling: float | None) -> torch.Tensor:
+    """Attention within each segment, one batched SDPA call per segment length: the same math as transformers'
+    loop of one call per segment (each segment is one batch row here), with its backward on every device.
+    query / key / value [1, H, L, D] -> [1, H, L, D]."""
+    heads, dim = query.shape[1], query.shape[3]
+    outs = []
+    for n, idx in buckets:
+        idx = idx.to(query.device)
+        k = idx.numel() // n
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # [1, H, L, D] -> [k, H, n, D]
+            return t[0, :, idx].reshape(t.shape[1], k, n, dim).transpose(0, 1)
+
+        out = torch.nn.functional.scaled_dot_product_attention(rows(query), rows(key), rows(value), scale=scaling,
+                                                               enable_gqa=key.shape[1] != heads)
+        outs.append(out.transpose(0, 1).reshape(heads, k * n, dim))  # [H, k n, D]
+    return torch.cat(outs, dim=1)[:, inverse.to(query.device)][None]
 
 
 def _varlen_vision_function() -> Callable:
     """The vision tower's attention: its images, frames and windows (``cu_seq_lens_q``) each attend within
-    themselves, all in ONE FlexAttention call per block instead of transformers' loop of one SDPA call per segment
-    (a 448 px image has 16 windows: 4 images x 16 windows x 28 window blocks is ~1,800 host-bound calls per
-    micro-batch, measured as most of the host time of a 7B-shape step)."""
-    cache = _MaskCache()
+    themselves, where transformers' SDPA path runs one call per segment (a 448 px image has 16 windows: 4 images x
+    16 windows x 28 window blocks is ~1,800 host-bound calls per micro-batch, measured as most of the host time of a
+    7B-shape step; on the CPU, 640 small images a step of the agent toy spent a third of its time there). On CUDA:
+    ONE FlexAttention call per block over a non-causal block mask of the segments. Elsewhere (no compiled
+    FlexAttention, and no backward through the eager one): one batched SDPA call per segment length."""
+    masks = _ByTensor(lambda cu, length: block_mask(segments_from_cu_seqlens(cu, length), causal=False))
+    bucketings = _ByTensor(lambda cu, length: length_buckets(cu, length))  # looked up when called
 
     def attend(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, cu_seq_lens_q=None,
                **kwargs):
         # query / key / value [1, H, L, D] -> ([1, L, H, D], None)
         if cu_seq_lens_q is None or attention_mask is not None or dropout:
-            raise ValueError("the vision block-sparse path expects transformers' varlen call (cu_seq_lens_q, no "
-                             "mask, no dropout); set model.masked_attention=dense for this model")
-        mask = cache.get(cu_seq_lens_q, query.shape[2])
-        out = _flex_kernel(query.device.type)(query, key, value, block_mask=mask, scale=scaling,
-                                              enable_gqa=query.shape[1] != key.shape[1])
+            raise ValueError("the vision varlen path expects transformers' varlen call (cu_seq_lens_q, no mask, no "
+                             "dropout); set model.masked_attention=dense for this model")
+        if query.device.type == "cuda" and flex_supported():
+            out = _flex_kernel("cuda")(query, key, value, block_mask=masks.get(cu_seq_lens_q, query.shape[2]),
+                                       scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        else:
+            out = bucketed_attention(query, key, value, *bucketings.get(cu_seq_lens_q, query.shape[2]), scaling)
         return out.transpose(1, 2).contiguous(), None
 
     return attend
@@ -331,12 +373,18 @@ def install(model: Any, *, vision: bool = True) -> None:
     if base not in FLEX_BASES:
         raise ValueError(f"the block-sparse attention path runs beside {FLEX_BASES}, not {base!r}")
     decoder_config(model)._attn_implementation = _register(base)
+    if vision:
+        install_vision(model)
+    elif vision_installed(model):
+        vision_config(model)._attn_implementation = base if base in ("sdpa", "eager") else "sdpa"
+
+
+def install_vision(model: Any) -> None:
+    """Point ``model``'s vision tower, where it runs SDPA or eager (a loop over segments), at the varlen function;
+    the decoder stays as it is (idempotent). ``model.masked_attention: auto`` does this on every device."""
     config = vision_config(model)
-    current = getattr(config, "_attn_implementation", None) if config is not None else None
-    if vision and current in ("sdpa", "eager"):
+    if config is not None and getattr(config, "_attn_implementation", None) in ("sdpa", "eager"):
         config._attn_implementation = _register_vision()
-    elif not vision and current == VISION_NAME:
-        config._attn_implementation = base if base in ("sdpa", "eager") else "sdpa"
 
 
 def uninstall(model: Any) -> None:

@@ -76,7 +76,8 @@ def prepare_policy_targets(items: Sequence[TrainItem], s: PolicyUpdateSettings,
                            world: World | None = None) -> tuple[list[TrainItem], dict[str, float]]:
     """The items with their ``policy_loss_mask`` (the tokens the policy loss sees: ``loss_mask``, the valid response
     tokens, narrowed by rollout correction and entropy selection; not the multi-turn ``TrainItem.policy_mask`` of
-    policy vs observation tokens, which ``loss_mask`` already holds) and ``is_weight`` (per token), as new items (the step's items stay as they came); and metrics.
+    policy vs observation tokens, which ``loss_mask`` already holds) and ``is_weight`` (per token), as new items (the
+    step's items stay as they came); and metrics.
 
     ``world``: the training ranks, each holding its share of the step's items (default: one process). The entropy
     selection ranks the tokens of the whole step: every rank's candidate entropies are gathered, so each rank keeps
@@ -181,7 +182,8 @@ class PolicyUpdater:
         s, actor = self.s, self.actor
         world = world or single()
         actor.eval()
-        layout = forward_layout(packing=s.packing, shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
+        layout = forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
+                                max_row_tokens=s.shared_prompt_max_tokens)
         plan = plan_micro_batches(item_costs(items, adapter=actor.adapter, grouped=s.shared_prompt),
                                   [list(range(len(items)))], layout, samples=micro_batch_size, tokens=max_tokens,
                                   world=world)

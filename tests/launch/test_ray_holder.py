@@ -27,6 +27,7 @@ def test_a_rollout_actor_produces_its_share_of_the_step_it_is_asked_for(tmp_path
     from mmrlhf.config import build_config
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.rollout import ScoringDistribution
+    from mmrlhf.experience.wire import unpack_items
     from mmrlhf.launch.ray.holder import ExperienceMakerHolder
     from mmrlhf.rollout.types import SamplingSettings
     from mmrlhf.trainer.builder import build_prompt_source
@@ -40,11 +41,12 @@ def test_a_rollout_actor_produces_its_share_of_the_step_it_is_asked_for(tmp_path
     assert holder.stream.restart_on_change is True
 
     meta, payload = holder.generate(step=2, min_version=0)
+    items = unpack_items(payload["items"])  # columnar on the wire
     cfg = build_config(config)
     stream = PromptStream(build_prompt_source(cfg), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
     for _ in range(3):  # steps 0, 1 and 2 of 4 prompts each: the stream where step 3 begins
         share = stream.next_batch(4)[1::2]
-    assert meta["samples"] == len(payload["items"]) == 2 * len(share)  # this actor's share of step 2, n = 2 each
+    assert meta["samples"] == len(items) == 2 * len(share)  # this actor's share of step 2, n = 2 each
     assert meta["stream"] == stream.state_dict()
     assert meta["distribution"] == ScoringDistribution.of(SamplingSettings(temperature=cfg.rollout.temperature,
                                                                            top_p=cfg.rollout.top_p))
@@ -55,6 +57,6 @@ def test_a_rollout_actor_produces_its_share_of_the_step_it_is_asked_for(tmp_path
     other, _ = holder.generate(step=3, min_version=0)
     again_meta, again = holder.generate(step=2, min_version=0)
     assert again_meta["stream"] == meta["stream"] != other["stream"]
-    for a, b in zip(payload["items"], again["items"], strict=True):
+    for a, b in zip(items, unpack_items(again["items"]), strict=True):
         assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
         assert all(torch.equal(a.vision[k], b.vision[k]) for k in a.vision)

@@ -195,8 +195,9 @@ def test_flex_forward_equals_the_dense_path_per_kind(own_bundles, family, layout
 
 def test_the_install_points_the_decoder_and_the_vision_tower_at_their_kernels(own_bundles):
     """The padded layout gets no block mask (its decoder falls back to SDPA); its images go through the varlen
-    vision kernel, which equals the per-segment loop it replaces (float32, another summation order). Control: a
-    vision mask that lets windows and images see each other moves the log-probs."""
+    vision kernel (here on the CPU: one batched SDPA call per segment length), which equals the per-segment loop it
+    replaces (float32, another summation order). Control: a bucketing that lets windows and images see each other
+    moves the log-probs."""
     from mmrlhf.experience.samples import build_padded_samples
 
     from mmrlhf.trainer.optim import freeze_vision
@@ -213,13 +214,62 @@ def test_the_install_points_the_decoder_and_the_vision_tower_at_their_kernels(ow
     assert bundle.model.config.vision_config._attn_implementation == attention.VISION_NAME
     after = _score(bundle, built, "flex").log_probs
     assert_close_at_scale(after, before)
-    real = attention.allowed
+    real = attention.length_buckets
     try:
-        attention.allowed = lambda seg_q, seg_k, q, k, causal=True: (q >= k) | ~torch.tensor(causal) | (q == k)
+        attention.length_buckets = lambda cu, length: real(cu[[0, -1]], length)  # one segment: all see all
         leaked = _score(bundle, built, "flex").log_probs
     finally:
-        attention.allowed = real
+        attention.length_buckets = real
     assert float((leaked - before).abs().max()) > CAUGHT
+
+
+def _vision_grads(bundle, built, kernel):
+    """Log-probs and every gradient of a PPO loss through a TRAINING vision tower, with the vision tower on its
+    per-segment loop (``dense``) or the varlen function (``auto``: on the CPU, batched SDPA per segment length)."""
+    from mmrlhf.algorithms.losses import policy_loss
+
+    attention.uninstall(bundle.model)
+    actor = ActorVL(bundle.model, bundle.adapter, chunk_size=5, masked_attention=kernel)
+    bundle.model.zero_grad(set_to_none=True)
+    out = actor(built.samples, vision_extra=built.vision_extra)
+    assert attention.vision_installed(bundle.model) == (kernel == "auto")
+    adv = torch.randn(out.log_probs.shape, generator=torch.Generator().manual_seed(1))
+    loss, _ = policy_loss("ppo", out.log_probs, out.log_probs.detach() + 0.05, adv, out.action_mask,
+                          clip_low=0.2, clip_high=0.2, agg="token-mean")
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in bundle.model.named_parameters() if p.grad is not None}
+    bundle.model.zero_grad(set_to_none=True)
+    attention.uninstall(bundle.model)
+    return out.log_probs.detach(), grads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_batched_vision_path_trains_exactly_as_the_loop_on_the_cpu(own_bundles, family):
+    """Every kind (text, image, two images, video) in one padded batch, the tower training: log-probs and every
+    parameter gradient (the patch embedding's included) through the batched vision path equal the loop's at the
+    suite's float32 tolerance; the control, segments that see each other, moves the tower's gradients."""
+    from mmrlhf.experience.samples import build_padded_samples
+
+    bundle = own_bundles(family)
+    for p in bundle.model.parameters():
+        p.requires_grad_(True)
+    prompts, responses, vision, _ = _pieces(bundle)
+    built = build_padded_samples(prompts, responses, pad_id=bundle.processor.tokenizer.pad_token_id,
+                                 eos_id=bundle.eos_id, adapter=bundle.adapter, vision=vision)
+    lp_loop, g_loop = _vision_grads(bundle, built, "dense")
+    lp_batched, g_batched = _vision_grads(bundle, built, "auto")
+    assert_close_at_scale(lp_batched, lp_loop, msg="log-probs")
+    assert g_batched.keys() == g_loop.keys() and any("patch_embed" in n for n in g_loop)
+    for name in g_loop:
+        assert_close_at_scale(g_batched[name], g_loop[name], msg=name)
+    real = attention.length_buckets
+    try:
+        attention.length_buckets = lambda cu, length: real(cu[[0, -1]], length)
+        _, g_leaked = _vision_grads(bundle, built, "auto")
+    finally:
+        attention.length_buckets = real
+    name = next(n for n in g_loop if "patch_embed" in n)
+    assert float((g_leaked[name] - g_loop[name]).abs().max()) > 1e-3 * float(g_loop[name].abs().max())
 
 
 def test_the_varlen_vision_path_serves_a_frozen_and_a_training_tower():

@@ -81,7 +81,7 @@ class ExperienceMakerHolder:
         ``min_version`` (the staleness gate; the driver only asks once that version was pushed). Two objects (called
         with ``num_returns=2``): the small metadata the driver reads, and the same plus the items, which only the
         trainer reads."""
-        from mmrlhf.experience.batching import compact
+        from mmrlhf.experience.wire import pack_items
         from mmrlhf.launch.ray.ledger import StaleExperienceError
 
         with self._lock:
@@ -102,8 +102,8 @@ class ExperienceMakerHolder:
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
                 "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
-        # each item owning its tensors: views of the experiences would each carry a whole experience's storage
-        return meta, {**meta, "items": [compact(item) for item in batch.items]}
+        # columnar: one flat tensor per field (pickling each item's tensors one by one cost more than generating)
+        return meta, {**meta, "items": pack_items(batch.items)}
 
     def _seek(self, step: int) -> None:
         """The stream where step ``step``'s prompts begin."""

@@ -4,9 +4,9 @@
 Rank 0 asks the rollout actors for step ``t``'s rollouts under the staleness bound ``k`` (``distributed.max_staleness``,
 :mod:`mmrlhf.launch.ray.schedule`), awaits its shares, counts them in the ledger, and deals their samples to the
 ranks (whole GRPO groups per rank). Every rank re-scores its samples with its own policy
-(``PolicyUpdater.score``, the update's own rank-aligned forward loop): the engine-vs-trainer check of the weight sync (``engine_logprob_diff/trainer_*``:
-a fresh sample was drawn with the very weights the trainer holds), and with ``k >= 1`` the old-policy log-probs of the
-PPO ratio at the trainer's current version. After the update every rank takes part in gathering the new weights,
+(``PolicyUpdater.score``, through the rank-aligned forward loop every forward shares): the engine-vs-trainer check of
+the weight sync (``engine_logprob_diff/trainer_*``: a fresh sample was drawn with the very weights the trainer
+holds), and with ``k >= 1`` the old-policy log-probs of the PPO ratio at the trainer's current version. After the update every rank takes part in gathering the new weights,
 which rank 0 pushes to the rollout actors (:mod:`mmrlhf.launch.ray.delivery`).
 
 A resume with ``k >= 1`` regenerates the rollouts that were in flight at the save with the policy versions that
@@ -26,6 +26,7 @@ import torch
 
 from mmrlhf.experience.batching import group_keys
 from mmrlhf.experience.rollout import merge_share_metrics
+from mmrlhf.experience.wire import PackedItems, pack_items, unpack_items
 from mmrlhf.launch.ray.delivery import DeliverySettings, WeightDelivery
 from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, WaitShares, check_staleness
 from mmrlhf.launch.ray.schedule import RolloutSchedule, ScheduleSettings
@@ -80,12 +81,15 @@ class RayRollouts:
             except Exception as exc:  # the other ranks wait for their parts: they stop too, then this one raises
                 self.world.scatter_objects([("error", f"{type(exc).__name__}: {exc}")] * self.world.world_size)
                 raise
-            mine = self.world.scatter_objects(parts)
+            mine = self.world.scatter_objects(parts if self.world.world_size == 1 else
+                                              [{**part, "items": pack_items(part["items"])} for part in parts])
         else:
             mine = self.world.scatter_objects(None)
             if isinstance(mine, tuple):
                 raise RolloutSourceError(mine[1])
         items, distribution = mine["items"], mine["distribution"]
+        if isinstance(items, PackedItems):  # another rank's part, columnar on the wire (mmrlhf.experience.wire)
+            items = unpack_items(items)
         current, outside = self.weights.policy.score(items, distribution, self.world,
                                                      micro_batch_size=self.s.scoring_micro_batch_size,
                                                      max_tokens=self.s.scoring_max_tokens)  # [A_i] per item each
@@ -193,7 +197,7 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
               "metrics": {"samples": 0.0}} for _ in range(ranks)]
     order: dict[tuple[int, Any], int] = {}
     for p, s in zip(payloads, staleness):
-        share_items = list(p["items"])  # compact: each owns its tensors (see the rollout actor's generate)
+        share_items = unpack_items(p["items"])  # columnar from the rollout actor (mmrlhf.experience.wire)
         if len(share_items) != p["samples"]:
             raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, "
                                f"{len(share_items)} items sent")
