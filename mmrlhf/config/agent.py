@@ -59,6 +59,15 @@ class AgentConfig(Section):
     out_of_budget_reward: Literal["score", "zero"] = "score"
     """Reward of a trajectory ended by a budget (``max_turns``, context, a turn's length limit): ``score`` scores
     what it has (its last assistant turn is the answer); ``zero`` gives 0 without calling the reward sources."""
+    tool_bonus: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    """Exploration bonus against interaction collapse (docs/agents.md): added to the reward of every trajectory that
+    made a tool call answered without an error and then answered (one a budget ended gets none), in the step's
+    shaping before the advantages (``reward/mean``, dynamic sampling and evaluations see the task's reward only;
+    ``agent/tool_bonus`` logs the step's value). 0: off."""
+    tool_bonus_steps: Optional[int] = Field(default=None, ge=1)
+    """Anneal ``tool_bonus`` linearly to 0: the step that trains after ``s`` finished steps pays
+    ``tool_bonus * max(0, 1 - s / tool_bonus_steps)``, so exactly the first ``tool_bonus_steps`` steps pay one and
+    the objective is the task's from then on. None: the bonus is never annealed."""
 
     @property
     def enabled(self) -> bool:
@@ -69,4 +78,9 @@ class AgentConfig(Section):
         if self.tools and self.environment is not None:
             raise ValueError("agent.tools and agent.environment are exclusive: an environment answers every turn "
                              "itself (give it the tools it needs)")
+        if self.tool_bonus > 0 and not self.tools:
+            raise ValueError("agent.tool_bonus pays trajectories that called a tool: it needs agent.tools")
+        if self.tool_bonus_steps is not None and self.tool_bonus == 0:
+            raise ValueError("agent.tool_bonus_steps anneals agent.tool_bonus, which is 0 (off): set agent.tool_bonus "
+                             "or drop agent.tool_bonus_steps")
         return self

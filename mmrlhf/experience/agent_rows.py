@@ -96,3 +96,31 @@ def zero_out_of_budget(result: Any, trajectories: Sequence[Any]) -> None:
     over = torch.tensor([t.out_of_budget for t in trajectories], dtype=torch.bool)  # [N]
     result.rewards[over] = 0.0
     result.metrics["reward/out_of_budget_zeroed/count"] = float(over.sum())
+
+
+def tool_bonus_at(step: int, bonus: float, steps: int | None) -> float:
+    """``agent.tool_bonus`` of the step that trains after ``step`` finished steps: ``bonus`` annealed linearly over
+    ``steps`` steps (``bonus`` at step 0, exactly 0 from ``step >= steps`` on, so exactly the first ``steps`` steps
+    pay one); ``steps`` None: ``bonus`` at every step."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if steps is None or bonus == 0:
+        return float(bonus)
+    if steps < 1:
+        raise ValueError(f"tool_bonus_steps must be >= 1 or None, got {steps}")
+    return float(bonus) * max(0.0, 1.0 - step / steps)
+
+
+def tool_bonus_rewards(trajectories: Sequence[Any], value: float) -> Any:
+    """``[N]`` float32: ``value`` for each trajectory that made at least one tool call answered without an error (a
+    call whose tool raised, timed out or returned a refused image does not count; a malformed block never became a
+    call) and then answered, 0 for the others. A trajectory a budget ended (``out_of_budget``: it called until
+    ``max_turns``, ran out of context) gets nothing: paying it would teach calling instead of answering. The
+    exploration term of ``agent.tool_bonus`` (docs/agents.md, "Interaction collapse")."""
+    import torch
+
+    from mmrlhf.rewards.agent import successful_tool_calls
+
+    called = torch.tensor([successful_tool_calls(t) > 0 and not t.out_of_budget for t in trajectories],
+                          dtype=torch.bool)  # [N]
+    return called.float() * float(value)

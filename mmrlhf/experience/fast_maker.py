@@ -127,11 +127,12 @@ class FastExperienceMaker(ExperienceMaker):
         """Prompts (text or chat messages; ``<image>`` placeholders) with per-prompt images / videos / references /
         labels -> micro-batches of experience. ``record_ids`` (one per prompt) name the records in errors.
         ``generate_kwargs`` override sampling fields for this call (e.g. ``temperature``, ``max_new_tokens``);
-        ``micro_batch_size`` overrides the forward batch size."""
+        ``micro_batch_size`` overrides the forward batch size; ``step`` is :meth:`experiences_from`'s."""
         micro = generate_kwargs.pop("micro_batch_size", None)
+        step = generate_kwargs.pop("step", None)
         rollout = self.generate_rollout(prompts, images, videos, references, labels, record_ids=record_ids,
                                         **generate_kwargs)
-        return self.experiences_from(rollout, micro_batch_size=micro)
+        return self.experiences_from(rollout, micro_batch_size=micro, step=step)
 
     def generate_rollout(self, prompts: Sequence[Any], images: Sequence[Any] | None = None,
                          videos: Sequence[Any] | None = None, references: Sequence[Any] | None = None,
@@ -174,7 +175,7 @@ class FastExperienceMaker(ExperienceMaker):
                              self.settings.logprob_mode)
 
     def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None, *,
-                         world: World | None = None) -> list[ExperienceVL]:
+                         world: World | None = None, step: int | None = None) -> list[ExperienceVL]:
         """Stage 2: build the samples, run the actor / reference / critic forwards per micro-batch (under
         ``rollout.distribution``: its sampling temperature and truncation), shape the
         rewards and compute KL and advantages over the whole step.
@@ -184,7 +185,9 @@ class FastExperienceMaker(ExperienceMaker):
         by cost, or these chunks when it is None). ``world``: the training ranks, each holding its share of the
         step (default: this rollout is the step); the plan agrees on the number of forwards over them (sharded
         models gather their parameters in collectives inside every forward: :mod:`mmrlhf.parallel.aligned`), and
-        the step-wide statistics of the shaping are theirs (every rank calls this once per step)."""
+        the step-wide statistics of the shaping are theirs (every rank calls this once per step). ``step``: the
+        steps finished before this one (the trainer's), which ``settings.tool_bonus_steps`` anneals the tool bonus
+        by."""
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(micro_batch_size or self.settings.micro_batch_size)
@@ -213,8 +216,11 @@ class FastExperienceMaker(ExperienceMaker):
         if micros != chunks:
             scored = regroup(scored, micros, chunks, [int(b.samples.response_length.max()) for b in built])
         with timer("advantages"):
-            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single())
+            bonus, bonus_metrics = self._tool_bonus(rows, step)
+            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single(),
+                                                bonus)
         info = dict(rollout.metrics)
+        info.update(bonus_metrics)
         info.update(self._experience_metrics(rows, scored, shaped))
         info.update(split_metrics(plan, world, "scoring/"))
         seconds = dict(rollout.seconds)
@@ -311,8 +317,25 @@ class FastExperienceMaker(ExperienceMaker):
                 row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
         return to_host(row)
 
-    def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling, world: World
-                              ) -> dict[str, Any]:
+    def _tool_bonus(self, rows: Rollout, step: int | None) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """``[N]`` bonus of the rows that called a tool (``agent.tool_bonus``, annealed by ``step``) and its
+        metrics; (None, {}) when off."""
+        s = self.settings
+        if s.tool_bonus == 0:
+            return None, {}
+        if step is None:
+            raise ValueError("agent.tool_bonus is annealed by the training step: pass experiences_from(step=...)")
+        if len(rows.trajectories) != len(rows):
+            raise ValueError("agent.tool_bonus pays trajectories that called a tool; this rollout has none (a "
+                             "single-turn rollout kind)")
+        from mmrlhf.experience.agent_rows import tool_bonus_at, tool_bonus_rewards
+
+        value = tool_bonus_at(step, s.tool_bonus, s.tool_bonus_steps)
+        bonus = tool_bonus_rewards(rows.trajectories, value)  # [N]
+        return bonus, {"agent/tool_bonus": value, "agent/tool_bonus/paid_count": float((bonus > 0).sum())}
+
+    def _shape_and_advantages(self, rollout: Rollout, built, scored, rewards, sampling, world: World,
+                              bonus: torch.Tensor | None = None) -> dict[str, Any]:
         """Whole-step shaping, KL and advantages (:func:`~mmrlhf.experience.step_shaping.shape_step`); returns
         [N, A_max] tensors and metrics."""
         a_max = max(r["action_mask"].shape[1] for r in scored)
@@ -327,7 +350,7 @@ class FastExperienceMaker(ExperienceMaker):
                           max_new_tokens=sampling.max_new_tokens, mask=mask,
                           log_probs=cat("log_probs"), ref_log_probs=cat("ref_log_probs"),
                           values=cat("values") if self.critic is not None else None, reward_norm=self.reward_norm,
-                          kl_controller=self.kl_controller, world=world)
+                          kl_controller=self.kl_controller, world=world, bonus=bonus)
 
     def _experience_metrics(self, rows: Rollout, scored, shaped) -> dict[str, float]:
         valid = shaped["valid"]

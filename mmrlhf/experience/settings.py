@@ -32,15 +32,20 @@ class ExperienceSettings:
     advantage_clip: float | None = None
     check_prompt_ids: bool = True  # the engine's prompt ids must equal the processor's (vision layout check)
     logprob_mode: str = "sampled"  # sampled: score under the sampler's truncation; full: untruncated (rollout.*)
+    # agent.tool_bonus / tool_bonus_steps: exploration bonus of trajectories that called a tool, annealed by step
+    tool_bonus: float = 0.0
+    tool_bonus_steps: int | None = None
 
 
 def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_implementation: str = "sdpa",
-                        multi_turn: bool = False, masked_kernel: str = "dense") -> ExperienceSettings:
+                        multi_turn: bool = False, masked_kernel: str = "dense",
+                        agent: Any = None) -> ExperienceSettings:
     """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections
     (``attn_implementation``: ``model.attn_implementation``, and ``masked_kernel``: ``model.masked_attention``
     resolved for the trainer's device, which decide ``trainer.shared_prompt: auto``).
 
-    ``multi_turn`` (``agent`` configured): ``trainer.shared_prompt: auto`` is off (see ``resolve_shared_prompt``)."""
+    ``multi_turn`` (``agent`` configured): ``trainer.shared_prompt: auto`` is off (see ``resolve_shared_prompt``).
+    ``agent``: the ``agent`` section, whose ``tool_bonus`` the shaping adds (None: no bonus)."""
     from mmrlhf.models.shared_prompt import resolve_shared_prompt
 
     params: dict[str, Any] = {}
@@ -79,4 +84,6 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         advantage_whitening=algorithm.advantage_whitening != "none",
         advantage_clip=algorithm.advantage_clip,
         logprob_mode=rollout.logprob_mode,
+        tool_bonus=agent.tool_bonus if agent is not None else 0.0,
+        tool_bonus_steps=agent.tool_bonus_steps if agent is not None else None,
     )

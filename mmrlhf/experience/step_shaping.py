@@ -46,10 +46,11 @@ def step_sum(world: World) -> Callable[[Tensor], Tensor]:
 def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResult, lengths: Tensor,
                max_new_tokens: int, mask: Tensor, log_probs: Tensor, ref_log_probs: Tensor | None,
                values: Tensor | None, reward_norm: RunningRewardNorm | None, kl_controller: Any,
-               world: World) -> dict[str, Any]:
+               world: World, bonus: Tensor | None = None) -> dict[str, Any]:
     """This rank's share of the step (``[N]`` groups, rewards and response lengths, ``[N, A]`` action mask and
     scores) -> ``[N, A]`` advantages, returns, trained mask and KL, ``[N]`` shaped rewards, validity and groups, and
-    metrics. ``reward_norm`` and ``kl_controller`` are updated from the whole step's rewards and KL."""
+    metrics. ``reward_norm`` and ``kl_controller`` are updated from the whole step's rewards and KL. ``bonus``
+    (``[N]``, e.g. ``agent.tool_bonus``) is added to the rewards first, with the overlong penalty."""
     total = step_sum(world)
     valid = rewards.valid.clone()  # [N]
     seq_reward = rewards.rewards.float().clone()  # [N]
@@ -58,6 +59,8 @@ def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResul
         pen, m = overlong_penalty(lengths, max_new_tokens, s.overlong_buffer_len, s.overlong_penalty_factor)
         seq_reward = seq_reward + pen
         metrics.update({k: float(v) for k, v in m.items()})
+    if bonus is not None:
+        seq_reward = seq_reward + bonus.to(seq_reward)
     if reward_norm is not None:
         seq_reward, m = _normalise_rewards(reward_norm, seq_reward, valid, world)
         metrics.update(m)

@@ -128,13 +128,15 @@ class LocalRollouts:
             rollout, metrics, trains = self._rollout()
         if rollout is None:
             return StepBatch([], metrics, seconds=seconds)
-        return self.prepare(rollout, metrics, seconds, describe=trains)
+        return self.prepare(rollout, metrics, seconds, describe=trains, step=step)
 
     def prepare(self, rollout: ScoredRollout, metrics: dict[str, float],
-                seconds: dict[str, float] | None = None, *, describe: bool = True) -> StepBatch:
+                seconds: dict[str, float] | None = None, *, describe: bool = True, step: int | None = None
+                ) -> StepBatch:
         """A rollout of this rank turned into its step batch: the engine sleeps (it is woken by :meth:`publish`),
         the maker scores the samples with the trainer's models. ``describe=False``: an inert sample
-        (:func:`inert`), whose experience metrics describe nothing (the other ranks' make the step's)."""
+        (:func:`inert`), whose experience metrics describe nothing (the other ranks' make the step's). ``step``: the
+        steps finished before this one (the maker anneals ``agent.tool_bonus`` by it)."""
         seconds = {} if seconds is None else seconds
         if self.sleeps:
             with timed(seconds, "engine_sleep"):
@@ -142,7 +144,7 @@ class LocalRollouts:
         try:
             with timed(seconds, "experience"):
                 # the maker agrees with the other ranks on the number of scoring forwards (sharded ones pair)
-                experiences = self.maker.experiences_from(rollout, world=self.world)
+                experiences = self.maker.experiences_from(rollout, world=self.world, step=step)
                 items = [item for exp in experiences for item in split_experience(exp)]
         except BaseException:
             self._wake(None)
