@@ -1,8 +1,8 @@
 """A step's train items in columnar form for another process (Ray's object store, a scatter to the trainer ranks).
 
 Why: pickling an item pickles each of its tensors on its own, ~100 us a tensor there and back; a toy step of 256
-items holds ~3,800 small tensors, so each hop cost ~0.4 s, three hops a step in the Ray mode (rollout actor to rank 0,
-rank 0 to the ranks), more than the step's generation. Here every field's tensors travel as one flat tensor per
+items holds ~3,800 small tensors, so each hop cost ~0.4 s, and a Ray step has two (rollout actor to rank 0, rank 0 to
+the other ranks): more than the step's generation. Here every field's tensors travel as one flat tensor per
 (field, key) plus the shapes, and come back as tensors of their own. Items split from an experience hold views of
 its tensors, and a pickled view carries its whole storage (measured: a 1,024-sample toy step grew to a 4.9 GB
 object): packing copies only each item's own values. Values, dtypes and shapes are exact.

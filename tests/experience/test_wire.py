@@ -65,6 +65,15 @@ def test_unpacked_tensors_own_their_storage_and_the_originals_are_untouched():
     _same(items[1], unpack_items(packed)[1])  # neither the items nor the packed form changed
 
 
+def test_every_field_of_a_train_item_travels():
+    """A field added to TrainItem must be packed too (or this fails, rather than the field being dropped)."""
+    from dataclasses import fields
+
+    from mmrlhf.experience import wire
+
+    assert {f.name for f in fields(TrainItem)} == {"prompt_ids", "response_ids", "policy_mask", *wire._DICTS}
+
+
 def test_items_that_disagree_on_a_dtype_are_refused_by_name():
     items = _items()
     items[1].token["advantages"] = items[1].token["advantages"].float()
