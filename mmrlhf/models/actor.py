@@ -42,8 +42,7 @@ from torch import nn
 
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.attention import (base_implementation, block_mask, install, install_vision,
-                                     resolve_masked_attention,
-                                     row_segments, rows_kernel)
+                                     resolve_masked_attention, row_segments, rows_kernel)
 from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_sampled_log_probs
@@ -136,7 +135,8 @@ class ActorVL(nn.Module):
     def masked_kernel(self) -> str:
         """``flex`` or ``dense``: how this actor's packed and grouped rows attend, on the device it computes on now
         (:func:`mmrlhf.models.attention.resolve_masked_attention`); ``flex`` installs the block-sparse function in
-        the decoder the first time (it stays: a model keeps one attention function, see that module)."""
+        the decoder the first time (it stays: a model keeps one attention function, see that module), and ``auto``
+        the varlen vision function wherever the decoder stays dense (the tower's segments batched)."""
         kernel = resolve_masked_attention(self.masked_attention, self.device, base_implementation(self.model))
         if kernel == "flex":
             install(self.model)

@@ -257,7 +257,7 @@ def length_buckets(cu_seqlens: torch.Tensor, length: int) -> tuple[list[tuple[in
     """The segments of a varlen sequence grouped by length: per length ``n``, the positions of its ``k`` segments
     ([k * n], segment by segment), and the permutation [L] that puts the buckets' concatenation back in sequence
     order. Images of one size have one length, so a batch of them is one bucket."""
-    bounds = cu_seqlens.tolist()  # host values (the vision tower builds them on the host side of the device)
+    bounds = cu_seqlens.tolist()  # [n + 1] (this path runs off CUDA: no device sync)
     if bounds[-1] != length:
         raise ValueError(f"vision segments end at {bounds[-1]}, the sequence holds {length} positions")
     starts: dict[int, list[int]] = {}

@@ -6,8 +6,9 @@ Rank 0 asks the rollout actors for step ``t``'s rollouts under the staleness bou
 ranks (whole GRPO groups per rank). Every rank re-scores its samples with its own policy
 (``PolicyUpdater.score``, through the rank-aligned forward loop every forward shares): the engine-vs-trainer check of
 the weight sync (``engine_logprob_diff/trainer_*``: a fresh sample was drawn with the very weights the trainer
-holds), and with ``k >= 1`` the old-policy log-probs of the PPO ratio at the trainer's current version. After the update every rank takes part in gathering the new weights,
-which rank 0 pushes to the rollout actors (:mod:`mmrlhf.launch.ray.delivery`).
+holds), and with ``k >= 1`` the old-policy log-probs of the PPO ratio at the trainer's current version. After the
+update every rank takes part in gathering the new weights, which rank 0 pushes to the rollout actors
+(:mod:`mmrlhf.launch.ray.delivery`). Items travel between processes columnar (:mod:`mmrlhf.experience.wire`).
 
 A resume with ``k >= 1`` regenerates the rollouts that were in flight at the save with the policy versions that
 generated them (the checkpoint keeps those versions' trainable tensors in ``inflight/``) and the same sampling
