@@ -44,6 +44,7 @@ SETTINGS = ("auto", "dense", "flex")
 # not in transformers' registry: it stays dense).
 FLEX_BASES = ("sdpa", "flash_attention_2", "flash_attention_3")
 _NAME = "block_sparse_"
+COMPILED_FLEX = ("cuda",)  # device types where torch.compile builds a FlexAttention kernel (Triton)
 
 
 def flex_supported() -> bool:
@@ -76,7 +77,7 @@ def resolve_masked_attention(setting: str, device: torch.device | str, base: str
             raise ValueError(f"model.masked_attention=flex runs beside model.attn_implementation in {FLEX_BASES}, "
                              f"not {base!r}")
         return "flex"
-    return "flex" if usable and torch.device(device).type == "cuda" else "dense"
+    return "flex" if usable and torch.device(device).type in COMPILED_FLEX else "dense"
 
 
 def rows_kernel(setting: str, resolved: str, layout: str, base: str) -> str:
@@ -205,7 +206,7 @@ def _flex_kernel(device_type: str) -> Callable:
     dynamic kernel at the second, so varying packed lengths do not recompile per step."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    return torch.compile(flex_attention) if device_type in COMPILED_FLEX else flex_attention
 
 
 def _block_sparse_function(base: str) -> Callable:
@@ -307,9 +308,10 @@ def _varlen_vision_function() -> Callable:
         if cu_seq_lens_q is None or attention_mask is not None or dropout:
             raise ValueError("the vision varlen path expects transformers' varlen call (cu_seq_lens_q, no mask, no "
                              "dropout); set model.masked_attention=dense for this model")
-        if query.device.type == "cuda" and flex_supported():
-            out = _flex_kernel("cuda")(query, key, value, block_mask=masks.get(cu_seq_lens_q, query.shape[2]),
-                                       scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+        if query.device.type in COMPILED_FLEX and flex_supported():
+            mask = masks.get(cu_seq_lens_q, query.shape[2])
+            out = _flex_kernel(query.device.type)(query, key, value, block_mask=mask, scale=scaling,
+                                                  enable_gqa=query.shape[1] != key.shape[1])
         else:
             out = bucketed_attention(query, key, value, *bucketings.get(cu_seq_lens_q, query.shape[2]), scaling)
         return out.transpose(1, 2).contiguous(), None
