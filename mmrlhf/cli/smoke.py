@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 
+from mmrlhf.testing.tiny_models import FAMILIES
 from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE
 
 
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "float32 transformers forward of the distribution vLLM sampled from (at the sampling temperature, vision "
         "special tokens excluded). Exits non-zero if they disagree beyond --tolerance.",
     )
-    parser.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "all"],
+    parser.add_argument("--family", default="qwen2_vl", choices=[*FAMILIES, "all"],
                         help="tiny model family (default: qwen2_vl; 'all' runs each)")
     parser.add_argument("--size", default="tiny", choices=["tiny", "small"], help="tiny model size")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (default 4)")

@@ -44,6 +44,11 @@ class FamilyAdapter:
     # (0-1000 of the image: Qwen2-VL, Qwen3-VL) or "absolute" (pixels of the image as the model saw it, after the
     # processor's resize: Qwen2.5-VL).
     box_space: ClassVar[str] = "relative1000"
+    # Decoder layers that carry a recurrent state (Gated DeltaNet linear attention) besides attention: packed rows
+    # must restart that state at every sequence boundary, and a prompt cannot be shared through a tree mask.
+    recurrent_layers: ClassVar[bool] = False
+    # Decoder MLPs that route tokens to experts (routing replay, load-balancing loss, expert metrics apply).
+    routed_experts: ClassVar[bool] = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "FamilyAdapter":
@@ -263,6 +268,38 @@ class Qwen3VLAdapter(FamilyAdapter):
         return images, frames
 
 
+@ADAPTERS.register("qwen3_vl_moe")
+@dataclass(frozen=True)
+class Qwen3VLMoeAdapter(Qwen3VLAdapter):
+    """Qwen3-VL's vision side and prompts; the decoder's MLPs are routed experts."""
+
+    family = "qwen3_vl_moe"
+    model_types = ("qwen3_vl_moe",)
+    routed_experts = True
+
+
+@ADAPTERS.register("qwen3_5")
+@dataclass(frozen=True)
+class Qwen35Adapter(Qwen3VLAdapter):
+    """Qwen3.5: Qwen3-VL's processor and positions, a vision tower without deepstack mergers, and a hybrid decoder
+    (Gated DeltaNet linear attention between gated full-attention layers)."""
+
+    family = "qwen3_5"
+    model_types = ("qwen3_5",)
+    merger_attrs = ("merger",)
+    recurrent_layers = True
+
+
+@ADAPTERS.register("qwen3_5_moe")
+@dataclass(frozen=True)
+class Qwen35MoeAdapter(Qwen35Adapter):
+    """Qwen3.5's hybrid decoder with routed experts and a gated shared expert in every layer."""
+
+    family = "qwen3_5_moe"
+    model_types = ("qwen3_5_moe",)
+    routed_experts = True
+
+
 def family_of(config: Any) -> str:
     """Adapter name for an HF config (object or dict) by its ``model_type``."""
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
@@ -272,6 +309,21 @@ def family_of(config: Any) -> str:
     raise ValueError(
         f"no model-family adapter for model_type {model_type!r}; supported families: {', '.join(ADAPTERS)}"
     )
+
+
+def adapter_class(model_dir: str | Path) -> type[FamilyAdapter] | None:
+    """The adapter class of a model directory's ``config.json``, or None where no adapter claims its model type
+    (or the directory has no config: a hub name, left to vLLM)."""
+    import json
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    model_type = json.loads(path.read_text()).get("model_type")
+    for name in ADAPTERS:
+        if model_type in ADAPTERS.get(name).model_types:
+            return ADAPTERS.get(name)
+    return None
 
 
 def get_adapter(config: Any, family: str = "auto") -> FamilyAdapter:

@@ -192,6 +192,7 @@ def engine_kwargs(
     gpu_memory_utilization: float = 0.35,
     enforce_eager: bool = False,
     enable_sleep_mode: bool = False,
+    recurrent: bool = False,
     trust_remote_code: bool = False,
     lora_rank: int = 0,
     lora_vision: bool = False,
@@ -227,6 +228,10 @@ def engine_kwargs(
     if not accelerated:
         kwargs.update(enable_chunked_prefill=False,
                       max_num_batched_tokens=max(max_model_len, CPU_MAX_BATCHED_TOKENS))
+        if recurrent:
+            # A model with recurrent (linear-attention) layers caches prefixes only in vLLM's "align" mode, which
+            # needs chunked prefill, off here: prompts are prefilled whole instead of shared.
+            kwargs["enable_prefix_caching"] = False
     if limit_mm_per_prompt:
         kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
     if lora_rank:
@@ -287,12 +292,26 @@ def make_llm(model_path: str, **settings: Any) -> Any:
         logger.warning("%s: image and video processors normalise differently; normalising on the host "
                        "(mm_device_do_normalize=False)", model_path)
         host_normalise = True
+    settings.setdefault("recurrent", has_recurrent_layers(model_path))
     kwargs = engine_kwargs(model_path, device_type=device_type, ranks=ranks, host_normalise=host_normalise,
                            **settings)
     device = engine_device(device_type, ranks)
+    if device_type == "cpu":
+        from mmrlhf.rollout.vllm_cpu_gdn import install_float32_gdn
+
+        install_float32_gdn()  # vLLM's CPU linear-attention kernels take bfloat16 only
     llm = vllm.LLM(**kwargs)
     reassert_device(device)
     return llm
+
+
+def has_recurrent_layers(model_path: str) -> bool:
+    """Whether the checkpoint's family has recurrent (linear-attention) decoder layers; False for a model no adapter
+    knows (a reward model's own architecture)."""
+    from mmrlhf.models.adapters import adapter_class
+
+    cls = adapter_class(model_path)
+    return bool(cls is not None and cls.recurrent_layers)
 
 
 LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA config accepts (LoRAConfig)

@@ -47,9 +47,14 @@ from typing import Any, Literal, Mapping, Sequence
 
 from mmrlhf.testing.tiny_tool_calls import user_call_tokens, variant_suffix
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
 SIZES = ("tiny", "small")
-Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"]
+# Families of the Qwen3 vision tower (16-pixel patches, learned position embeddings, mean = std = 0.5 inputs) and
+# of the Qwen3.5 hybrid decoder (Gated DeltaNet linear attention interleaved with gated full attention).
+QWEN3_VISION = ("qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
+HYBRID = ("qwen3_5", "qwen3_5_moe")
+MOE = ("qwen3_5_moe", "qwen3_vl_moe")
 Size = Literal["tiny", "small"]
 
 SPECIAL_TOKENS = [
@@ -137,6 +142,20 @@ TOOLS_TEMPLATE = (
     "{% endif %}"
     "{% endfor %}" + _GENERATION_PROMPT
 )
+
+# Qwen3.5's two modes, as its released template writes the assistant's opening: thinking (the default) opens a
+# ``<think>`` block for the model to close; ``enable_thinking=False`` writes an empty block, so the model answers
+# at once. Rewards read the final answer after the block (mmrlhf.rewards.rules.final_answer).
+_THINKING_PROMPT = ("{% if add_generation_prompt %}<|im_start|>assistant\n"
+                    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+def chat_template(family: str, tools: bool = False) -> str:
+    """The tiny model's chat template: the plain or tool-calling turns, with Qwen3.5's thinking opening where the
+    family has it."""
+    template = TOOLS_TEMPLATE if tools else CHAT_TEMPLATE
+    return template.replace(_GENERATION_PROMPT, _THINKING_PROMPT) if family in HYBRID else template
 
 
 @dataclass(frozen=True)
@@ -238,8 +257,8 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = _DIMS[size]
-    tokenizer = _build_tokenizer(dims.vocab, tools=tools, extra_calls=extra)
-    processor = _build_processor(family, tokenizer, TOOLS_TEMPLATE if tools else CHAT_TEMPLATE)
+    tokenizer = _build_tokenizer(dims.vocab, tools=tools, extra_calls=extra, template=chat_template(family, tools))
+    processor = _build_processor(family, tokenizer, chat_template(family, tools))
     config = _build_config(family, dims, tokenizer, tied=tied)
 
     model_cls = _model_class(family)
@@ -249,6 +268,8 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
         model = model_cls(config)
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
+    if family == "qwen3_vl_moe":
+        _store_experts_transposed(out)
     processor.save_pretrained(out)
     _write_generation_config(out, tokenizer, RELEASED_GENERATION_DEFAULTS if released_generation_config else {})
     meta = {"family": family, "size": size, "seed": seed, "tied": tied,
@@ -265,10 +286,26 @@ def _model_class(family: str):
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
+        "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+        "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
     }[family]
 
 
-def _build_tokenizer(vocab_size: int, *, tools: bool = False, extra_calls: Sequence[str] = ()):
+def _store_experts_transposed(out: Path) -> None:
+    """Qwen3-VL-MoE checkpoints store the fused expert weights as ``gate_up_proj`` [E, hidden, 2 * inter] and
+    ``down_proj`` [E, inter, hidden] (transformers transposes them on load; vLLM reads them so); transformers'
+    ``save_pretrained`` writes its own in-memory layout back, which vLLM would misread."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _build_tokenizer(vocab_size: int, *, tools: bool = False, extra_calls: Sequence[str] = (), template: str = ""):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -294,7 +331,7 @@ def _build_tokenizer(vocab_size: int, *, tools: bool = False, extra_calls: Seque
         bos_token=None,
         unk_token=None,
         model_max_length=32768,
-        chat_template=TOOLS_TEMPLATE if tools else CHAT_TEMPLATE,
+        chat_template=template or (TOOLS_TEMPLATE if tools else CHAT_TEMPLATE),
         padding_side="left",
         extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
@@ -312,7 +349,7 @@ def _build_tokenizer(vocab_size: int, *, tools: bool = False, extra_calls: Seque
 
 
 def _patch_size(family: str) -> int:
-    return 16 if family == "qwen3_vl" else 14
+    return 16 if family in QWEN3_VISION else 14
 
 
 def _build_processor(family: str, tokenizer, chat_template: str = CHAT_TEMPLATE):
@@ -325,11 +362,11 @@ def _build_processor(family: str, tokenizer, chat_template: str = CHAT_TEMPLATE)
     lo, hi, video_hi = 4 * unit, 64 * unit, 16 * unit
     patch = dict(patch_size=_patch_size(family), temporal_patch_size=2, merge_size=2)
     # Qwen3-VL normalises images and videos alike (mean = std = 0.5), as its released checkpoints do.
-    norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if family == "qwen3_vl" else {}
+    norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if family in QWEN3_VISION else {}
     image_processor = Qwen2VLImageProcessor(
         min_pixels=lo, max_pixels=hi, size={"shortest_edge": lo, "longest_edge": hi}, **patch, **norm
     )
-    if family == "qwen3_vl":
+    if family in QWEN3_VISION:
         video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": lo, "longest_edge": video_hi},
                                                 do_sample_frames=False, **patch)
     else:
@@ -337,7 +374,8 @@ def _build_processor(family: str, tokenizer, chat_template: str = CHAT_TEMPLATE)
             min_pixels=lo, max_pixels=video_hi, size={"shortest_edge": lo, "longest_edge": video_hi},
             do_sample_frames=False, cap_pixels_per_frame=True, **patch,
         )
-    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
+    # The Qwen3.5 and MoE checkpoints ship Qwen3-VL's processor class.
+    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(family, Qwen3VLProcessor)
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
                chat_template=chat_template)
 
@@ -388,18 +426,55 @@ def _build_config(family: str, dims: _Dims, tokenizer, *, tied: bool = False):
                       spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                       fullatt_block_indexes=[dims.vision_depth - 1], tokens_per_second=2)
         cfg_cls = transformers.Qwen2_5_VLConfig
-    else:  # qwen3_vl: explicit head_dim, interleaved M-RoPE, deepstack features from the first vision block
+    else:  # the Qwen3 vision tower: explicit head_dim, interleaved M-RoPE, learned position embeddings
         text["head_dim"] = head_dim
         text["rope_parameters"]["mrope_interleaved"] = True
         vision = dict(depth=dims.vision_depth, hidden_size=dims.vision_dim, out_hidden_size=dims.hidden,
                       intermediate_size=dims.vision_dim * 2, num_heads=dims.vision_heads, patch_size=16,
-                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
-                      deepstack_visual_indexes=[0])
-        cfg_cls = transformers.Qwen3VLConfig
+                      spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256)
+        if family in ("qwen3_vl", "qwen3_vl_moe"):
+            vision["deepstack_visual_indexes"] = [0]  # deepstack features from the first vision block
+        if family in HYBRID:
+            text.update(_hybrid_text(dims, head_dim))
+        if family in MOE:
+            text.update(_moe_text(family, dims))
+        cfg_cls = {"qwen3_vl": transformers.Qwen3VLConfig, "qwen3_5": transformers.Qwen3_5Config,
+                   "qwen3_5_moe": transformers.Qwen3_5MoeConfig,
+                   "qwen3_vl_moe": transformers.Qwen3VLMoeConfig}[family]
     top_ids = {k: v for k, v in ids.items()}
     # Set in both places: transformers and vLLM read the tie from different configs.
     config = cfg_cls(text_config=text, vision_config=vision, tie_word_embeddings=tied, **top_ids)
     return config
+
+
+def _hybrid_text(dims: _Dims, head_dim: int) -> dict[str, Any]:
+    """Qwen3.5's decoder: Gated DeltaNet layers with every ``full_attention_interval``-th layer full attention
+    (tiny: [linear, full]; small: three linear then one full, as released), a quarter of each head rotated
+    (``partial_rotary_factor``, so the M-RoPE sections sum to ``head_dim / 8``), and more value than key heads in
+    the linear layers (the released ratio is 2)."""
+    rotary_half = head_dim // 8
+    section = [rotary_half - 2 * (3 * rotary_half // 8), 3 * rotary_half // 8, 3 * rotary_half // 8]
+    interval = 2 if dims.layers < 4 else 4
+    return dict(
+        layer_types=["linear_attention" if (i + 1) % interval else "full_attention" for i in range(dims.layers)],
+        partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_num_key_heads=dims.heads, linear_num_value_heads=2 * dims.heads,
+    )
+
+
+def _moe_text(family: str, dims: _Dims) -> dict[str, Any]:
+    """A sparse MLP in every layer: several experts, top-k > 1 (so routing weights matter), and Qwen3.5-MoE's
+    gated shared expert."""
+    moe = dict(num_experts=4 if dims.layers < 4 else 8, num_experts_per_tok=2, moe_intermediate_size=dims.hidden // 4,
+               router_aux_loss_coef=0.001)
+    if family == "qwen3_5_moe":
+        moe["shared_expert_intermediate_size"] = dims.hidden // 2
+    else:  # the router renormalises its top-k weights (transformers always does; vLLM reads the flag)
+        moe.update(decoder_sparse_step=1, norm_topk_prob=True)
+    return moe
 
 
 def _write_generation_config(out: Path, tokenizer, sampling_defaults: dict) -> None:
