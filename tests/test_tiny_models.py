@@ -13,13 +13,15 @@ from mmrlhf.models.adapters import get_adapter
 from mmrlhf.testing.engine_check import default_cases, processor_inputs
 from mmrlhf.testing.tiny_models import (
     COLOURS,
+    FAMILIES,
     RELEASED_GENERATION_DEFAULTS,
     SPECIAL_TOKENS,
     build_tiny_model,
     tiny_model_dir,
 )
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+# Every family's tiny model builds, loads and generates; the current generation's structure is checked below.
+assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"}
 
 
 def _digests(folder) -> dict[str, str]:
@@ -70,9 +72,11 @@ def test_tokenizer_and_config_ids(family):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     assert model.config.text_config.eos_token_id == eos
     assert model.generation_config.eos_token_id == eos
-    head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
+    text = model.config.text_config
+    head_dim = text.hidden_size // text.num_attention_heads
     assert head_dim >= 32  # vLLM CPU attention rejects small head sizes
-    assert sum(model.config.text_config.rope_parameters["mrope_section"]) == head_dim // 2
+    rotary = head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0)  # Qwen3.5 rotates a quarter
+    assert sum(text.rope_parameters["mrope_section"]) == rotary // 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -163,3 +167,69 @@ def test_tool_variant_holds_a_user_tools_call_as_one_token(capsys):
         tiny_model_dir("qwen2_vl", tool_names=["calculator"])
     with pytest.raises(ValueError, match="given twice"):
         tiny_model_dir("qwen2_vl", tools=True, tool_names=["calculator", "calculator"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_families_interleave_linear_and_full_attention(family):
+    """Qwen3.5's decoder: at least one Gated DeltaNet layer and one full-attention layer, more value than key heads
+    in the linear layers (as released), and the small size in the released 3-linear-1-full pattern."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir(family))
+    text = model.config.text_config
+    assert text.layer_types == ["linear_attention", "full_attention"]
+    layers = model.model.language_model.layers
+    assert hasattr(layers[0], "linear_attn") and hasattr(layers[1], "self_attn")
+    assert text.linear_num_value_heads > text.linear_num_key_heads
+    assert get_adapter(tiny_model_dir(family)).recurrent_layers
+
+
+def test_small_hybrid_repeats_three_linear_then_one_full(tmp_path):
+    from mmrlhf.testing.tiny_models import _DIMS, _hybrid_text
+
+    kinds = _hybrid_text(_DIMS["small"], 64)["layer_types"]
+    assert kinds == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_vl_moe"])
+def test_moe_families_route_to_several_experts(family):
+    """Several experts, top-k > 1 (routing weights matter), every layer sparse; Qwen3.5-MoE has the gated shared
+    expert. The router really picks k of them for a token."""
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_dir(family), dtype=torch.float32)
+    text = model.config.text_config
+    assert text.num_experts >= 4 and text.num_experts_per_tok == 2
+    mlp = model.model.language_model.layers[0].mlp
+    assert hasattr(mlp, "shared_expert") == (family == "qwen3_5_moe")
+    _, scores, chosen = mlp.gate(torch.randn(5, text.hidden_size))
+    assert chosen.shape == (5, 2) and torch.allclose(scores.sum(-1), torch.ones(5))
+    assert get_adapter(tiny_model_dir(family)).routed_experts
+
+
+def test_qwen3_vl_moe_stores_its_experts_as_released():
+    """Qwen3-VL-MoE checkpoints hold the fused experts transposed ([E, hidden, 2 * inter], [E, inter, hidden]), the
+    layout vLLM reads; transformers loads them back to its own layout."""
+    from safetensors import safe_open
+
+    path = tiny_model_dir("qwen3_vl_moe")
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16)
+    experts = model.model.language_model.layers[0].mlp.experts
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("model.language_model.layers.0.mlp.experts.gate_up_proj")
+        down = f.get_tensor("model.language_model.layers.0.mlp.experts.down_proj")
+    text = model.config.text_config
+    assert stored.shape == (text.num_experts, text.hidden_size, 2 * text.moe_intermediate_size)
+    assert torch.equal(stored.transpose(1, 2), experts.gate_up_proj.data)
+    assert torch.equal(down.transpose(1, 2), experts.down_proj.data)
+
+
+def test_qwen3_5_template_thinks_by_default_and_answers_at_once_on_request():
+    """The released template's two modes: thinking opens a block for the model to close; enable_thinking=False
+    writes an empty block. Families without thinking ignore the flag."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color?"}]}]
+    processor = AutoProcessor.from_pretrained(tiny_model_dir("qwen3_5"))
+    thinking = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    direct = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                           enable_thinking=False)
+    assert thinking.endswith("<|im_start|>assistant\n<think>\n")
+    assert direct.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = AutoProcessor.from_pretrained(tiny_model_dir("qwen3_vl"))
+    assert plain.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False) \
+        == plain.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -56,6 +56,10 @@ class DataConfig(Section):
     """Render prompts with the model's chat template (off: plain text, placeholders become vision tokens)."""
     system_prompt: Optional[str] = None
     """System message prepended to plain-text prompts when the chat template is applied (None: none)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template, e.g. ``{enable_thinking: false}`` for Qwen3.5's non-thinking mode
+    (its template opens a ``<think>`` block by default; rewards read the answer after it). Unknown variables are
+    ignored by templates that do not use them."""
 
     # ---- vision knobs (qwen-vl-utils semantics; a per-item dict may override min/max pixels) ---------------------
     image_min_pixels: Optional[int] = Field(default=None, gt=0)

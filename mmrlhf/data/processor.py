@@ -94,7 +94,7 @@ class MultimodalDataProcessor:
         self.renderer = PromptRenderer(
             owner, apply_chat_template=data_config.apply_chat_template,
             image_placeholder=data_config.image_placeholder, video_placeholder=data_config.video_placeholder,
-            system_prompt=data_config.system_prompt,
+            system_prompt=data_config.system_prompt, template_kwargs=data_config.chat_template_kwargs,
             image_sequence=seq[0] + seq[1] + seq[3], video_sequence=seq[0] + seq[2] + seq[3])
         # Tokens that belong to a vision block; left truncation never removes them.
         self._vision_ids = frozenset((adapter.image_token_id, adapter.video_token_id,

@@ -54,13 +54,15 @@ class PromptRenderer:
 
     def __init__(self, template_owner: Any, *, apply_chat_template: bool = True, image_placeholder: str = "<image>",
                  video_placeholder: str = "<video>", system_prompt: Optional[str] = None,
-                 image_sequence: str = "", video_sequence: str = "") -> None:
+                 image_sequence: str = "", video_sequence: str = "",
+                 template_kwargs: Optional[dict[str, Any]] = None) -> None:
         # ``template_owner``: the processor (or tokenizer) whose ``apply_chat_template`` renders messages.
         self.owner = template_owner
         self.apply_chat_template = apply_chat_template
         self.image_placeholder = image_placeholder
         self.video_placeholder = video_placeholder
         self.system_prompt = system_prompt
+        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs (e.g. enable_thinking)
         # Without a chat template, placeholders become the model's own vision sequence
         # (``<|vision_start|><|image_pad|><|vision_end|>``), which the processor then expands.
         self.image_sequence = image_sequence
@@ -95,7 +97,8 @@ class PromptRenderer:
             messages = self.to_messages(prompt)
             if self.tools:
                 return self._render_with_tools(messages)
-            return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **self.template_kwargs)
         if not isinstance(prompt, str):
             raise ValueError("chat-message prompts need data.apply_chat_template=true")
         return (prompt.replace(self.image_placeholder, self.image_sequence)
@@ -106,8 +109,10 @@ class PromptRenderer:
         """The template's own ``tools=`` rendering; a template that ignores ``tools`` (Qwen2-VL's and Qwen2.5-VL's
         processor templates do) gets them as a system message instead (:func:`tools_system_text`), so the policy
         is always told what it may call."""
-        plain = self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        text = self.owner.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True)
+        plain = self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               **self.template_kwargs)
+        text = self.owner.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=True,
+                                              **self.template_kwargs)
         if text != plain:
             return text
         system = tools_system_text(self.tools)
@@ -115,7 +120,8 @@ class PromptRenderer:
             messages = [{"role": "system", "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
         else:
             messages = [{"role": "system", "content": system}, *messages]
-        return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                              **self.template_kwargs)
 
 
 def tools_system_text(tools: list[dict]) -> str:

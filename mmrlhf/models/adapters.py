@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import torch
 
@@ -205,6 +205,17 @@ class FamilyAdapter:
             mergers.append(part)
         return tower, mergers
 
+    # ---- weight names the rollout engine loads --------------------------------------------------------------
+    def engine_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` pairs of the trainer's module (transformers' in-memory names and layouts) in the form
+        the family's checkpoints store them, which is the form the engine's loader reads (a weight sync sends what
+        a fresh engine would load from disk). Identity unless the family stores a weight differently."""
+        for name, tensor in named:
+            yield from self.engine_weight(name, tensor)
+
+    def engine_weight(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor)]
+
     def processor_video_kwargs(self, videos: Sequence[Any], fps: float) -> dict[str, Any]:
         """Extra keyword arguments for the HF processor call that carries ``videos`` (already-sampled frames)."""
         if not videos or not self.processor_needs_video_metadata:
@@ -277,6 +288,13 @@ class Qwen3VLMoeAdapter(Qwen3VLAdapter):
     model_types = ("qwen3_vl_moe",)
     routed_experts = True
 
+    def engine_weight(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        # The checkpoints store the fused experts transposed: gate_up_proj [E, hidden, 2 * inter] and down_proj
+        # [E, inter, hidden]; transformers holds [E, 2 * inter, hidden] / [E, hidden, inter].
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            return [(name, tensor.transpose(1, 2))]
+        return [(name, tensor)]
+
 
 @ADAPTERS.register("qwen3_5")
 @dataclass(frozen=True)
@@ -298,6 +316,18 @@ class Qwen35MoeAdapter(Qwen35Adapter):
     family = "qwen3_5_moe"
     model_types = ("qwen3_5_moe",)
     routed_experts = True
+
+    def engine_weight(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        # The checkpoints store one module per expert; transformers fuses them: gate_up_proj [E, 2 * inter, hidden]
+        # (gate rows first) and down_proj [E, hidden, inter].
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or kind not in ("gate_up_proj", "down_proj"):
+            return [(name, tensor)]
+        if kind == "down_proj":
+            return [(f"{prefix}.{e}.down_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+        gate, up = tensor.chunk(2, dim=1)  # [E, inter, hidden] each
+        return [pair for e in range(tensor.shape[0])
+                for pair in ((f"{prefix}.{e}.gate_proj.weight", gate[e]), (f"{prefix}.{e}.up_proj.weight", up[e]))]
 
 
 def family_of(config: Any) -> str:

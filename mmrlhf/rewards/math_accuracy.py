@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Any
 
-from mmrlhf.rewards.rules import extract_answer
+from mmrlhf.rewards.rules import extract_answer, final_answer
 from mmrlhf.rewards.runners import main_thread
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ def math_accuracy(
     responses: list[str], prompts: list[str], labels: list[str], references: list[Any], timeout_s: int = 5
 ) -> list[float | None]:
     """1.0 if the final answer equals the reference under math-verify, 0.0 if not, None without a reference."""
-    del prompts, labels  # the answer is read from the response only
+    del labels  # the answer is read from the response, after its thinking block (the prompt may open it)
     return [
-        None if ref is None else float(math_equal(resp, str(ref), timeout_s))
-        for resp, ref in zip(responses, references)
+        None if ref is None else float(math_equal(final_answer(resp, prompt), str(ref), timeout_s))
+        for resp, ref, prompt in zip(responses, references, prompts)
     ]

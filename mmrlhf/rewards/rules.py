@@ -77,6 +77,33 @@ def has_boxed_answer(response: str) -> bool:
     return boxed is not None and bool(boxed.strip())
 
 
+def final_answer(response: str, prompt: str = "") -> str:
+    r"""The part of a response after its thinking block: what answer rules read (Qwen3.5 and other thinking
+    templates write ``<think>...</think>`` before the answer, and reasoning may mention wrong candidates).
+
+    A prompt that leaves a ``<think>`` block open (Qwen3.5's thinking mode opens it in the generation prompt) starts
+    the response inside the block: the answer is what follows its ``</think>``, and a response that never closes the
+    block has none (''). Otherwise the text after the last ``</think>``, or the whole response.
+
+    >>> final_answer("<think>maybe 3</think> 4")
+    ' 4'
+    >>> final_answer("maybe 3</think>\n\n4", prompt="<|im_start|>assistant\n<think>\n")
+    '\n\n4'
+    >>> final_answer("still thinking about 3", prompt="<|im_start|>assistant\n<think>\n")
+    ''
+    >>> final_answer("4", prompt="<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    '4'
+    """
+    if "</think>" in response:
+        return response.rsplit("</think>", 1)[1]
+    return "" if thinking_left_open(prompt) else response
+
+
+def thinking_left_open(prompt: str) -> bool:
+    """Whether ``prompt`` ends inside a ``<think>`` block (its last ``<think>`` is not closed)."""
+    return prompt.rfind("<think>") > prompt.rfind("</think>")
+
+
 def extract_answer(response: str) -> str:
     r"""The final answer of a response: the last ``<answer>`` block, else the last ``\boxed{}``, else all of it.
 
@@ -173,15 +200,19 @@ def extract_choice(text: str, letters: str = "ABCDEFGH") -> str | None:
 
 
 def _per_sample(
-    score: Callable[[str, str], float], responses: list[str], references: list[str | None]
+    score: Callable[[str, str], float], responses: list[str], references: list[str | None], prompts: list[str]
 ) -> list[float | None]:
-    return [None if ref is None else score(resp, ref) for resp, ref in zip(responses, references)]
+    """``score(final answer, reference)`` per sample (the thinking block left out, :func:`final_answer`)."""
+    return [None if ref is None else score(final_answer(resp, prompt), ref)
+            for resp, ref, prompt in zip(responses, references, prompts)]
 
 
 def think_answer_format(
     responses: list[str], prompts: list[str], labels: list[str], references: list[Any]
 ) -> list[float]:
-    """1.0 for responses formatted ``<think>...</think><answer>...</answer>``, else 0.0 (prompts ignored)."""
+    """1.0 for responses formatted ``<think>...</think><answer>...</answer>``, else 0.0 (prompts ignored: a block the
+    prompt opened is not the policy's; with a thinking-mode template, reward the answer, which answer rules read
+    after the block, :func:`final_answer`)."""
     del prompts, labels, references  # the format is a property of the response alone
     return [1.0 if is_think_answer_format(r) else 0.0 for r in responses]
 
@@ -196,12 +227,12 @@ def exact_match(
     responses: list[str], prompts: list[str], labels: list[str], references: list[str | None]
 ) -> list[float | None]:
     """1.0 if the extracted answer equals the reference after :func:`normalize_text`; None without a reference."""
-    del prompts, labels
+    del labels
 
     def score(response: str, reference: str) -> float:
         return float(normalize_text(extract_answer(response)) == normalize_text(str(reference)))
 
-    return _per_sample(score, responses, references)
+    return _per_sample(score, responses, references, prompts)
 
 
 def numeric_match(
@@ -216,7 +247,7 @@ def numeric_match(
 
     A reference that holds no number is a data error and raises, naming the reference.
     """
-    del prompts, labels
+    del labels
 
     def score(response: str, reference: str) -> float:
         gold = parse_number(str(reference))
@@ -225,14 +256,14 @@ def numeric_match(
         got = parse_number(extract_answer(response))
         return float(got is not None and math.isclose(got, gold, rel_tol=rel_tol, abs_tol=abs_tol))
 
-    return _per_sample(score, responses, references)
+    return _per_sample(score, responses, references, prompts)
 
 
 def multiple_choice(
     responses: list[str], prompts: list[str], labels: list[str], references: list[str | None], letters: str = "ABCDEFGH"
 ) -> list[float | None]:
     """1.0 if the answer picks the reference's option letter; None without a reference."""
-    del prompts, labels
+    del labels
 
     def score(response: str, reference: str) -> float:
         gold = extract_choice(str(reference), letters)
@@ -240,4 +271,4 @@ def multiple_choice(
             raise ValueError(f"reference {reference!r} is not one of the option letters {letters!r}")
         return float(extract_choice(extract_answer(response), letters) == gold)
 
-    return _per_sample(score, responses, references)
+    return _per_sample(score, responses, references, prompts)

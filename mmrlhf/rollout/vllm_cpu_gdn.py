@@ -88,8 +88,8 @@ def gdn_core(layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tens
         raise NotImplementedError("the float32 CPU Gated DeltaNet path does not support speculative decoding")
     starts = meta.non_spec_query_start_loc.tolist()  # [N + 1]
     slots = meta.non_spec_state_indices_tensor.tolist()  # [N]
-    n_dec = int(meta.num_decodes)
-    has_initial = [True] * n_dec + (meta.has_initial_state.tolist() if meta.num_prefills else [])
+    # Over every sequence of the step, decodes included (None when the step only decodes: all continue a state).
+    has_initial = [True] * len(slots) if meta.has_initial_state is None else meta.has_initial_state.tolist()
     conv_states, ssm_states = _conv_states(layer), _ssm_states(layer)
     weight = _conv_weight(layer)  # [D, W]
     lengths = [e - s for s, e in zip(starts[:-1], starts[1:])]

@@ -42,11 +42,63 @@ def keep_weights_when_packing() -> None:
     dispatch_keeping_weight.__wrapped_original__ = original  # type: ignore[attr-defined]
     # vLLM imports the function from this module at call time, so replacing the module attribute is enough.
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
+    _keep_expert_weights()
     _INSTALLED = True
 
 
+# Routed experts: vLLM's CPU MoE kernels pre-pack ``w13_weight`` / ``w2_weight`` in place after loading (same
+# shapes, another element order), so a later load writes plain values into packed storage and the engine computes
+# garbage without an error. The plain weights are kept beside the packed ones; an update loads into them
+# (:func:`unpack_experts`) and packs again (:func:`repack_after_update`).
+_PLAIN = "_mmrlhf_plain_experts"
+
+
+def _keep_expert_weights() -> None:
+    try:
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    except ImportError:  # a vLLM without CPU MoE kernels: nothing is packed
+        return
+    cls = cpu_moe.CPUUnquantizedExperts
+    original = cls.process_weights_after_loading
+
+    @functools.wraps(original)
+    def process_keeping_plain(self: Any, layer: Any) -> None:
+        setattr(layer, _PLAIN, (self, {name: getattr(layer, name).detach().clone()
+                                       for name in ("w13_weight", "w2_weight")}))
+        original(self, layer)
+
+    process_keeping_plain.__wrapped_original__ = original  # type: ignore[attr-defined]
+    cls.process_weights_after_loading = process_keeping_plain
+
+
+def unpack_experts(model: Any) -> int:
+    """Before an update: put the plain expert weights back as the parameters the loader writes into."""
+    from vllm.model_executor.utils import replace_parameter
+
+    count = 0
+    for module in model.modules():
+        kept = getattr(module, _PLAIN, None)
+        if kept is not None:
+            for name, plain in kept[1].items():
+                replace_parameter(module, name, plain)
+            count += 1
+    return count
+
+
+def _repack_experts(model: Any) -> int:
+    count = 0
+    for module in model.modules():
+        kept = getattr(module, _PLAIN, None)
+        if kept is not None:
+            experts = kept[0]
+            type(experts).process_weights_after_loading(experts, module)  # keeps the new plain copy, packs again
+            count += 1
+    return count
+
+
 def repack_after_update(model: Any) -> int:
-    """Re-run the CPU packing on every packed layer of ``model`` (the engine's ``nn.Module``); returns the count."""
+    """Re-run the CPU packing on every packed layer (Linear and routed experts) of ``model`` (the engine's
+    ``nn.Module``); returns the count."""
     import vllm.model_executor.layers.utils as layer_utils
 
     dispatch = getattr(layer_utils.dispatch_cpu_unquantized_gemm, "__wrapped_original__",
@@ -63,4 +115,4 @@ def repack_after_update(model: Any) -> int:
             )
         dispatch(module, remove_weight=False)
         count += 1
-    return count
+    return count + _repack_experts(model)

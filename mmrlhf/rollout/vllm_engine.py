@@ -261,13 +261,25 @@ class VLLMEngine(RolloutEngine):
         :func:`~mmrlhf.rollout.vllm_weight_transport.load_named`). How a bucket reaches the workers:
         :mod:`~mmrlhf.rollout.vllm_weight_transport`. On the CPU platform the packed GEMM copies are rebuilt
         afterwards (see ``vllm_cpu_weights``); every cache computed with the old weights is dropped. Returns the
-        number of tensors accepted.
+        number of (trainer) tensors accepted.
         """
         if self._is_sleeping():
             raise RuntimeError("update_weights while the vLLM engine sleeps: its weights are offloaded and the "
                                "update would be lost; call wake_up() first")
         loaded, engine_names, aliases = 0, set(), {}
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+
+        def counted() -> NamedTensors:
+            nonlocal loaded
+            for pair in named_tensors:
+                loaded += 1
+                yield pair
+
+        if self._cpu:
+            from mmrlhf.rollout.vllm_cpu_weights import unpack_experts
+
+            self.llm.apply_model(unpack_experts)
+        # Sent in the family's checkpoint form (e.g. fused experts split per expert), what the engine's loader reads.
+        for bucket in iter_buckets(self.adapter.engine_weights(counted()), self.bucket_bytes):
             # Every worker gets the same picklable loader (module-level function + payload: vLLM's multiprocess
             # executor pickles it with plain pickle); with tensor parallelism on CUDA the payload carries IPC
             # handles, so each worker copies only its shard out of the trainer's tensors.
@@ -275,7 +287,6 @@ class VLLMEngine(RolloutEngine):
             for names, held in self.llm.apply_model(bucket_loader(payload)):
                 engine_names.update(names)
                 aliases.update(held)
-            loaded += len(payload.names)
         missing = {name: canonical for name, canonical in aliases.items() if canonical not in engine_names}
         if missing:
             raise ValueError(

@@ -24,6 +24,8 @@ from typing import Any, Sequence
 
 from PIL import Image, ImageDraw
 
+from mmrlhf.rewards.rules import final_answer
+
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (230, 205, 40)}
 SHAPES = ("square", "circle")
 COUNTS = ("1", "2", "3", "4")
@@ -91,7 +93,7 @@ def first_word(text: str) -> str:
 
 def first_word_reward(responses: Sequence[str], prompts: Sequence[str], labels: Sequence[str],
                       references: Sequence[Any]) -> list[float | None]:
-    """1.0 when the response's first word equals the reference (case-insensitive), else 0.0; None without a
-    reference (does not apply)."""
-    return [None if ref is None else float(first_word(resp) == str(ref).strip().lower())
-            for resp, ref in zip(responses, references)]
+    """1.0 when the first word of the response's final answer (after a thinking block, if any) equals the
+    reference (case-insensitive), else 0.0; None without a reference (does not apply)."""
+    return [None if ref is None else float(first_word(final_answer(resp, prompt)) == str(ref).strip().lower())
+            for resp, ref, prompt in zip(responses, references, prompts)]

@@ -119,3 +119,26 @@ def test_extract_choice_rejects_false_positives(response, expected):
     assert extract_choice(response) == expected
     if expected is None:
         assert multiple_choice([response], ["q"], ["mcq"], ["A"]) == [0.0]
+
+
+def test_answer_rules_read_the_answer_after_a_thinking_block():
+    """Qwen3.5's thinking template opens ``<think>`` in the prompt: the answer is what follows the response's
+    ``</think>``, a candidate inside the reasoning does not count, and an unfinished block has no answer. Without a
+    block (non-thinking mode, older families) the whole response is the answer, as before."""
+    thinking = "<|im_start|>assistant\n<think>\n"
+    direct = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    refs = ["4", "4", "4", "4"]
+    responses = ["maybe \\boxed{3}</think>\n\n\\boxed{4}", "maybe 4</think>\n\n3", "4 is what I think", "\\boxed{4}"]
+    prompts = [thinking, thinking, thinking, direct]
+    assert call("numeric_match", responses, prompts=prompts, references=refs) == [1.0, 0.0, 0.0, 1.0]
+    assert call("math_accuracy", responses, prompts=prompts, references=refs) == [1.0, 0.0, 0.0, 1.0]
+    assert call("exact_match", ["x</think> B"], prompts=[thinking], references=["b"]) == [1.0]
+    assert call("numeric_match", ["4"], references=["4"]) == [1.0]  # no prompt, no block: the whole response
+
+
+def test_the_toy_task_reads_the_first_word_after_the_thinking_block():
+    from mmrlhf.tasks.shapes import first_word_reward
+
+    prompts = ["<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_start|>assistant\n<think>\n", ""]
+    assert first_word_reward([" red", "blue</think> red", "red"], prompts, ["L"] * 3, ["red"] * 3) == [1.0, 1.0, 1.0]
+    assert first_word_reward(["red, I think"], ["<|im_start|>assistant\n<think>\n"], ["L"], ["red"]) == [0.0]

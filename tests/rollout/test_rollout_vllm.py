@@ -26,6 +26,12 @@ T = 0.7
 @pytest.mark.parametrize("family, tied, dtype, tolerance", [
     ("qwen2_vl", True, "float32", FP32_TOLERANCE),  # fp32 engine vs fp32 trainer: tight
     ("qwen2_5_vl", False, "bfloat16", DEFAULT_TOLERANCE),  # the GPU default precision: bf16 noise
+    # The current generation: linear-attention parameters (conv1d, A_log, dt_bias, in_proj_qkv / z / a / b) and
+    # tied embeddings; the same with routed experts (per-expert in the checkpoint, fused in transformers' memory) and
+    # a gated shared expert; Qwen3-VL-MoE's fused experts, stored transposed in its checkpoints.
+    ("qwen3_5", True, "float32", FP32_TOLERANCE),
+    ("qwen3_5_moe", False, "float32", FP32_TOLERANCE),
+    ("qwen3_vl_moe", False, "float32", FP32_TOLERANCE),
 ])
 @pytest.mark.slow  # ~20-30 s on the 2-core machine: engine start, three generations, ActorVL scoring
 def test_logprobs_match_the_actor_at_temperature_and_sync_is_verified(family, tied, dtype, tolerance):
