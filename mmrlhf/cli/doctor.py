@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--engine", default="auto", choices=["auto", "vllm", "transformers"],
                         help="toy runs' rollout engine (auto: vLLM when installed)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run of the command itself)")
+    parser.add_argument("--family", nargs="+", default=None, metavar="FAMILY",
+                        help="engine_logprobs rows for these tiny-model families only (default: every family)")
     parser.add_argument("--out", default="outputs/doctor", help="folder for doctor.md / doctor.json")
     parser.set_defaults(func=_run)
 
@@ -44,7 +46,8 @@ def _run(args: argparse.Namespace) -> int:
                   "--device cpu, to check the CPU)", file=sys.stderr)
             return 2
         device = str(found)
-    opts = DoctorOptions(device=device, steps=args.steps, quick=args.quick, engine=args.engine)
+    families = {} if args.family is None else {"families": tuple(args.family)}
+    opts = DoctorOptions(device=device, steps=args.steps, quick=args.quick, engine=args.engine, **families)
 
     def echo(row: CheckResult) -> None:
         value = "" if row.value is None else f"{row.value:.4g}"

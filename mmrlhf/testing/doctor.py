@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mmrlhf.testing.tiny_models import FAMILIES
+
 STATUSES = ("pass", "fail", "skip")
 # bf16 vs fp32 update check: the bf16 run must move at least this share of the weights the float32 run moves
 # (issue 24, item 2's acceptance; bf16 parameters stepped in place move < 1% at lr 1e-6).
@@ -33,7 +35,7 @@ class DoctorOptions:
     steps: int = 5  # toy-run length
     quick: bool = False  # smaller sizes everywhere (the CPU test)
     engine: str = "auto"  # toy runs' rollout engine: auto (vLLM when installed) | vllm | transformers
-    families: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    families: tuple[str, ...] = FAMILIES  # engine_logprobs rows: every family of the tiny-model factory
     workdir: str = ""  # where runs write (a temporary folder when empty)
 
 
@@ -143,11 +145,12 @@ def check_engine_logprobs(opts: DoctorOptions) -> list[CheckResult]:
         report = run_engine_check(str(tiny_model_dir(family)), samples_per_prompt=2 if opts.quick else 4,
                                   max_new_tokens=8 if opts.quick else 32, seed=0, dtype="auto")
         worst = max(case.max_abs_diff for case in report["cases"])
+        tokens, gen_seconds, cases = report["tokens"], report["gen_seconds"], len(report["cases"])
         status = "pass" if worst <= DEFAULT_TOLERANCE else "fail"
         rows.append(CheckResult(
             f"engine_logprobs/{family}", status, worst, "max |dlogp|",
-            f"{len(report['cases'])} cases (text, images, video), tolerance {DEFAULT_TOLERANCE}; "
-            f"{report['tokens'] / max(report['gen_seconds'], 1e-9):.0f} tok/s",
+            f"{cases} cases (text, images, video), tolerance {DEFAULT_TOLERANCE}; "
+            f"{tokens / max(gen_seconds, 1e-9):.0f} tok/s",
             time.perf_counter() - t0))
     return rows
 

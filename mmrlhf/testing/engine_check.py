@@ -8,6 +8,8 @@ bf16-vs-fp32 noise.
 
 from __future__ import annotations
 
+import gc
+
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,6 +201,10 @@ def run_engine_check(
     t1 = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
     gen_seconds = time.perf_counter() - t1
+    # An engine built here goes now (a caller's stays theirs): vLLM keeps one set of parallel groups per process, and
+    # the next engine (another family, e.g. one with experts) must build its own.
+    llm = None
+    gc.collect()
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     results, tokens = [], 0
@@ -211,5 +217,4 @@ def run_engine_check(
         reference = hf_response_logprobs(model, processor, case, resp_ids, temperature=temperature or 1.0,
                                          forbidden=adapter.vision_special_token_ids())
         results.append(CaseResult(case.name, resp_ids, engine_lp, reference))
-    return {"cases": results, "tokens": tokens, "gen_seconds": gen_seconds, "engine_seconds": engine_seconds,
-            "llm": llm}
+    return {"cases": results, "tokens": tokens, "gen_seconds": gen_seconds, "engine_seconds": engine_seconds}
