@@ -15,6 +15,10 @@ Grouped layout (``GroupedSamples``, built by :mod:`mmrlhf.experience.grouped`): 
 by its responses, a [G, 1, L, L] mask (:mod:`mmrlhf.models.shared_prompt`) and per-response positions; the prompt
 and its images go through the model once per row instead of once per sample.
 
+Recurrent decoder layers (Gated DeltaNet, ``adapter.recurrent_layers``) read no mask: the actor hands them where each
+sample lies, and they run every sample from its own first token (:mod:`mmrlhf.models.linear_attention`); the
+grouped layout is refused for them.
+
 All layouts return [B, A] tensors (A = longest response) in sample order plus the action mask, so callers are
 layout-agnostic.
 
@@ -40,6 +44,7 @@ from typing import Any, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from mmrlhf.models import linear_attention
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.attention import (base_implementation, block_mask, install, install_vision,
                                      resolve_masked_attention, row_segments, rows_kernel)
@@ -131,6 +136,10 @@ class ActorVL(nn.Module):
         self.compute_dtype = compute_dtype  # autocast dtype of the forwards; None: the parameters' own dtype
         resolve_masked_attention(masked_attention, "cpu", base_implementation(model))  # refuse a bad setting now
         self.masked_attention = masked_attention  # model.masked_attention: kernel of packed / grouped rows
+        # Recurrent (linear-attention) layers restart at packed boundaries (mmrlhf.models.linear_attention)
+        if self.adapter.recurrent_layers and not linear_attention.install(model):
+            raise ValueError(f"{self.adapter.family} has recurrent decoder layers but none was found in "
+                             f"{type(model).__name__} (in_proj_qkv, conv1d, A_log, dt_bias): packed rows would leak")
 
     def masked_kernel(self) -> str:
         """``flex`` or ``dense``: how this actor's packed and grouped rows attend, on the device it computes on now
@@ -187,10 +196,11 @@ class ActorVL(nn.Module):
         """Final (normed) decoder hidden states [B, S, H] (padded), [1, T, H] (packed) or [G, L, H] (grouped), on
         this actor's device (the inputs are moved there)."""
         check_wrapper_layout(self.model)
-        position_ids = self.position_ids(samples, vision_extra)
-        samples, vision_extra, position_ids = to_device((samples, vision_extra, position_ids), self.device)
+        position_ids, mixer = self.position_ids(samples, vision_extra), self._mixer_kwargs(samples)
+        samples, vision_extra, position_ids, mixer = to_device((samples, vision_extra, position_ids, mixer),
+                                                               self.device)
         with self._autocast():
-            return self._hidden_states(samples, vision_extra, position_ids)
+            return self._hidden_states(samples, vision_extra, position_ids, mixer)
 
     def position_ids(self, samples: SamplesVL | GroupedSamples,
                      vision_extra: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -205,8 +215,21 @@ class ActorVL(nn.Module):
             return packed_position_ids(self.adapter, samples, vision_extra)
         return padded_position_ids(self.adapter, samples, vision_extra)
 
+    def _mixer_kwargs(self, samples: SamplesVL | GroupedSamples) -> dict[str, Any]:
+        """Extra keywords of the decoder's token mixers, built on the host: where each sample lies (packed row or
+        padded batch), for recurrent layers (:mod:`mmrlhf.models.linear_attention`); none otherwise. A grouped row
+        is refused there: a recurrent state cannot skip the row's other responses the way a tree mask does."""
+        if not self.adapter.recurrent_layers:
+            return {}
+        if isinstance(samples, GroupedSamples):
+            raise ValueError(f"the shared-prompt (grouped) layout cannot run {self.adapter.family}: its recurrent "
+                             "(linear-attention) layers cannot read a tree mask; set trainer.shared_prompt=false")
+        seg = (linear_attention.segments(samples.packed_seq_lens.cpu()) if samples.packed else
+               linear_attention.padded_segments(samples.attention_mask.cpu()))
+        return {} if seg is None else {linear_attention.SEGMENTS_KWARG: seg}
+
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None,
-                       position_ids: torch.Tensor) -> torch.Tensor:
+                       position_ids: torch.Tensor, mixer: dict[str, Any]) -> torch.Tensor:
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
         grouped = isinstance(samples, GroupedSamples)
@@ -222,7 +245,9 @@ class ActorVL(nn.Module):
                               grouped_attention_mask(samples.segment_ids, base_implementation(self.model), dtype))
         elif samples.packed:
             # dense: the block-diagonal causal mask transformers builds from position_ids[0]; flex: its block mask
-            attention_mask = block_mask(row_segments(samples)) if flex else None
+            # (a per-layer-type mapping where recurrent layers read no block mask: mmrlhf.models.linear_attention)
+            attention_mask = (linear_attention.layer_masks(self.model, block_mask(row_segments(samples))) if flex
+                              else None)
         else:
             attention_mask = samples.attention_mask  # [B, S] 0/1
         out = self.model.base_model(
@@ -235,6 +260,7 @@ class ActorVL(nn.Module):
             video_grid_thw=samples.video_grid_thws,
             mm_token_type_ids=samples.mm_token_type_ids,
             use_cache=False,
+            **mixer,
         )
         return out.last_hidden_state
 
@@ -242,11 +268,11 @@ class ActorVL(nn.Module):
                      truncation) -> ActionLogProbs:
         # Positions and the response index come from the host batch (integer bookkeeping: no device syncs), then
         # everything moves here, per micro-batch, after any selection.
-        position_ids = self.position_ids(samples, vision_extra)
+        position_ids, mixer = self.position_ids(samples, vision_extra), self._mixer_kwargs(samples)
         index = response_index(samples)  # [N], [N], [B, A]
-        samples, vision_extra, position_ids, (src, tgt, action_mask) = to_device(
-            (samples, vision_extra, position_ids, index), self.device)
-        hidden = self._hidden_states(samples, vision_extra, position_ids)  # [B, S, H] | [1, T, H] | [G, L, H]
+        samples, vision_extra, position_ids, mixer, (src, tgt, action_mask) = to_device(
+            (samples, vision_extra, position_ids, mixer, index), self.device)
+        hidden = self._hidden_states(samples, vision_extra, position_ids, mixer)  # [B,S,H] | [1,T,H] | [G,L,H]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
         lm_head = self.model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias

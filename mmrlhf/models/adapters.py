@@ -356,6 +356,13 @@ def adapter_class(model_dir: str | Path) -> type[FamilyAdapter] | None:
     return None
 
 
+def has_recurrent_layers(model_dir: str | Path, family: str = "auto") -> bool:
+    """Whether the family (``family``, or ``model_dir``'s ``config.json`` under ``auto``) has recurrent decoder layers;
+    False for a model no adapter knows. Read from the config alone, before any model loads (layout decisions)."""
+    cls = adapter_class(model_dir) if family == "auto" else ADAPTERS.get(family)
+    return bool(cls is not None and cls.recurrent_layers)
+
+
 def get_adapter(config: Any, family: str = "auto") -> FamilyAdapter:
     """The adapter for ``config`` (an HF config object, its dict, or a model directory).
 

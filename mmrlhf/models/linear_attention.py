@@ -1,0 +1,138 @@
+"""Recurrent decoder layers (Gated DeltaNet linear attention) run every sample of a batch from its own first token:
+the recurrent state and the short causal convolution restart at every packed boundary, and never cross padding.
+
+Why, packed rows: an attention layer isolates the samples of a packed row through its block-diagonal mask (built by
+transformers from the restarting positions), but a linear-attention layer reads no mask. Its state runs from the
+first token of the row to the last, and its depthwise convolution (kernel 4) mixes the last tokens of one sample
+into the first of the next. transformers (5.19, ``modeling_qwen3_5.Qwen3_5GatedDeltaNet``) hands boundaries only to
+fla's CUDA ``chunk_gated_delta_rule(cu_seqlens=)``; the ``causal_conv1d_fn`` fallback and both torch delta rules
+ignore them, so on the CPU (and on a GPU without those kernels) a packed row leaks one sample into the next:
+measured on the tiny models, log-probs off by up to 0.013 (qwen3_5) and 0.007 (qwen3_5_moe) from the samples alone.
+
+Why, padded rows: transformers zeroes padded hidden states before the layer, so the state and the convolution stay
+zero through left padding and the FORWARD is exact (5e-7). The torch chunked delta rule, though, sums the decay of
+every padded step into the cumulative decay of the chunk's real tokens (float32, magnitude ~ padding x |decay|) and
+takes differences of those sums: the gradients of the decay parameters (``A_log``, ``dt_bias``) came out 3e-3 (of
+their scale) away from the samples' own on the tiny qwen3_5, in float64 inputs too (the kernel computes in float32);
+with the samples gathered to start at their first token, 6e-5 (float32 summation order; float64: 2e-16).
+
+How: :func:`install` gives every such layer (found by its parts: ``in_proj_qkv``, ``conv1d``, ``A_log``,
+``dt_bias``; no family names) a forward that, given the batch's :class:`Segments` under the keyword
+:data:`SEGMENTS_KWARG`, gathers each sample into a right-padded batch ``[n, L, H]``, runs the layer's OWN forward
+on it (each state and convolution starts from zero, exactly as alone; right padding cannot reach earlier tokens of
+a causal layer) and scatters the real tokens back (zeros elsewhere, which is what the layer gives at padding).
+Gradients flow through the gather and the scatter; the kernels are whatever transformers picked (fla / causal-conv1d
+on CUDA where installed, the torch fallbacks elsewhere), never bypassed. Cost: ``n * L_max`` token rows instead of
+``T`` for a packed row (linear in length; similar lengths waste little), the same rows for a padded batch. A varlen
+call (fla's ``cu_seqlens``, causal-conv1d's ``seq_idx``) would avoid the padding but needs its own copy of the
+layer's forward per transformers version; left for when a GPU run shows the padding matters. Without the keyword
+(generation, a direct model call) the layer runs as shipped.
+
+The keyword travels with the model's own ``**kwargs`` (model -> decoder layer -> token mixer), so a checkpointed
+block recomputes with the same segments. Other modules that receive it (attention functions, the vision tower)
+ignore unknown keywords.
+
+Shared prompts (the grouped layout, :mod:`mmrlhf.models.shared_prompt`) are refused for these layers: a tree mask
+tells an attention layer which tokens a response sees, but a recurrent state cannot skip the other responses of its
+row (see :func:`mmrlhf.models.shared_prompt.resolve_shared_prompt`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+SEGMENTS_KWARG = "mmrlhf_segments"  # not a transformers keyword: nothing else reads it
+_PARTS = ("in_proj_qkv", "conv1d", "A_log", "dt_bias")
+
+
+class Segments(NamedTuple):
+    """Where each sample of a batch lies, as the gather of its tokens into a right-padded batch of samples."""
+
+    index: torch.Tensor  # [n, L] long: flat position (row * S + s) of each sample's token l (clamped past its end)
+    valid: torch.Tensor  # [n, L] bool: l < the sample's length
+
+
+def segments(lengths: torch.Tensor) -> Segments:
+    """:class:`Segments` of one packed row of samples of ``lengths`` [n] (their sum = the row length T), computed
+    where the lengths are (the host: no device sync per layer)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.long).reshape(-1)  # [n]
+    return _gather(lengths.cumsum(0) - lengths, lengths, int(lengths.sum()))
+
+
+def padded_segments(attention_mask: torch.Tensor) -> Segments | None:
+    """:class:`Segments` of a padded batch (``attention_mask`` [B, S] 0/1, one contiguous run of ones per row: left
+    padding, the sample, right padding), or None where a row's ones are not contiguous."""
+    mask = attention_mask.bool()  # [B, S]
+    b, s = mask.shape
+    lengths = mask.sum(1)  # [B]
+    first = mask.int().argmax(1)  # [B] first real token (0 for an empty row)
+    steps = torch.arange(s)[None]  # [1, S]
+    if not torch.equal(mask, (steps >= first[:, None]) & (steps < (first + lengths)[:, None])):
+        return None
+    return _gather(first + torch.arange(b) * s, lengths, b * s)
+
+
+def _gather(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> Segments:
+    width = int(lengths.max()) if lengths.numel() else 0
+    steps = torch.arange(width)[None]  # [1, L]
+    valid = steps < lengths[:, None]  # [n, L]
+    index = (starts[:, None] + steps).clamp(max=max(total - 1, 0))  # [n, L]
+    return Segments(index, valid)
+
+
+def recurrent_layers(model: nn.Module) -> list[nn.Module]:
+    """The linear-attention token mixers of ``model`` (modules holding all of ``in_proj_qkv``, ``conv1d``, ``A_log``,
+    ``dt_bias``)."""
+    return [m for m in model.modules() if all(hasattr(m, p) for p in _PARTS)]
+
+
+def installed(layer: nn.Module) -> bool:
+    forward = layer.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _segmented_forward
+
+
+def install(model: nn.Module) -> int:
+    """Give every recurrent layer of ``model`` the boundary-aware forward (idempotent); returns how many it has.
+    A partial, not a closure: a deep copy of the model gets a forward bound to the copied layer."""
+    layers = recurrent_layers(model)
+    for layer in layers:
+        if not installed(layer):
+            layer.forward = functools.partial(_segmented_forward, layer)
+    return len(layers)
+
+
+def layer_masks(model: nn.Module, mask: Any) -> Any:
+    """The decoder's ``attention_mask`` for a prepared ``mask`` (a FlexAttention block mask): ``mask`` itself for a
+    model without recurrent layers, else transformers' per-layer-type mapping, the attention layers' types getting
+    ``mask`` and the recurrent layers' None (transformers derives their padding mask from a 2-D mask and fails on a
+    block mask, ``'BlockMask' object has no attribute 'ndim'``; a packed row has no padding, and the segments carry
+    its boundaries)."""
+    recurrent = {getattr(m, "layer_type", None) for m in recurrent_layers(model)}
+    if not recurrent:
+        return mask
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    if not types or None in recurrent:
+        raise ValueError("recurrent layers without a per-layer type: cannot route a block mask past them")
+    return {t: None if t in recurrent else mask for t in types}
+
+
+def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The layer's class forward, per sample when ``kwargs`` carry :data:`SEGMENTS_KWARG`: ``hidden_states``
+    [B, S, H] -> [B, S, H'], zero where no sample lies (as the layer gives at padding)."""
+    seg: Segments | None = kwargs.pop(SEGMENTS_KWARG, None)
+    forward = type(layer).forward
+    if seg is None:
+        return forward(layer, hidden_states, *args, **kwargs)
+    if args or kwargs.get("cache_params") is not None:
+        raise ValueError("sample segments with a cache: a scored batch is run whole, never continued")
+    kwargs.pop("attention_mask", None)  # the padding: outside the gathered samples, or zeroed below
+    b, s, _ = hidden_states.shape
+    rows = hidden_states.reshape(b * s, -1)[seg.index]  # [n, L, H] each sample from its own first token
+    rows = rows * seg.valid[..., None].to(rows.dtype)  # the tail past a sample's end: zeros, never read
+    out = forward(layer, rows, **kwargs)  # [n, L, H']
+    flat = out.new_zeros(b * s, out.shape[-1]).index_put((seg.index[seg.valid],), out[seg.valid])  # [B * S, H']
+    return flat.reshape(b, s, -1)
