@@ -29,7 +29,7 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 def resolve_shared_prompt(setting: str | bool, attn_implementation: str, n_samples_per_prompt: int, *,
-                          multi_turn: bool = False, masked_kernel: str = "dense") -> bool:
+                          multi_turn: bool = False, masked_kernel: str = "dense", routing_replay: bool = False) -> bool:
     """``trainer.shared_prompt`` -> on/off. ``masked_kernel``: how grouped rows attend (``model.masked_attention``
     resolved for the trainer's device, :func:`mmrlhf.models.attention.resolve_masked_attention`): ``flex`` expresses
     the group mask over any base kernel, ``dense`` needs a base kernel that reads a mask (``sdpa``, ``eager``).
@@ -40,7 +40,14 @@ def resolve_shared_prompt(setting: str | bool, attn_implementation: str, n_sampl
     path a group's row cost more than encoding the prompt per sample (the zoom toy: 64 trajectories of ~100 tokens in
     one grouped row, a forward 5.4x slower than padded), while on an H200 at Qwen2.5-VL-7B shape a group of 8
     trajectories of ~300 tokens with a tool image each trained 1.5x faster grouped than padded (benchmarks/
-    bench_trainer.py, ``agent``). ``True`` with a kernel that cannot run it is an error, not a silent off."""
+    bench_trainer.py, ``agent``). ``True`` with a kernel that cannot run it is an error, not a silent off.
+    ``routing_replay`` (``rollout.routing_replay=replay``): a grouped row carries no engine routing, so ``auto`` is
+    off and ``True`` an error."""
+    if routing_replay:
+        if setting is True:
+            raise ValueError("trainer.shared_prompt=true with rollout.routing_replay=replay: the shared-prompt layout "
+                             "carries no engine routing; set trainer.shared_prompt=auto or false")
+        return False
     expressible = masked_kernel == "flex" or attn_implementation in SUPPORTED_ATTENTION
     if setting == "auto":
         return n_samples_per_prompt > 1 and expressible and (not multi_turn or masked_kernel == "flex")

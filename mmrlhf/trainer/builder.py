@@ -63,6 +63,7 @@ def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdat
         train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size, ppo_epochs=t.ppo_epochs,
         loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, loss_params=params, agg=a.loss_agg,
         norm_len=a.loss_agg_norm_len, entropy_coef=a.entropy_coef, kl_loss_coef=a.kl_loss_coef,
+        moe_aux_loss_coef=a.moe_aux_loss_coef,
         kl_loss_estimator=a.kl_loss_estimator, high_entropy_top_p=a.high_entropy_top_p, correction=correction,
         correction_level=a.rollout_correction_level, correction_cap=a.rollout_correction_cap,
         correction_lower=a.rollout_correction_lower, packing=t.packing_samples,
@@ -91,6 +92,7 @@ def _layout(config: MMRLHFConfig) -> dict[str, Any]:
     return {"shared_prompt": resolve_shared_prompt(t.shared_prompt, config.model.attn_implementation,
                                                    config.rollout.n_samples_per_prompt,
                                                    multi_turn=rollout_kind_class(config).multi_turn,
+                                                   routing_replay=config.rollout.routing_replay == "replay",
                                                    masked_kernel=masked_kernel(config.model,
                                                                                resolve_device(t.device))),
             "shared_prompt_max_tokens": t.shared_prompt_max_tokens}
