@@ -101,6 +101,12 @@ class AlgorithmConfig(Section):
     """Entropy bonus coefficient (adds ``-coef * entropy`` to the policy loss); 0 disables it."""
     high_entropy_top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Train only on this fraction of response tokens with the highest entropy (0.2 in arXiv 2506.01939); 1 = all."""
+    moe_aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    """Mixture-of-experts policies: weight of the router's load-balancing loss (Switch Transformer's
+    ``E * sum_e f_e P_e``, as transformers computes it, over the routed layers and the batch's real tokens) added to
+    the policy loss. 0 (the default) leaves it out: RL fine-tuning starts from a balanced router and the loss
+    would pull the policy away from the reward for balance's sake; turn it on (e.g. 0.001, pre-training's value)
+    only where ``moe/load_imbalance`` grows. Logged as ``policy/moe_aux_loss``."""
     value_clip: float | None = Field(default=0.2, gt=0.0)
     """Critic (``gae``): clip range of the value update around the old values; None disables clipping."""
     value_loss_coef: float = Field(default=0.5, ge=0.0)

@@ -50,7 +50,7 @@ class ModelConfig(Section):
 
     pretrain: str = ""
     """Local path (or hub id, if the user's machine reaches a hub) of the policy model; empty until set."""
-    family: Literal["auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = "auto"
+    family: Literal["auto", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"] = "auto"
     """Model-family adapter to use; ``auto`` reads ``model_type`` from the model's config."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """COMPUTE dtype of the policy, reference and critic forwards and backwards. Below float32, the trained models

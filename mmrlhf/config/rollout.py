@@ -107,6 +107,17 @@ class RolloutConfig(Section):
     """Most videos one prompt may carry in the vLLM engine (None: vLLM's default)."""
     weight_sync_bucket_mb: int = Field(default=512, ge=1)
     """Size bound of one weight-update bucket pushed into the engine."""
+    routing_replay: Literal["none", "record", "replay"] = "none"
+    """Mixture-of-experts policies (``qwen3_5_moe``, ``qwen3_vl_moe``; vLLM engine): ``record`` makes the engine
+    report the experts it routed each token to (vLLM's ``enable_return_routed_experts`` on GPUs; captured from its
+    routers on the CPU platform, which then runs without prefix caching) and logs how often the trainer routes the
+    same (``moe/routing_agree_set``); ``replay`` also holds the trainer's routers to the engine's choice in every
+    old-log-prob, reference and update forward (Routing Replay: the trainer's router probabilities still weight
+    the chosen experts and get gradients). Engine and trainer kernels differ (bf16, GPUs), near-tie tokens then go
+    to other experts in the two, and the ratio of such a token is off by far more than numeric noise; replay
+    removes that term (docs/models_moe_snippet.md, measured there). Padded and packed layouts; the shared-prompt
+    layout (``trainer.shared_prompt``) is refused with ``replay``. ``none``: nothing recorded. Refused for a dense
+    model's family and for the transformers engine."""
     seed: int = 0
     """Base seed for sampling: every sample of every call draws from its own stream, derived from this seed, the
     call, the request and the sample by hashing (see ``SamplingSettings.seed``); different seeds give unrelated

@@ -38,6 +38,7 @@ class TrainItem:
     token: dict[str, torch.Tensor]  # per-token [A_i] tensors; "loss_mask" [A_i] bool (the experience's action_mask)
     info: dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample 0-d tensors (reward, valid, group, ...)
     policy_mask: torch.Tensor | None = None  # [A_i] bool multi-turn: policy tokens (None: all response tokens)
+    routed_experts: torch.Tensor | None = None  # [P_i + A_i, L, k] int16 the engine's experts per token (None: none)
 
     def with_token(self, **token: torch.Tensor) -> "TrainItem":
         """A new item with these per-token entries replaced or added; this one stays as it is (what a step's items
@@ -67,12 +68,13 @@ def split_experience(exp: ExperienceVL) -> list[TrainItem]:
     total_len = exp.info["total_length"].tolist()
     if exp.packed_seq_lens is not None:
         ends = torch.cumsum(exp.packed_seq_lens, 0).tolist()
-        rows = [exp.sequences[0, e - t: e].tolist() for e, t in zip(ends, total_len)]
+        spans = [(0, e - t, e) for e, t in zip(ends, total_len)]  # (row, first column, end column) of each sample
     else:
         width_a = exp.action_mask.shape[1]
         p_max = exp.sequences.shape[1] - width_a
-        rows = [exp.sequences[i, p_max - (t - r): p_max + r].tolist() for i, (t, r) in enumerate(zip(total_len,
-                                                                                                          resp_len))]
+        spans = [(i, p_max - (t - r), p_max + r) for i, (t, r) in enumerate(zip(total_len, resp_len))]
+    rows = [exp.sequences[b, c0:c1].tolist() for b, c0, c1 in spans]
+    routed = exp.routed_experts  # [B, S, L, k] | [1, T, L, k] | None
     video_num = exp.video_num or [0] * batch
     v_starts = torch.tensor([0, *video_num]).cumsum(0).tolist()
     items = []
@@ -84,7 +86,8 @@ def split_experience(exp: ExperienceVL) -> list[TrainItem]:
         policy = None if exp.policy_mask is None else exp.policy_mask[i, :r].bool()
         items.append(TrainItem(prompt_ids=row[: len(row) - r], response_ids=row[len(row) - r:],
                                vision=exp.vision_inputs(i), vision_extra=extra, token=token, info=info,
-                               policy_mask=policy))
+                               policy_mask=policy,
+                               routed_experts=None if routed is None else routed[spans[i][0], spans[i][1]:spans[i][2]]))
     return items
 
 
@@ -112,8 +115,10 @@ def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: A
                                       max_row_tokens=max_row_tokens, response_masks=masks)
     else:
         build = build_packed_samples if packed else build_padded_samples
+        routed = [it.routed_experts for it in items]
         built = build(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
-                      vision=[it.vision for it in items], response_masks=masks)
+                      vision=[it.vision for it in items], response_masks=masks,
+                      routed_experts=None if all(r is None for r in routed) else routed)
     a_max = max(len(it.response_ids) for it in items)
     token: dict[str, torch.Tensor] = {}
     for name in items[0].token:

@@ -66,7 +66,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         reference = AdapterOffScorer(actor)  # the base model: the actor's own module with its adapters off
     elif settings.need_reference:
         reference = load_model(model_cfg, model_cfg.reference or model_cfg.pretrain, adapter,
-                               trainable=False).to(target).eval()
+                               trainable=False, routing_replay=config.rollout.routing_replay).to(target).eval()
         reference.requires_grad_(False)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
@@ -167,7 +167,8 @@ def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch
     check_lora_settings(config)
     adapter = get_adapter(model_cfg.pretrain, model_cfg.family)
     path = model_cfg.pretrain if lora.rank else (policy_path or model_cfg.pretrain)
-    actor = load_model(model_cfg, path, adapter, trainable=True).to(device)
+    actor = load_model(model_cfg, path, adapter, trainable=True,
+                       routing_replay=config.rollout.routing_replay).to(device)
     if before_adapters is not None:
         before_adapters(actor)
     adapter_path = None
@@ -187,17 +188,18 @@ def masked_kernel(model_cfg: Any, device: torch.device | str) -> str:
     return resolve_masked_attention(model_cfg.masked_attention, device, model_cfg.attn_implementation)
 
 
-def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool) -> Any:
+def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool, routing_replay: str = "none") -> Any:
     """An :class:`~mmrlhf.models.actor.ActorVL` of ``path`` (on the CPU) under the precision rule of
     :mod:`mmrlhf.models.precision`: a model that trains (actor, critic body) keeps float32 parameters and autocasts
-    its forwards to ``model.dtype``; one that never trains (the reference) is stored in ``model.dtype``."""
+    its forwards to ``model.dtype``; one that never trains (the reference) is stored in ``model.dtype``.
+    ``routing_replay``: ``rollout.routing_replay`` (``replay`` holds its routers to the engine's expert choice)."""
     from mmrlhf.models.actor import ActorVL
 
     p = precision(model_cfg.dtype)
     return ActorVL.from_pretrained(path, adapter=adapter, dtype=p.master if trainable else p.frozen,
                                    compute_dtype=p.autocast_dtype if trainable else None,
                                    attn_implementation=model_cfg.attn_implementation,
-                                   masked_attention=model_cfg.masked_attention,
+                                   masked_attention=model_cfg.masked_attention, routing_replay=routing_replay,
                                    trust_remote_code=model_cfg.trust_remote_code)
 
 

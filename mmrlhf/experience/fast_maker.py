@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from mmrlhf.algorithms.moe import step_routing_metrics
 from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
 from mmrlhf.experience.costs import forward_layout
@@ -273,7 +274,7 @@ class FastExperienceMaker(ExperienceMaker):
             built = build(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
                           adapter=self.adapter, vision=rows.vision, prompts=rows.prompts,
                           labels=rows.labels, references=rows.references, raw_images=rows.images,
-                          response_masks=rows.policy_masks or None)
+                          response_masks=rows.policy_masks or None, routed_experts=rows.routed_experts or None)
         except ValueError as exc:
             raise ValueError(f"building samples {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: {exc}") from exc
         # Truncation is the engine's call: a response ended by a stop STRING has no stop token yet is complete.
@@ -301,12 +302,17 @@ class FastExperienceMaker(ExperienceMaker):
         the reference is never sharded, so it runs none."""
         temperature, truncation = distribution.temperature, distribution.truncation
         with timer("actor"):
+            routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
             out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
-                             temperature=temperature, truncation=truncation)
+                             temperature=temperature, truncation=truncation, return_routing=routed)
         row: dict[str, torch.Tensor | None] = {
             "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
             "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
         }
+        if routed and out.routing is not None and out.routing.own:
+            # [N, L, k] per flattened token: the trainer's own top-k and the engine's (docs: moe/ metrics)
+            own = out.routing.stacked(b.samples.routed_experts.shape[-2], which="own")
+            row["routing"] = (own, b.samples.routed_experts.reshape(own.shape), out.routing.num_experts)
         if self.settings.need_reference and not padding:
             with timer("reference"):
                 ref = self.initial_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
@@ -363,6 +369,8 @@ class FastExperienceMaker(ExperienceMaker):
             m = shaped["mask"]
             info["kl/mean"] = float(shaped["kl"][m].mean()) if m.any() else 0.0
         info.update(outside_metrics(scored))
+        if any("routing" in r for r in scored):
+            info.update(step_routing_metrics([r["routing"] for r in scored if "routing" in r]))
         # Engines report log-probs of the distribution they sampled from (after temperature), so the comparison
         # with the actor's log-probs at the sampling temperature holds at every temperature.
         info.update(engine_mismatch(rows, scored))
@@ -394,6 +402,7 @@ class FastExperienceMaker(ExperienceMaker):
                 pixel_values_videos=smp.pixel_values_videos, video_grid_thws=smp.video_grid_thws,
                 mm_token_type_ids=smp.mm_token_type_ids, image_num=list(smp.image_num),
                 video_num=list(smp.video_num), raw_images=smp.raw_images, vision_extra=dict(b.vision_extra or {}),
+                routed_experts=smp.routed_experts,
             ))
             start += n
         return experiences

@@ -65,6 +65,9 @@ class Rollout:
     # trajectory (turns, calls, results, how it ended) reward functions and reports read.
     policy_masks: list[list[int]] = field(default_factory=list)
     trajectories: list[Any] = field(default_factory=list)
+    # rollout.routing_replay (mixture-of-experts engines): per sample the experts the engine routed its prompt +
+    # response tokens to, [tokens, L, k] int16 (empty list: not recorded)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sample_index)

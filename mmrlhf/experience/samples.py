@@ -141,6 +141,27 @@ def policy_action_mask(responses: list[list[int]], masks, width: int) -> torch.T
     return action_mask
 
 
+def routed_rows(routed_experts: Sequence[Any] | None, lengths: Sequence[int]) -> list[torch.Tensor] | None:
+    """Each sample's engine routing as an int16 [len_i, L, k] tensor over its prompt + response tokens: the
+    engine's rows (it has one per token it ran, one fewer than the sample's tokens) cut or extended with -1 (no
+    routing) to the sample's length. None when no sample carries routing; a sample without it is all -1."""
+    if routed_experts is None or all(r is None for r in routed_experts):
+        return None
+    if len(routed_experts) != len(lengths):
+        raise ValueError(f"{len(routed_experts)} routed-experts arrays for {len(lengths)} samples")
+    shape = next(tuple(torch.as_tensor(r).shape[1:]) for r in routed_experts if r is not None)  # (L, k)
+    rows = []
+    for r, n in zip(routed_experts, lengths):
+        out = torch.full((n, *shape), -1, dtype=torch.int16)  # [len_i, L, k]
+        if r is not None:
+            r = torch.as_tensor(r).to(torch.int16)[:n]
+            if tuple(r.shape[1:]) != shape:
+                raise ValueError(f"routed experts of shape {tuple(r.shape)} beside {shape} per token")
+            out[: r.shape[0]] = r
+        rows.append(out)
+    return rows
+
+
 def build_padded_samples(
     prompt_ids: Sequence[Sequence[int]],
     response_ids: Sequence[Sequence[int]],
@@ -150,9 +171,13 @@ def build_padded_samples(
     adapter: FamilyAdapter,
     vision: Sequence[dict[str, Any]] | None = None,
     response_masks: Sequence[Sequence[int]] | None = None,
+    routed_experts: Sequence[Any] | None = None,
     **meta: Any,
 ) -> BuiltSamples:
     """Batched layout: left-padded prompts + right-padded responses, ``sequences`` [B, P + A].
+
+    ``routed_experts``: per sample the engine's [tokens, L, k] expert choice over its prompt + response
+    (``rollout.routing_replay``; :func:`routed_rows`), laid out like ``sequences`` in ``SamplesVL.routed_experts``.
 
     ``eos_id``: one stop token id or several. ``response_masks``: per response token, 1 for a policy token and 0 for
     an observation token (multi-turn samples; ``action_mask`` then marks the policy tokens only, and responses are
@@ -169,6 +194,12 @@ def build_padded_samples(
         sequences[i, p_max - len(p) : p_max] = torch.tensor(p, dtype=torch.long)
         sequences[i, p_max : p_max + len(r)] = torch.tensor(r, dtype=torch.long)
         attention_mask[i, p_max - len(p) : p_max + len(r)] = 1
+    routing = routed_rows(routed_experts, [len(p) + len(r) for p, r in zip(prompts, responses)])
+    routed = None
+    if routing is not None:
+        routed = torch.full((batch, p_max + a_max, *routing[0].shape[1:]), -1, dtype=torch.int16)  # [B, S, L, k]
+        for i, (p, rows) in enumerate(zip(prompts, routing)):
+            routed[i, p_max - len(p) : p_max - len(p) + rows.shape[0]] = rows
     action_mask = policy_action_mask(responses, masks, a_max)  # [B, A]
     types = mm_token_type_ids(sequences, adapter) * attention_mask  # [B, S]; pad tokens are text
     fields, extra = _concat_vision(vision, batch, adapter, _vision_ids(prompts, responses, masks))
@@ -181,6 +212,7 @@ def build_padded_samples(
         response_length=torch.tensor([len(r) for r in responses], dtype=torch.long),  # [B]
         total_length=torch.tensor([len(p) + len(r) for p, r in zip(prompts, responses)], dtype=torch.long),
         mm_token_type_ids=types,
+        routed_experts=routed,
         **fields,
         **meta,
     )
@@ -196,6 +228,7 @@ def build_packed_samples(
     adapter: FamilyAdapter,
     vision: Sequence[dict[str, Any]] | None = None,
     response_masks: Sequence[Sequence[int]] | None = None,
+    routed_experts: Sequence[Any] | None = None,
     **meta: Any,
 ) -> BuiltSamples:
     """Packed layout: every sample's prompt + response back to back, ``sequences`` [1, T], no padding.
@@ -203,6 +236,7 @@ def build_packed_samples(
     ``attention_mask`` [1, T] holds the 1-based sample index of each token. ``pad_id`` is unused (kept so both
     builders take the same arguments). ``response_masks`` (multi-turn samples): ``action_mask`` [B, A] then marks
     the policy tokens of each response (single-turn packed batches carry none: every response token is one).
+    ``routed_experts``: as in :func:`build_padded_samples`, concatenated in token order ([1, T, L, k]).
     """
     del pad_id
     prompts, responses, truncated, masks = _prepare(prompt_ids, response_ids, eos_id, response_masks)
@@ -213,6 +247,7 @@ def build_packed_samples(
     attention_mask = torch.repeat_interleave(torch.arange(1, batch + 1), lens)[None]  # [1, T]
     fields, extra = _concat_vision(vision, batch, adapter, _vision_ids(prompts, responses, masks))
     response_length = torch.tensor([len(r) for r in responses], dtype=torch.long)  # [B]
+    routing = routed_rows(routed_experts, [len(x) for x in seqs])
     samples = SamplesVL(
         sequences=sequences,
         attention_mask=attention_mask,
@@ -222,6 +257,7 @@ def build_packed_samples(
         response_length=response_length,
         total_length=lens.clone(),
         mm_token_type_ids=mm_token_type_ids(sequences, adapter),  # [1, T]
+        routed_experts=None if routing is None else torch.cat(routing)[None],  # [1, T, L, k]
         **fields,
         **meta,
     )

@@ -24,6 +24,7 @@ class ExperienceSettings:
     kl_in_reward: bool = False  # fold -coef * KL into the token rewards (coef from the controller)
     need_reference: bool = False  # compute reference log-probs (KL in the reward, or a KL loss later)
     compute_entropy: bool = False  # per-token entropy (high-entropy filtering, logging)
+    routing_metrics: bool = False  # rollout.routing_replay != none: log expert load and engine/trainer agreement
     overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)
     overlong_penalty_factor: float = 1.0
     reward_normalization: bool = False  # running mean/std normalisation of sequence rewards (state in the maker)
@@ -68,7 +69,8 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         packing=trainer.packing_samples,
         shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt,
                                             multi_turn=multi_turn, masked_kernel=masked_kernel,
-                                            recurrent=recurrent),
+                                            recurrent=recurrent,
+                                            routing_replay=rollout.routing_replay == "replay"),
         shared_prompt_max_tokens=trainer.shared_prompt_max_tokens,
         advantage_estimator=name,
         advantage_params=params,
@@ -78,6 +80,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         # Entropy of the old policy: high-entropy token selection needs it, and the trainer logs it (the earliest
         # sign of an entropy collapse); one extra reduction per scored token.
         compute_entropy=True,
+        routing_metrics=rollout.routing_replay != "none",
         overlong_buffer_len=algorithm.overlong_buffer_len,
         overlong_penalty_factor=algorithm.overlong_penalty_factor,
         reward_normalization=algorithm.reward_normalization,

@@ -51,6 +51,8 @@ class ExperienceVL(Experience):
     video_num: list[int] = field(default_factory=list)  # B
     raw_images: list[list[Any]] | None = None  # B lists of PIL images (reports only; not moved to devices)
     vision_extra: dict[str, torch.Tensor] = field(default_factory=dict)  # per-video extras, e.g. second_per_grid_ts
+    routed_experts: torch.Tensor | None = None  # [B, S, L, k] | [1, T, L, k] int16 the engine's expert choice per
+    #   token (rollout.routing_replay; SamplesVL.routed_experts); None: not recorded
 
     def vision_inputs(self, index: int) -> dict[str, torch.Tensor]:
         """One sample's vision tensors (see :meth:`mmrlhf.models.batch.SamplesVL.vision_inputs`)."""

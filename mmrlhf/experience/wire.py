@@ -45,6 +45,7 @@ def pack_items(items: Sequence[TrainItem]) -> PackedItems:
     columns: dict[tuple[str, str], list[torch.Tensor | None]] = {}
     fields = [(name, [getattr(it, name) for it in items]) for name in _DICTS]
     fields.append(("policy_mask", [None if it.policy_mask is None else {"": it.policy_mask} for it in items]))
+    fields.append(("routed_experts", [None if it.routed_experts is None else {"": it.routed_experts} for it in items]))
     for name, dicts in fields:
         keys = sorted({k for d in dicts if d for k in d})
         for key in keys:
@@ -61,7 +62,7 @@ def pack_items(items: Sequence[TrainItem]) -> PackedItems:
 def unpack_items(packed: PackedItems) -> list[TrainItem]:
     """The items of ``packed``, each tensor its own (cloned out of the flat one)."""
     n = len(packed)
-    names = (*_DICTS, "policy_mask")
+    names = (*_DICTS, "policy_mask", "routed_experts")
     fields: dict[str, list[dict[str, torch.Tensor]]] = {name: [{} for _ in range(n)] for name in names}
     for (name, key), flat in packed.flat.items():
         shapes = packed.shapes[(name, key)]
@@ -77,5 +78,6 @@ def unpack_items(packed: PackedItems) -> list[TrainItem]:
                 fields[name][i][key] = flat[offset: offset + size].reshape(shape).clone()
                 offset += size
     return [TrainItem(packed.prompt_ids[i], packed.response_ids[i], fields["vision"][i], fields["vision_extra"][i],
-                      fields["token"][i], fields["info"][i], fields["policy_mask"][i].get(""))
+                      fields["token"][i], fields["info"][i], fields["policy_mask"][i].get(""),
+                      fields["routed_experts"][i].get(""))
             for i in range(n)]

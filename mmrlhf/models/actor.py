@@ -35,6 +35,11 @@ Precision (:mod:`mmrlhf.models.precision`): ``compute_dtype`` set (float32 maste
 :meth:`ActorVL.forward` and :meth:`ActorVL.hidden_states` under ``torch.autocast`` to that dtype, and the chunked
 lm_head in it; None computes in the parameters' own dtype (float32 runs, a model stored in bf16, or FSDP2's
 mixed precision, which casts the parameters itself).
+
+Routed experts (:mod:`mmrlhf.models.routing`): with ``routing_replay="replay"``, a padded or packed batch that
+carries the engine's expert choice (``SamplesVL.routed_experts``) is scored with the routers held to it, in every
+forward (scoring and update); ``return_routing`` hands back what the routers did (the load-balancing loss and the
+routing metrics read it). The grouped layout carries no routing (refused with replay).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_sampled_log_probs
 from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.precision import autocast
+from mmrlhf.models.routing import ROUTING_MODES, RoutingTrace, routing
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import grouped_attention_mask
 from mmrlhf.models.truncation import Truncation
@@ -65,6 +71,9 @@ class ActionLogProbs(NamedTuple):
     # [B, A] bool: scored under a truncation, the token lay outside its kept set and was scored untruncated
     # (mmrlhf.models.logprobs); None when no truncation was asked for
     outside: torch.Tensor | None = None
+    # return_routing: what the routers of a mixture-of-experts decoder did in this forward (indices and logits per
+    # routed layer over the batch's flattened tokens, and which of those tokens are real); None otherwise
+    routing: RoutingTrace | None = None
 
 
 def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,7 +136,7 @@ class ActorVL(nn.Module):
 
     def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024,
                  excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
-                 masked_attention: str = "auto"):
+                 masked_attention: str = "auto", routing_replay: str = "none"):
         super().__init__()
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model.config)
@@ -140,6 +149,9 @@ class ActorVL(nn.Module):
         if self.adapter.recurrent_layers and not linear_attention.install(model):
             raise ValueError(f"{self.adapter.family} has recurrent decoder layers but none was found in "
                              f"{type(model).__name__} (in_proj_qkv, conv1d, A_log, dt_bias): packed rows would leak")
+        if routing_replay not in ROUTING_MODES:
+            raise ValueError(f"routing_replay must be one of {ROUTING_MODES}, got {routing_replay!r}")
+        self.routing_replay = routing_replay  # rollout.routing_replay: "replay" holds the routers to the engine's
 
     def masked_kernel(self) -> str:
         """``flex`` or ``dense``: how this actor's packed and grouped rows attend, on the device it computes on now
@@ -174,7 +186,8 @@ class ActorVL(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str, *, chunk_size: int = 1024, adapter: FamilyAdapter | None = None,
                         excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
-                        masked_attention: str = "auto", **model_kwargs: Any) -> "ActorVL":
+                        masked_attention: str = "auto", routing_replay: str = "none",
+                        **model_kwargs: Any) -> "ActorVL":
         """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own.
         ``model_kwargs`` go to transformers (``dtype`` there is the STORAGE dtype; ``compute_dtype`` the autocast
         one)."""
@@ -183,7 +196,7 @@ class ActorVL(nn.Module):
         model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
         return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size,
                    excluded_token_ids=excluded_token_ids, compute_dtype=compute_dtype,
-                   masked_attention=masked_attention)
+                   masked_attention=masked_attention, routing_replay=routing_replay)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
     @property
@@ -229,7 +242,8 @@ class ActorVL(nn.Module):
         return {} if seg is None else {linear_attention.SEGMENTS_KWARG: seg}
 
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None,
-                       position_ids: torch.Tensor, mixer: dict[str, Any]) -> torch.Tensor:
+                       position_ids: torch.Tensor, mixer: dict[str, Any],
+                       trace: list[RoutingTrace] | None = None) -> torch.Tensor:
         # Not the public name: a sharded actor registers ``hidden_states`` as an FSDP forward method, and the
         # forward, already inside the root's hooks, must not run them a second time.
         grouped = isinstance(samples, GroupedSamples)
@@ -250,29 +264,39 @@ class ActorVL(nn.Module):
                               else None)
         else:
             attention_mask = samples.attention_mask  # [B, S] 0/1
-        out = self.model.base_model(
-            input_ids=samples.sequences,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            pixel_values=samples.pixel_values,
-            image_grid_thw=samples.image_grid_thws,
-            pixel_values_videos=samples.pixel_values_videos,
-            video_grid_thw=samples.video_grid_thws,
-            mm_token_type_ids=samples.mm_token_type_ids,
-            use_cache=False,
-            **mixer,
-        )
+        replay = None if grouped or self.routing_replay != "replay" else samples.routed_experts
+        if grouped and self.routing_replay == "replay":
+            raise ValueError("routing replay is not supported in the grouped (shared-prompt) layout: use padded or "
+                             "packed batches (trainer.shared_prompt=false)")
+        with routing(self.model, replay=replay, record=trace is not None, keep_logits=trace is not None) as used:
+            out = self.model.base_model(
+                input_ids=samples.sequences,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                pixel_values=samples.pixel_values,
+                image_grid_thw=samples.image_grid_thws,
+                pixel_values_videos=samples.pixel_values_videos,
+                video_grid_thw=samples.video_grid_thws,
+                mm_token_type_ids=samples.mm_token_type_ids,
+                use_cache=False,
+                **mixer,
+            )
+        if trace is not None:
+            real = samples.segment_ids >= 0 if grouped else samples.attention_mask != 0  # padding is not routed
+            used.token_mask = real.reshape(-1)  # [N] real tokens of the flattened batch
+            trace.append(used)
         return out.last_hidden_state
 
     def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature,
-                     truncation) -> ActionLogProbs:
+                     truncation, return_routing=False) -> ActionLogProbs:
         # Positions and the response index come from the host batch (integer bookkeeping: no device syncs), then
         # everything moves here, per micro-batch, after any selection.
         position_ids, mixer = self.position_ids(samples, vision_extra), self._mixer_kwargs(samples)
         index = response_index(samples)  # [N], [N], [B, A]
         samples, vision_extra, position_ids, mixer, (src, tgt, action_mask) = to_device(
             (samples, vision_extra, position_ids, mixer, index), self.device)
-        hidden = self._hidden_states(samples, vision_extra, position_ids, mixer)  # [B,S,H] | [1,T,H] | [G,L,H]
+        trace: list[RoutingTrace] | None = [] if return_routing else None
+        hidden = self._hidden_states(samples, vision_extra, position_ids, mixer, trace)  # [B,S,H] | [1,T,H] | [G,L,H]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
         lm_head = self.model.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
@@ -289,7 +313,7 @@ class ActorVL(nn.Module):
         outside = None
         if truncation is not None and truncation.active:
             outside = torch.zeros_like(action_mask).masked_scatter(action_mask, out)  # [B, A]
-        return ActionLogProbs(log_probs, entropy, action_mask, outside)
+        return ActionLogProbs(log_probs, entropy, action_mask, outside, trace[0] if trace else None)
 
     def forward(
         self,
@@ -301,6 +325,7 @@ class ActorVL(nn.Module):
         temperature: float = 1.0,
         truncation: Truncation | None = None,
         micro_batch_size: int | None = None,
+        return_routing: bool = False,
     ) -> ActionLogProbs:
         """Log-probs [B, A] of the response tokens of ``samples`` (padded or packed) and optionally entropy [B, A].
 
@@ -309,7 +334,8 @@ class ActorVL(nn.Module):
         ``truncation`` (the sampler's min-p / top-k / top-p) scores the distribution the engine sampled from, each
         token's kept set taken from THIS model's logits; tokens outside it come back flagged in ``outside``.
         The inputs may be anywhere (the CPU, where they are built): they are moved to this actor's device, where
-        the outputs are.
+        the outputs are. ``return_routing``: fill ``ActionLogProbs.routing`` (one forward: not with a
+        ``micro_batch_size`` below the batch).
         """
         check_wrapper_layout(self.model)
         chunk = chunk_size or self.chunk_size
@@ -317,6 +343,12 @@ class ActorVL(nn.Module):
         if isinstance(samples, GroupedSamples) and micro_batch_size is not None and micro_batch_size < batch:
             raise ValueError("a grouped (shared-prompt) batch is one forward: build one per micro-batch instead of "
                              "passing micro_batch_size")
+        if return_routing:
+            if micro_batch_size is not None and micro_batch_size < batch:
+                raise ValueError("return_routing describes one forward: pass no micro_batch_size below the batch")
+            with self._autocast():
+                return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature, truncation,
+                                         return_routing=True)
         with self._autocast():
             return self._forward_groups(samples, vision_extra, return_entropy, chunk, temperature, truncation,
                                         micro_batch_size)
@@ -373,12 +405,14 @@ def select_samples(
         sub = SamplesVL(
             sequences=samples.sequences[:, t0:t1], attention_mask=samples.attention_mask[:, t0:t1] - i0,
             action_mask=None if samples.action_mask is None else samples.action_mask[i0:i1], num_actions=torch.as_tensor(samples.num_actions)[i0:i1],
-            packed_seq_lens=lens[i0:i1], mm_token_type_ids=samples.mm_token_type_ids[:, t0:t1], **common,
+            packed_seq_lens=lens[i0:i1], mm_token_type_ids=samples.mm_token_type_ids[:, t0:t1],
+            routed_experts=None if samples.routed_experts is None else samples.routed_experts[:, t0:t1], **common,
         )
     else:
         sub = SamplesVL(
             sequences=samples.sequences[i0:i1], attention_mask=samples.attention_mask[i0:i1],
             action_mask=samples.action_mask[i0:i1], num_actions=samples.num_actions, packed_seq_lens=None,
-            mm_token_type_ids=samples.mm_token_type_ids[i0:i1], **common,
+            mm_token_type_ids=samples.mm_token_type_ids[i0:i1],
+            routed_experts=None if samples.routed_experts is None else samples.routed_experts[i0:i1], **common,
         )
     return sub, extra

@@ -106,6 +106,10 @@ class SamplesVL(Samples):
     video_num: list[int] = field(default_factory=list)  # B videos per sample
     raw_images: list[list[Any]] | None = None  # B lists of PIL images (for engines / reports)
     references: list[str | None] | None = None  # B ground-truth answers
+    # The experts the rollout engine routed each token to (rollout.routing_replay; mixture-of-experts families):
+    # [B, S, L, k] padded | [1, T, L, k] packed (L = decoder layers, k = experts per token), int16, laid out like
+    # ``sequences``; -1 where the engine ran no routing (padding, each sample's last token). None: not recorded.
+    routed_experts: torch.Tensor | None = None
 
     def vision_inputs(self, index: int) -> dict[str, torch.Tensor]:
         """One sample's vision tensors, sliced by the products of its grid rows (empty dict if it has none)."""

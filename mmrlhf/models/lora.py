@@ -15,7 +15,9 @@ tower``), of its merger modules (``merger``), or both. Why every Linear rather t
 vision layers differently (``qkv`` / ``fc1`` in Qwen2-VL, ``gate_proj`` in Qwen2.5-VL, ``linear_fc1`` in Qwen3-VL,
 the last colliding with nothing but the first ones with language-model names), and "adapt the tower" means all of
 it. The output head is refused: the actor multiplies by ``lm_head.weight`` directly, so an adapter there would be
-silently bypassed. Module names are resolved here to exact paths, so peft never guesses.
+silently bypassed. Routed experts (the MoE families' ``mlp.experts``) are 3-D parameters, not Linear layers: LoRA
+leaves them frozen (a target that only an expert MLP would have matched is an error that says so); a shared expert
+and the linear-attention projections (``in_proj_qkv``, ``in_proj_z``, ``out_proj``) are Linear layers like any. Module names are resolved here to exact paths, so peft never guesses.
 
 For the engine, :func:`merged_weights` yields ``W + (alpha / r) B A`` of each adapted layer under the base weight's
 transformers name (what every engine loads), one layer at a time, plus any other trainable parameter.
@@ -92,10 +94,15 @@ def resolve_target_modules(model: nn.Module, adapter: Any, cfg: LoraConfig) -> l
                 vision_only[target] += 1
                 continue
             found[target].append(name)
+    experts = getattr(adapter, "routed_experts", False)
     for target, names in found.items():
         if not names:
             where = (f" (it matches {vision_only[target]} vision-tower layers: the vision side is adapted with "
                      "model.lora.vision=tower | merger | both)") if vision_only[target] else ""
+            if experts and not where:
+                where = (" (this model's MLPs are routed experts, stored as 3-D weights, not Linear layers: LoRA "
+                         "does not adapt experts; drop it from the list, or train the experts fully with "
+                         "model.lora.rank=0)")
             raise ValueError(f"model.lora.target_modules: {target!r} matches no Linear layer of the language "
                              f"model{where}")
     language = {n for names in found.values() for n in names}

@@ -50,6 +50,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep, lora_rank=lora_rank,
             lora_vision=lora_vision, sleep_level=cfg.sleep_level, seed_mode=cfg.resolved_seed_mode(cuda_available()),
+            routing_replay=cfg.routing_replay,
         )
     if hf_model is None or tokenizer is None:
         raise ValueError("rollout.engine=transformers needs the actor model and its tokenizer")

@@ -101,6 +101,9 @@ class Completion:
     # over the min-p / top-k / top-p set (vLLM's "processed_logprobs"). Greedy decoding: no temperature, no truncation.
     logprobs: list[float] | None
     finish_reason: str  # "stop" (EOS / stop string) or "length" (hit max_new_tokens)
+    # rollout.routing_replay (mixture-of-experts models, vLLM engine): the experts each token was routed to,
+    # [prompt + response - 1, num_hidden_layers, top_k] int (every token the engine ran; -1 where none); else None
+    routed_experts: Any = None
 
     @property
     def truncated(self) -> bool:

@@ -102,6 +102,9 @@ class VLLMEngine(RolloutEngine):
             connector LoRA (``enable_tower_connector_lora``) is switched on with ``lora_rank``.
         sleep_level: vLLM sleep level when sleep is on: 1 offloads the weights to CPU memory, 2 discards them
             (:attr:`sleep_discards_weights`: the next sync must carry every weight).
+        routing_replay: ``rollout.routing_replay``; ``record`` / ``replay`` return each completion's routed experts
+            (``Completion.routed_experts``; :mod:`~mmrlhf.rollout.vllm_routing`: vLLM's own on GPUs, captured here
+            on the CPU platform).
         seed_mode: ``per_sample``: every request carries its own ``SamplingParams.seed`` (a sample does not depend
             on the batch it is in); ``per_step``: no request carries a seed and each ``generate`` call seeds torch's
             default generators once from ``SamplingSettings.seed`` (:func:`seeded_default_generators`), which keeps
@@ -133,6 +136,7 @@ class VLLMEngine(RolloutEngine):
         lora_vision: bool = False,
         sleep_level: int = 1,
         seed_mode: str = "per_sample",
+        routing_replay: str = "none",
     ) -> None:
         super().__init__(max_model_len, prompt_too_long)
         import_vllm()
@@ -152,6 +156,9 @@ class VLLMEngine(RolloutEngine):
         self.sleep_discards_weights = self.supports_sleep and self.sleep_level == 2
         self.seed_mode = seed_mode
         self._asleep: set[str] = set()  # the parts (SLEEP_TAGS) this class put to sleep and has not woken yet
+        if routing_replay != "none" and not adapter.routed_experts:
+            raise ValueError(f"rollout.routing_replay={routing_replay}: the {adapter.family} family has no routed "
+                             "experts (set rollout.routing_replay=none)")
         self._transport = choose_transport(tensor_parallel_size, platform_device_type())
         self.llm = make_llm(
             model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
@@ -159,8 +166,14 @@ class VLLMEngine(RolloutEngine):
             trust_remote_code=trust_remote_code,
             tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_sleep_mode=self.supports_sleep, lora_rank=lora_rank,
-            lora_vision=lora_vision,
+            lora_vision=lora_vision, routing_replay=routing_replay,
         )
+        self._routing = None  # the CPU platform's capture of routed experts (vLLM returns them itself on GPUs)
+        if routing_replay != "none" and self._cpu:
+            from mmrlhf.rollout.vllm_routing import CpuRoutingCapture
+
+            self._routing = CpuRoutingCapture()
+            self._routing.install(self.llm)
         self._lora_request: Any = None  # the current policy's adapter (None: the base model)
         self._lora_version = 0
         self.lora_enabled = bool(lora_rank)  # weight_sync sends this engine adapters instead of merged weights
@@ -240,16 +253,25 @@ class VLLMEngine(RolloutEngine):
             skipped[keep[0]] = f"{name}: rejected by vLLM: {exc}"
             logger.warning("skipping %s: %s", name, exc)
             return []
-        return [self._convert(i, r) for i, r in zip(keep, raw)]
+        try:
+            return [self._convert(i, r) for i, r in zip(keep, raw)]
+        finally:
+            if self._routing is not None:
+                self._routing.clear()
 
-    @staticmethod
-    def _convert(index: int, out: Any) -> GenerationOutput:
+    def _convert(self, index: int, out: Any) -> GenerationOutput:
         completions = []
+        n = len(out.outputs)
         for c in out.outputs:
             lps = None
             if c.logprobs is not None:
                 lps = [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)]
-            completions.append(Completion(list(c.token_ids), lps, "length" if c.finish_reason == "length" else "stop"))
+            routed = getattr(c, "routed_experts", None)
+            if routed is None and self._routing is not None:
+                ran = len(out.prompt_token_ids) + len(c.token_ids) - 1  # the last sampled token never ran
+                routed = self._routing.take_completion(out.request_id, c.index, n, ran)
+            completions.append(Completion(list(c.token_ids), lps, "length" if c.finish_reason == "length" else "stop",
+                                          routed))
         return GenerationOutput(index, list(out.prompt_token_ids), completions)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from typing import Any, Mapping
 
 import torch
 
+from mmrlhf.rollout.vllm_routing import routing_engine_kwargs
+
 logger = logging.getLogger(__name__)
 
 
@@ -197,6 +199,7 @@ def engine_kwargs(
     lora_rank: int = 0,
     lora_vision: bool = False,
     host_normalise: bool = False,
+    routing_replay: str = "none",
 ) -> dict[str, Any]:
     """The arguments of ``vllm.LLM`` (pure: the device kind, the torchrun ranks and the settings decide them). The
     defaults are the ``rollout`` config's.
@@ -205,6 +208,8 @@ def engine_kwargs(
     ``ranks``: this process's torchrun ranks (None: one process or a Ray actor). ``host_normalise``: the
     checkpoint's image and video processors normalise differently (see :func:`make_llm`). ``lora_vision``: the
     adapters reach the vision tower / merger (``model.lora.vision``): vLLM's tower / connector LoRA is switched on.
+    ``routing_replay`` (``rollout.routing_replay``): anything but ``none`` makes the engine report the experts each
+    token was routed to (:func:`mmrlhf.rollout.vllm_routing.routing_engine_kwargs`).
 
     Executor: under torchrun on an accelerator, ``external_launcher``: vLLM's executor for externally launched
     ranks reads ``RANK`` / ``LOCAL_RANK``, binds ``LOCAL_RANK``'s device (the default in-process executor binds
@@ -232,6 +237,7 @@ def engine_kwargs(
             # A model with recurrent (linear-attention) layers caches prefixes only in vLLM's "align" mode, which
             # needs chunked prefill, off here: prompts are prefilled whole instead of shared.
             kwargs["enable_prefix_caching"] = False
+    kwargs.update(routing_engine_kwargs(routing_replay, device_type))
     if limit_mm_per_prompt:
         kwargs["limit_mm_per_prompt"] = dict(limit_mm_per_prompt)
     if lora_rank:

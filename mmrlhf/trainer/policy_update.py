@@ -23,6 +23,7 @@ from mmrlhf.algorithms.entropy import high_entropy_mask, masked_scores
 from mmrlhf.algorithms.kl import kl_loss
 from mmrlhf.algorithms.losses import policy_loss
 from mmrlhf.algorithms.masked import agg_count
+from mmrlhf.algorithms.moe import load_balancing_loss
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.experience.costs import forward_layout, item_costs
@@ -48,6 +49,7 @@ class PolicyUpdateSettings:
     agg: str = "token-mean"
     norm_len: int | None = None
     entropy_coef: float = 0.0
+    moe_aux_loss_coef: float = 0.0  # algorithm.moe_aux_loss_coef: the routers' load-balancing loss weight
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
     high_entropy_top_p: float = 1.0
@@ -133,7 +135,8 @@ class PolicyUpdater:
                             adapter=self.actor.adapter, shared_prompt=s.shared_prompt,
                             max_row_tokens=s.shared_prompt_max_tokens)  # on the CPU; the actor moves it
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=distribution.temperature,
-                             truncation=distribution.truncation, return_entropy=s.entropy_coef > 0)
+                             truncation=distribution.truncation, return_entropy=s.entropy_coef > 0,
+                             return_routing=s.moe_aux_loss_coef > 0)
             tok = to_device(batch.token, out.log_probs.device)  # the loss's other inputs join the outputs
             mask = tok["policy_loss_mask"]
             outside = None
@@ -154,6 +157,13 @@ class PolicyUpdater:
                 metrics.update(m)
             # pg_loss / entropy / kl_loss are this micro-batch's share of the mini-batch value: rescale to its mean
             share = sum(counts[i] for i in micro) / max(denom, 1.0)
+            if s.moe_aux_loss_coef > 0:
+                if out.routing is None or not out.routing.logits:
+                    raise ValueError("algorithm.moe_aux_loss_coef > 0 needs a policy with routed experts")
+                aux = load_balancing_loss(list(out.routing.logits.values()), out.routing.top_k,
+                                          out.routing.token_mask)
+                loss = loss + s.moe_aux_loss_coef * share * aux  # weighted like the micro-batch's policy loss
+                metrics["moe_aux_loss"] = float(aux.detach())
             for key in ("pg_loss", "entropy", "kl_loss"):
                 if key in metrics:
                     metrics[key] = metrics[key] / max(share, 1e-12)

@@ -30,7 +30,9 @@ def _items() -> list[TrainItem]:
                       {"second_per_grid_ts": torch.tensor([0.5])}, token(1), info(0.5))
     turns = TrainItem([1, 2], [3, 4, 5, 6], {}, {}, token(4), {**info(1.0), "extra": torch.tensor(True)},
                       policy_mask=torch.tensor([True, False, False, True]))
-    return [text, image, video, turns]
+    routed = TrainItem([1, 2], [3], {}, {}, token(1), info(0.0),
+                       routed_experts=torch.randint(-1, 4, (3, 2, 2), generator=gen).to(torch.int16))
+    return [text, image, video, turns, routed]
 
 
 def _same(a: TrainItem, b: TrainItem) -> None:
@@ -43,6 +45,9 @@ def _same(a: TrainItem, b: TrainItem) -> None:
     assert (a.policy_mask is None) == (b.policy_mask is None)
     if a.policy_mask is not None:
         assert torch.equal(a.policy_mask, b.policy_mask)
+    assert (a.routed_experts is None) == (b.routed_experts is None)
+    if a.routed_experts is not None:
+        assert a.routed_experts.dtype == b.routed_experts.dtype and torch.equal(a.routed_experts, b.routed_experts)
 
 
 def test_round_trip_is_exact_for_text_image_video_and_multi_turn_items():
@@ -71,7 +76,8 @@ def test_every_field_of_a_train_item_travels():
 
     from mmrlhf.experience import wire
 
-    assert {f.name for f in fields(TrainItem)} == {"prompt_ids", "response_ids", "policy_mask", *wire._DICTS}
+    assert {f.name for f in fields(TrainItem)} == {"prompt_ids", "response_ids", "policy_mask", "routed_experts",
+                                                   *wire._DICTS}
 
 
 def test_items_that_disagree_on_a_dtype_are_refused_by_name():

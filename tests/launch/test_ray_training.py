@@ -283,3 +283,23 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
     assert evals[200] >= 0.9 and last25 >= 0.85, (evals, last25)
     assert all(h["ledger/produced"] == h["ledger/consumed"] == 256 for h in history)
     assert max(h["engine_logprob_diff/trainer_max"] for h in history) < 1e-3  # both ranks' weights reach both engines
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_current_families_sync_on_ray_with_routing_replay(cluster, tmp_path):
+    """Qwen3.5-MoE (linear-attention layers, fused experts sent per expert, a gated shared expert) on a Ray rollout
+    actor and trainer: every step's engine agrees with the trainer that pushed its weights, and the engine's routing,
+    replayed in the trainer, agrees with the trainer's own."""
+    from mmrlhf.launch.ray.driver import run_ray
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    assert run_ray(toy(tmp_path, f"model.pretrain={tiny_model_dir('qwen3_5_moe')}", "trainer.max_steps=3",
+                       "trainer.rollout_batch_size=4", "rollout.n_samples_per_prompt=8", "trainer.train_batch_size=32",
+                       "rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=8",
+                       "rollout.routing_replay=replay")) == 0
+    history = rows(tmp_path)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:  # steps 2 and 3 sample with the weights steps 1 and 2 pushed
+        assert h["engine_logprob_diff/trainer_max"] < 1e-4, h
+        assert h["moe/routing_agree_set"] == 1.0 and h["moe/load_max_frac"] < 1.0

@@ -20,6 +20,7 @@ import torch
 
 from mmrlhf.parallel.world import World
 from mmrlhf.launch.backend import resolve_backend
+from mmrlhf.testing.tiny_models import FAMILIES
 from mmrlhf.testing.tolerances import assert_close_at_scale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -334,7 +335,30 @@ def test_two_rank_run_raises_the_reward_and_resumes(tmp_path, toy_model):
     assert steppers["policy"]["steps"] == 81  # the optimiser's step count went on from the checkpoint
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_ranks_sync_the_current_families_with_routing_replay(tmp_path):
+    """Qwen3.5-MoE under torchrun (FSDP2 over the decoder layers, experts sharded with their layer): each rank's
+    engine agrees with its trainer after every sync (linear-attention parameters, experts split per expert), and the
+    replayed routing is the engine's."""
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    out = tmp_path / "run"
+    proc = _torchrun("-m", "mmrlhf.cli", "train", str(TOY), f"model.pretrain={tiny_model_dir('qwen3_5_moe')}",
+                     f"trainer.output_dir={out}", "trainer.eval_steps=0", "trainer.report_steps=0",
+                     "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.max_steps=3",
+                     "trainer.rollout_batch_size=4", "trainer.train_batch_size=32", "rollout.n_samples_per_prompt=8",
+                     "rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=8",
+                     "rollout.routing_replay=replay", timeout=420)
+    assert "done: step 3 on 2 ranks" in proc.stdout
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == [1, 2, 3]
+    for row in history:
+        assert row["engine_logprob_diff/max"] < 1e-4, row  # steps 2 and 3: after the syncs of steps 1 and 2
+        assert row["moe/routing_agree_set"] == 1.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_vision_blocks_stay_in_the_root_unit(family):
     """Only the language model's blocks get FSDP units of their own under torchrun: a rank whose micro-batch is
     text-only never runs the vision tower, and a vision unit would then wait for a gather that never comes."""

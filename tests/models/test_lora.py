@@ -126,6 +126,29 @@ def test_vision_puts_adapters_on_the_tower_and_merger(family, vision):
     assert len(trainable) == 2 * len(layers) and all(".lora_" in n for n in trainable)
 
 
+def test_current_families_adapt_their_linear_layers_and_leave_routed_experts_to_full_training():
+    """Qwen3.5: the default targets adapt the full-attention layers and the MLPs, and the linear-attention
+    projections on request; Qwen3.5-MoE: the shared expert's Linear layers match, the routed experts (3-D weights) are
+    not adapted; Qwen3-VL-MoE, whose MLPs are all routed: an MLP target is refused with the reason. Adapters move the
+    log-probs of each (the actor's forward goes through them)."""
+    hybrid = _actor("qwen3_5", rank=4, target_modules=["q_proj", "in_proj_qkv", "in_proj_z", "out_proj"])
+    names = [n for n, _ in lora_layers(hybrid.model)]
+    assert any("linear_attn.in_proj_qkv" in n for n in names) and any("self_attn.q_proj" in n for n in names)
+    moe = _actor("qwen3_5_moe", rank=4)
+    names = [n for n, _ in lora_layers(moe.model)]
+    assert any("shared_expert.gate_proj" in n for n in names)
+    assert not [n for n in names if ".experts." in n]
+    assert not [n for n, p in moe.named_parameters() if p.requires_grad and "lora_" not in n]  # experts frozen
+    with pytest.raises(ValueError, match=r"'gate_proj'.*routed experts.*model\.lora\.rank=0"):
+        _actor("qwen3_vl_moe", rank=4)
+    _actor("qwen3_vl_moe", rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    for family, actor in (("qwen3_5", hybrid), ("qwen3_5_moe", moe)):
+        built = _image_batch(family)
+        before = _logprobs(actor, built)
+        _perturb(actor, seed=1)
+        assert float((_logprobs(actor, built) - before).abs().max()) > CAUGHT, family
+
+
 def test_the_old_include_vision_key_names_its_replacement():
     with pytest.raises(ValueError, match=r"model\.lora\.vision"):
         LoraConfig(rank=4, include_vision=True)

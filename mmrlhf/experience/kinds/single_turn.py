@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from mmrlhf.experience.kinds.base import Generated, KindSetup, RolloutCall
 from mmrlhf.experience.rollout import Rollout
 from mmrlhf.experience.samples import cut_at_stop
@@ -85,4 +87,9 @@ def collect(call: RolloutCall, result: GenerationResult) -> Rollout:
             cols["references"].append(batch.all_references[k])
             cols["images"].append(list(batch.all_images[k]))
             cols["record_ids"].append(batch.all_record_ids[k])
+            if completion.routed_experts is not None:  # the engine's rows, cut to the kept prompt + response
+                routed = torch.as_tensor(completion.routed_experts).to(torch.int16)
+                cols["routed_experts"].append(routed[: len(expected) + len(response)])
+    if cols["routed_experts"] and len(cols["routed_experts"]) != len(cols["sample_index"]):
+        raise ValueError("routed experts came back for some completions only")
     return Rollout(**cols)

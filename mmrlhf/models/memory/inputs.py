@@ -119,7 +119,8 @@ def layout_of(config: Any) -> str:
     t, r = config.trainer, config.rollout
     if resolve_shared_prompt(t.shared_prompt, config.model.attn_implementation, r.n_samples_per_prompt,
                              multi_turn=config.agent.enabled,
-                             recurrent=has_recurrent_layers(config.model.pretrain, config.model.family)):
+                             recurrent=has_recurrent_layers(config.model.pretrain, config.model.family),
+                             routing_replay=r.routing_replay == "replay"):
         return "grouped"
     return "packed" if t.packing_samples else "padded"
 
