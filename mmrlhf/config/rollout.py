@@ -115,7 +115,7 @@ class RolloutConfig(Section):
     old-log-prob, reference and update forward (Routing Replay: the trainer's router probabilities still weight
     the chosen experts and get gradients). Engine and trainer kernels differ (bf16, GPUs), near-tie tokens then go
     to other experts in the two, and the ratio of such a token is off by far more than numeric noise; replay
-    removes that term (docs/models_moe_snippet.md, measured there). Padded and packed layouts; the shared-prompt
+    removes that term (docs/models.md, measured there). Padded and packed layouts; the shared-prompt
     layout (``trainer.shared_prompt``) is refused with ``replay``. ``none``: nothing recorded. Refused for a dense
     model's family and for the transformers engine."""
     seed: int = 0

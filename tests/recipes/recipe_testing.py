@@ -28,7 +28,9 @@ EXAMPLES = ROOT / "examples"
 RECIPES = sorted(p for p in EXAMPLES.glob("*.yaml") if "prompt_data" in p.read_text())
 
 # The model family of a recipe, read from its model.pretrain path (longest match first: "Qwen2.5-VL" before "Qwen2-VL").
-FAMILIES = (("qwen2.5-vl", "qwen2_5_vl"), ("qwen2-vl", "qwen2_vl"), ("qwen3-vl", "qwen3_vl"))
+# The MoE names first: "Qwen3-VL-30B-A3B" is not the dense "Qwen3-VL".
+FAMILIES = (("qwen2.5-vl", "qwen2_5_vl"), ("qwen2-vl", "qwen2_vl"), ("qwen3-vl-30b-a3b", "qwen3_vl_moe"),
+            ("qwen3-vl", "qwen3_vl"), ("qwen3.5-35b-a3b", "qwen3_5_moe"), ("qwen3.5", "qwen3_5"))
 
 # Converter name -> (synthetic published data, the --media-root it needs relative to its folder, or None).
 SYNTHETIC = {
@@ -96,6 +98,8 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     # transformers engine: vLLM's start-up (~20 s a run on this CPU) buys nothing for a recipe test.
     data["rollout"].update(engine="transformers", dtype="auto", n_samples_per_prompt=n, max_new_tokens=4,
                            micro_rollout_batch_size=samples, seed=1)
+    # ... which routes as the trainer does: routing replay needs vLLM (tests/launch runs it on the MoE families)
+    data["rollout"]["routing_replay"] = "none"
     data["trainer"].update(rollout_batch_size=2, train_batch_size=samples, micro_train_batch_size=samples,
                            max_steps=2, warmup_steps=0, eval_steps=0, save_steps=100, report_steps=0,
                            output_dir=str(out), progress_bar=False, tensorboard=False, seed=3)

@@ -27,7 +27,7 @@ IDS = [p.stem for p in RECIPES]
 
 def test_the_recipes_cover_the_families_estimators_and_inputs_promised():
     recipes = [Recipe.load(p) for p in RECIPES]
-    assert {r.family for r in recipes} == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"}
+    assert {r.family for r in recipes} == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"}
     assert {r.data["algorithm"]["advantage_estimator"] for r in recipes} == {"grpo", "gae"}
     converters = {r.prepare_commands()[0][0] for r in recipes}
     assert converters == set(CONVERTERS)  # every converter is used by a recipe, and only known ones are named
