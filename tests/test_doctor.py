@@ -68,3 +68,19 @@ def test_the_trainer_benchmark_row_runs_the_small_shape_on_the_cpu(tmp_path):
     layouts = {(r[col["group"]], r[col["layout"]], r[col["kernel"]]) for r in table["rows"]}
     assert layouts == {("img448", "padded", "dense"), ("img448", "packed", "dense"), ("img448", "grouped", "dense")}
     assert all(r[col["s"]] is not None and r[col["s"]] > 0 for r in table["rows"])  # every layout ran and was timed
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(doctor.cuda_device("auto"), reason="the CPU's float32 engine rows")
+def test_doctor_engine_rows_cover_the_current_families_one_after_another(tmp_path, capsys):
+    """``--family``: a row per family, each engine released before the next (a model with experts after a dense one
+    once found vLLM's parallel groups built without an expert group); float32 on the CPU agrees to noise."""
+    pytest.importorskip("vllm")
+    rc = main(["doctor", "--device", "cpu", "--quick", "--only", "engine_logprobs", "--family", "qwen3_5",
+               "qwen3_5_moe", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = {r["name"]: r for r in json.loads((tmp_path / "doctor.json").read_text())["results"]}
+    assert list(rows) == ["engine_logprobs/qwen3_5", "engine_logprobs/qwen3_5_moe"]
+    for row in rows.values():
+        assert row["status"] == "pass" and row["value"] < 1e-4, row  # float32 engine vs float32 forward
