@@ -19,6 +19,7 @@ from mmrlhf.algorithms.kl import (
 )
 from mmrlhf.algorithms.losses import POLICY_LOSSES, policy_loss, value_loss
 from mmrlhf.algorithms.masked import agg_loss, masked_mean
+from mmrlhf.algorithms.reward_components import per_component_rewards
 from mmrlhf.algorithms.shaping import (
     RunningRewardNorm,
     clip_advantages,
@@ -52,6 +53,7 @@ __all__ = [
     "kl_penalized_rewards",
     "masked_mean",
     "overlong_penalty",
+    "per_component_rewards",
     "policy_loss",
     "token_level_rewards",
     "value_loss",

@@ -11,7 +11,7 @@ Metrics are detached 0-d tensors:
 
 - ``pg_loss``: the aggregated policy loss (before the entropy bonus);
 - ``clip_frac``: fraction of response tokens whose gradient the clipping removed (``cispo``: whose weight it
-  clipped; ``ppo`` counts its dual clip apart, as ``dual_clip_frac``);
+  clipped; ``ppo`` counts its dual clip apart, as ``dual_clip_frac``; ``sapo`` clips nothing and has none);
 - ``approx_kl``: mean per-token ``KL(pi_old || pi)`` estimated with k3 on the sampled tokens,
   ``ratio - 1 - log ratio`` (non-negative and unbiased; it measures how far the update has moved);
 - ``ratio_mean``, and ``entropy`` when entropies are passed; loss-specific extras listed per loss.
@@ -199,6 +199,32 @@ def cpgd(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.
         "policy_drift": masked_mean(drift, mask),
     }
     return loss, metrics
+
+
+@POLICY_LOSSES.register("sapo")
+def sapo(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.2, tau_pos: float = 1.0,
+         tau_neg: float = 1.05):
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft, temperature-controlled gate in place of PPO's hard clip.
+
+    ``loss_t = -f(r) A`` with ``f(r) = (4 / tau) sigmoid(tau (r - 1))``, ``tau = tau_pos`` where ``A > 0`` and
+    ``tau_neg`` otherwise. Its gradient is ``-w(r) r A grad log pi`` (PPO's unclipped one times ``w``) with
+    ``w(r) = f'(r) = 4 s (1 - s)``, ``s = sigmoid(tau (r - 1))``: ``w(1) = 1``, so on-policy SAPO is the plain policy
+    gradient, and ``w`` decays smoothly as the ratio leaves 1 (a token far off-policy is down-weighted, never cut off
+    at a threshold). Why two temperatures: a negative advantage pushes up the logits of every unsampled token, which
+    is less stable, so the paper decays those updates faster (``tau_neg > tau_pos``; its 1.05 and 1.0 are the
+    defaults).
+    ``clip_low`` / ``clip_high`` are accepted and unused (the gate replaces the clip). Metric: ``gate_weight_mean``
+    (mean of ``4 s (1 - s)`` over the response tokens: 1 on-policy, smaller the further the update has moved).
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo: tau_pos and tau_neg must be > 0; got {tau_pos}, {tau_neg}")
+    ratio = _ratio(logprobs, old_logprobs)  # [B, A]
+    tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), ratio.new_tensor(tau_neg))  # [B, A]
+    gate = torch.sigmoid(tau * (ratio - 1.0))  # [B, A]
+    loss = -(4.0 / tau) * gate * advantages
+    with torch.no_grad():
+        weight = 4.0 * gate * (1.0 - gate)  # [B, A] w(r) = d f / d r
+    return loss, {"gate_weight_mean": masked_mean(weight, mask)}
 
 
 def value_loss(

@@ -49,7 +49,16 @@ class AlgorithmConfig(Section):
     overlong_penalty_factor: float = Field(default=1.0, ge=0.0)
     """DAPO overlong penalty at (and beyond) the maximum response length."""
     reward_normalization: bool = False
-    """Normalise rewards by running mean/std over training (checkpointed with the trainer)."""
+    """Normalise rewards by running mean/std over training (checkpointed with the trainer). Not the per-group,
+    per-term normalisation: that is ``reward_combination: per_component``."""
+    reward_combination: Literal["sum", "per_component"] = "sum"
+    """How a sample's recipe terms make its reward. ``sum``: ``sum_c w_c s_c`` of the raw scores. ``per_component``
+    (GDPO): each term z-scored within the sample's group first, ``sum_c w_c (s_c - mean_g) / (std_g +
+    advantage_eps)`` (0 where the term is constant in the group; a term a sample has no score for is left out of the
+    statistics and adds 0), so a term with a large spread (a 0/1 format check) cannot drown the others. Applied
+    before the overlong penalty and everything after it; dynamic sampling filters on this reward; evaluation reports
+    the raw sum. GDPO's own advantage: ``norm_by_std: false`` with ``advantage_whitening: batch``
+    (docs/algorithms.md says why ``grpo``'s group std would partly undo the weights)."""
     reward_clip: float | None = Field(default=None, gt=0.0)
     """Clip rewards to ``[-reward_clip, reward_clip]``; None disables it."""
     advantage_whitening: Literal["none", "batch", "global"] = "none"
@@ -82,7 +91,8 @@ class AlgorithmConfig(Section):
     """MIS: ratios below this are rejected too (0 keeps every low ratio)."""
 
     policy_loss: str = "ppo"
-    """Registered policy loss name (``ppo``, ``gspo``, ``cispo``, ``cpgd``), or ``package.module:function``."""
+    """Registered policy loss name (``ppo``, ``gspo``, ``cispo``, ``cpgd``, ``sapo``), or
+    ``package.module:function``."""
     clip_low: float = Field(default=0.2, ge=0.0)
     """Lower ratio clip: the ratio is bounded below by ``1 - clip_low`` (>= 1 means no lower bound for cispo/cpgd)."""
     clip_high: float = Field(default=0.2, ge=0.0)
@@ -90,7 +100,10 @@ class AlgorithmConfig(Section):
     dual_clip: float | None = Field(default=None, gt=1.0)
     """``ppo`` dual clip constant c > 1 capping the loss of negative-advantage tokens at ``-c A``; None disables."""
     policy_loss_params: dict[str, Any] = Field(default_factory=dict)
-    """Extra keyword arguments for the policy loss (e.g. ``drift_coef`` for cpgd)."""
+    """Extra keyword arguments for the policy loss: ``drift_coef`` (cpgd, default 0); ``tau_pos`` / ``tau_neg``
+    (sapo: the gate's temperatures for positive / negative advantages, default 1.0 / 1.05, the paper's; larger
+    decays the update of off-policy tokens faster); a user loss's own. An unknown name is refused when the trainer is
+    built, with the loss's parameters listed."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )

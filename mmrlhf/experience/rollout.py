@@ -123,7 +123,8 @@ class ScoredRollout:
         r = self.rewards
         rewards = RewardResult(
             rewards=r.rewards[pick], valid=r.valid[pick], sources={k: v[pick] for k, v in r.sources.items()},
-            parts={k: v[pick] for k, v in r.parts.items()}, metrics=dict(r.metrics))
+            parts={k: v[pick] for k, v in r.parts.items()}, metrics=dict(r.metrics),
+            weights={k: v[pick] for k, v in r.weights.items()})
         return ScoredRollout(self.rows.select(rows), rewards, self.sampling, dict(self.metrics), dict(self.seconds),
                              self.logprob_mode)
 
@@ -161,6 +162,7 @@ class ScoredRollout:
             parts=_cat_columns([p.rewards.parts for p in parts], [len(p) for p in parts]),
             metrics=merge_round_metrics([p.rewards.metrics for p in parts], [p.metrics.get("samples", len(p))
                                                                              for p in parts]),
+            weights=_cat_columns([p.rewards.weights for p in parts], [len(p) for p in parts], fill=0.0),
         )
         seconds: dict[str, float] = {}
         for p in parts:
@@ -217,8 +219,9 @@ def merge_round_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[f
     return out
 
 
-def _cat_columns(columns: list[dict[str, torch.Tensor]], sizes: list[int]) -> dict[str, torch.Tensor]:
-    """[N_r] named columns of several rounds -> [sum N_r]; a column a round lacks is NaN there."""
+def _cat_columns(columns: list[dict[str, torch.Tensor]], sizes: list[int],
+                 fill: float = float("nan")) -> dict[str, torch.Tensor]:
+    """[N_r] named columns of several rounds -> [sum N_r]; a column a round lacks is ``fill`` there."""
     names = sorted({k for c in columns for k in c})
-    return {name: torch.cat([c.get(name, torch.full((n,), float("nan"))) for c, n in zip(columns, sizes)])
+    return {name: torch.cat([c.get(name, torch.full((n,), fill)) for c, n in zip(columns, sizes)])
             for name in names}

@@ -28,6 +28,8 @@ class ExperienceSettings:
     overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)
     overlong_penalty_factor: float = 1.0
     reward_normalization: bool = False  # running mean/std normalisation of sequence rewards (state in the maker)
+    reward_combination: str = "sum"  # sum | per_component: recipe terms z-scored within their group first
+    reward_component_eps: float = 1e-6  # added to each term's group std (per_component)
     reward_clip: float | None = None
     advantage_whitening: bool = False  # whiten advantages over the rollout's response tokens
     advantage_clip: float | None = None
@@ -84,6 +86,8 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         overlong_buffer_len=algorithm.overlong_buffer_len,
         overlong_penalty_factor=algorithm.overlong_penalty_factor,
         reward_normalization=algorithm.reward_normalization,
+        reward_combination=algorithm.reward_combination,
+        reward_component_eps=algorithm.advantage_eps,
         reward_clip=algorithm.reward_clip,
         # "batch" and "global" both pool the whole step's statistics (over every training rank: step_shaping).
         advantage_whitening=algorithm.advantage_whitening != "none",

@@ -1,5 +1,6 @@
-"""Sequence rewards -> per-token advantages over a whole step: overlong penalty, running reward normalisation,
-reward clipping, the KL penalty and its controller, the advantage estimator, advantage whitening and clipping.
+"""Sequence rewards -> per-token advantages over a whole step: the recipe's terms combined (summed, or z-scored per
+group first), overlong penalty, running reward normalisation, reward clipping, the KL penalty and its controller,
+the advantage estimator, advantage whitening and clipping.
 
 Why a module of its own: several of these read statistics of the WHOLE step (the running reward statistics, the KL
 the adaptive controller tracks, the whitening moments, the batch-wide statistics of some estimators), and with
@@ -20,6 +21,7 @@ from torch import Tensor
 from mmrlhf.algorithms.advantages import compute_advantages
 from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.algorithms.kl import approx_kl, kl_penalized_rewards
+from mmrlhf.algorithms.reward_components import per_component_rewards
 from mmrlhf.algorithms.shaping import (
     RunningRewardNorm,
     clip_advantages,
@@ -43,6 +45,32 @@ def step_sum(world: World) -> Callable[[Tensor], Tensor]:
     return total
 
 
+def combined_rewards(rewards: RewardResult, groups: Tensor, *, combination: str = "sum",
+                     eps: float = 1e-6) -> Tensor:
+    """``[N]`` float32 rewards the step trains on, from the reward engine's answer and the ``[N]`` group ids
+    (``algorithm.reward_combination``): ``sum``, the engine's weighted sum of raw scores; ``per_component``, the
+    weighted sum of each recipe term's z-score within its group (:mod:`mmrlhf.algorithms.reward_components`), over
+    the valid samples only (a masked one is alone in its group and gets 0). Group-local, so a rank's share, or a
+    round of dynamic sampling, gives each sample what the whole step gives it: groups never straddle either.
+
+    Why a function apart: dynamic sampling's group filter and the shaping must rank samples by the same reward, and
+    evaluation keeps reporting the raw one (``RewardResult.rewards`` is never overwritten)."""
+    if combination == "sum":
+        return rewards.rewards.float()
+    if combination != "per_component":
+        raise ValueError(f"reward combination must be 'sum' or 'per_component', got {combination!r}")
+    names = sorted(rewards.sources)
+    if not rewards.weights or not names:
+        raise ValueError("algorithm.reward_combination=per_component needs each sample's recipe weights "
+                         "(RewardResult.weights, filled by the RewardComputationEngine)")
+    scores = torch.stack([rewards.sources[k] for k in names], dim=1)  # [N, C]
+    weights = torch.stack([rewards.weights.get(k, torch.zeros_like(rewards.sources[k])) for k in names], dim=1)
+    valid = rewards.valid
+    group_ids = isolate_invalid(torch.as_tensor(groups, dtype=torch.long), valid)  # [N]
+    out = per_component_rewards(scores, weights, group_ids, eps=eps).float()  # [N]
+    return torch.where(valid, out, torch.zeros_like(out))
+
+
 def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResult, lengths: Tensor,
                max_new_tokens: int, mask: Tensor, log_probs: Tensor, ref_log_probs: Tensor | None,
                values: Tensor | None, reward_norm: RunningRewardNorm | None, kl_controller: Any,
@@ -53,7 +81,8 @@ def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResul
     (``[N]``, e.g. ``agent.tool_bonus``) is added to the rewards first, with the overlong penalty."""
     total = step_sum(world)
     valid = rewards.valid.clone()  # [N]
-    seq_reward = rewards.rewards.float().clone()  # [N]
+    seq_reward = combined_rewards(rewards, torch.tensor(groups, dtype=torch.long), combination=s.reward_combination,
+                                  eps=s.reward_component_eps).clone()  # [N]
     metrics: dict[str, float] = {}
     if s.overlong_buffer_len > 0:
         pen, m = overlong_penalty(lengths, max_new_tokens, s.overlong_buffer_len, s.overlong_penalty_factor)

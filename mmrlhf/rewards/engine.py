@@ -170,7 +170,8 @@ class RewardComputationEngine:
         for label in sorted(set(batch.labels)):
             mask = torch.tensor([lab == label for lab in batch.labels]) & valid
             _mean_into(metrics, f"reward/label/{label}/mean", rewards[mask])
-        return RewardResult(rewards=rewards, valid=valid, sources=source_t, parts=parts_t, metrics=metrics)
+        return RewardResult(rewards=rewards, valid=valid, sources=source_t, parts=parts_t, metrics=metrics,
+                            weights=_recipe_weights(recipes, list(self.sources)))
 
     def _scatter(
         self,
@@ -256,6 +257,15 @@ def _weighted_sum(
         else:
             rewards[i] = sum(w * v for w, v in applied)
     return rewards, valid, no_source
+
+
+def _recipe_weights(recipes: list[list[tuple[str, float]]], names: list[str]) -> dict[str, torch.Tensor]:
+    """source name -> [B] its weight in each sample's recipe (a source listed twice: the sum, as the reward sums)."""
+    out = {name: torch.zeros(len(recipes)) for name in names}
+    for i, recipe in enumerate(recipes):
+        for source, weight in recipe:
+            out[source][i] += weight
+    return out
 
 
 def _mean_into(metrics: dict[str, float], key: str, values: torch.Tensor) -> None:

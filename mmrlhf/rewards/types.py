@@ -155,6 +155,10 @@ class RewardResult:
     """``"source/part"`` -> [B] float32 named part (e.g. ``"rule/format"``); NaN where absent."""
     metrics: dict[str, float]
     """Scalar logs: per-source and per-part means, counts, failures (goes to the experience's ``info``)."""
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    """source name -> [B] float32 weight of that source in each sample's recipe (0 where its recipe has no such
+    term): with ``sources`` the recipe terms one by one, which per-component normalisation
+    (``algorithm.reward_combination: per_component``) needs. Empty where a result was made by hand."""
 
     @property
     def info(self) -> dict[str, float]:

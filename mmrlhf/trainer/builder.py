@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from mmrlhf.algorithms.checks import check_params
+from mmrlhf.algorithms.losses import POLICY_LOSSES
 from mmrlhf.config.budget import Budget
 from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.models.placement import module_device
@@ -53,12 +55,14 @@ def resolve_rollout_correction(algorithm: Any, *, engine: str, engine_dtype: str
 
 
 def policy_update_settings(config: MMRLHFConfig, correction: str) -> PolicyUpdateSettings:
+    """The policy update's settings; the loss's parameters are checked against it here, before any model loads."""
     a, t = config.algorithm, config.trainer
     params = dict(a.policy_loss_params)
     if a.dual_clip is not None:
         if a.policy_loss not in ("ppo", "vanilla"):
             raise ValueError(f"algorithm.dual_clip applies to the 'ppo' loss, not {a.policy_loss!r}")
         params["dual_clip"] = a.dual_clip
+    check_params(POLICY_LOSSES.get(a.policy_loss), params, f"algorithm.policy_loss_params of {a.policy_loss!r}")
     return PolicyUpdateSettings(
         train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size, ppo_epochs=t.ppo_epochs,
         loss=a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, loss_params=params, agg=a.loss_agg,
@@ -185,7 +189,8 @@ def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path:
     settings = LocalSettings(
         rollout_batch_size=t.rollout_batch_size, dynamic_sampling=a.dynamic_sampling,
         dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
-        dynamic_sampling_tol=a.dynamic_sampling_tol, engine_sleeps=engine_sleeps, share=share)
+        dynamic_sampling_tol=a.dynamic_sampling_tol, engine_sleeps=engine_sleeps, share=share,
+        reward_combination=a.reward_combination, reward_component_eps=a.advantage_eps)
     stream = PromptStream(build_prompt_source(config), seed=t.seed, shuffle=d.shuffle,
                           restart_on_change=d.restart_stream_on_resume)
     return Rollouts(stack.actor, LocalRollouts(stack.maker, stream, world, settings, evaluator), stack.processor,

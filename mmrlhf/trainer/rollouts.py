@@ -31,6 +31,7 @@ from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
 from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution, merge_round_metrics
+from mmrlhf.experience.step_shaping import combined_rewards
 from mmrlhf.parallel.world import World
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
 from mmrlhf.rollout.weight_sync import sync_weights
@@ -94,6 +95,9 @@ class LocalSettings:
     # Which prompts of each step this producer generates: (index, count) takes ``records[index::count]``; None: this
     # rank's share of the world's (``rank::world_size``). A Ray rollout actor is one share of the step.
     share: tuple[int, int] | None = None
+    # algorithm.reward_combination and its eps: the group filter ranks samples by the reward the shaping trains on
+    reward_combination: str = "sum"
+    reward_component_eps: float = 1e-6
 
 
 class LocalRollouts:
@@ -167,19 +171,19 @@ class LocalRollouts:
         if not s.dynamic_sampling:
             rollout, _ = self._sample(s.rollout_batch_size)
             metrics = dict(rollout.metrics)
-            metrics.update(variance_metrics([rollout], s.dynamic_sampling_tol))
+            metrics.update(variance_metrics([rollout], s.dynamic_sampling_tol, **self._combination))
             return rollout, metrics, True
 
         def sample_round() -> SampledGroups:
             rollout, asked = self._sample(s.rollout_batch_size)
             rounds.append(rollout)
             positions = share_positions(rollout.rows, asked) if self.world.sharded else {}
-            return SampledGroups(*group_rewards(rollout), payload=_Round(rollout, positions))
+            return SampledGroups(*group_rewards(rollout, **self._combination), payload=_Round(rollout, positions))
 
         fill = fill_batch(sample_round, s.rollout_batch_size, s.dynamic_sampling_max_extra_rounds,
                           tol=s.dynamic_sampling_tol, choose=self._choose if self.world.sharded else choose_first)
         metrics = merge_round_metrics([r.metrics for r in rounds], [len(r) for r in rounds])
-        metrics.update(variance_metrics(rounds, s.dynamic_sampling_tol))
+        metrics.update(variance_metrics(rounds, s.dynamic_sampling_tol, **self._combination))
         metrics.update(fill.metrics())
         if not fill.num_groups:
             return None, metrics, False
@@ -187,6 +191,10 @@ class LocalRollouts:
             return inert(rounds[-1]), metrics, False
         parts = [part.payload.rollout.select(part.indices.tolist()) for part in fill.parts]
         return ScoredRollout.concat(parts), metrics, True
+
+    @property
+    def _combination(self) -> dict[str, Any]:
+        return {"combination": self.s.reward_combination, "eps": self.s.reward_component_eps}
 
     def _choose(self, sel: GroupSelection, batch: SampledGroups, room: int) -> Chosen:
         """The step's choice of a round's informative groups (collective): every rank's candidates, named by their
@@ -251,18 +259,23 @@ class LocalRollouts:
 
 
 # ---- helpers (pure) --------------------------------------------------------------------------------------------
-def group_rewards(rollout: ScoredRollout) -> tuple[torch.Tensor, torch.Tensor]:
+def group_rewards(rollout: ScoredRollout, *, combination: str = "sum",
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """([N] rewards, [N] group ids) for group filtering; samples the reward engine masked out get a group of their
-    own (:func:`~mmrlhf.algorithms.groups.isolate_invalid`: a singleton has no spread and is dropped)."""
+    own (:func:`~mmrlhf.algorithms.groups.isolate_invalid`: a singleton has no spread and is dropped). The rewards
+    are the ones the step trains on (:func:`~mmrlhf.experience.step_shaping.combined_rewards`): with
+    ``per_component`` a group is informative when the weighted sum of its terms' z-scores varies."""
     r = rollout.rewards
-    return r.rewards.float(), isolate_invalid(rollout.group_ids, r.valid)
+    rewards = combined_rewards(r, rollout.group_ids, combination=combination, eps=eps)
+    return rewards, isolate_invalid(rollout.group_ids, r.valid)
 
 
-def variance_metrics(rounds: Sequence[ScoredRollout], tol: float) -> dict[str, float]:
+def variance_metrics(rounds: Sequence[ScoredRollout], tol: float, *, combination: str = "sum",
+                     eps: float = 1e-6) -> dict[str, float]:
     """Share of sampled groups whose rewards vary: the early warning of GRPO collapse (no variance, no signal)."""
     kept = total = 0
     for rollout in rounds:
-        rewards, groups = group_rewards(rollout)
+        rewards, groups = group_rewards(rollout, combination=combination, eps=eps)
         valid_groups = groups[rollout.rewards.valid]
         if not valid_groups.numel():
             continue

@@ -24,7 +24,7 @@ def _tensors(device, b=4, a=5):
 def _dense_outputs(device):
     lp, old, adv, m = _tensors(device)
     outs = []
-    for name in ("ppo", "gspo", "cispo", "cpgd"):
+    for name in ("ppo", "gspo", "cispo", "cpgd", "sapo"):
         loss, metrics = A.policy_loss(name, lp, old, adv, m, entropy=lp.abs(), entropy_coef=0.01)
         outs += [loss, *metrics.values()]
     outs += [A.value_loss(lp, old, adv, m)[0]]
@@ -54,6 +54,7 @@ def test_cuda_device():
     for name in ("grpo", "dr_grpo", "rloo", "reinforce_baseline", "cpgd"):
         outs += list(A.compute_advantages(name, adv, m, group_ids=gids))
     outs += [A.high_entropy_mask(lp, m, 0.5)]
+    outs += [A.per_component_rewards(torch.stack([adv[:, 0], lp[:, 0]], 1), torch.ones(4, 2, device="cuda"), gids)]
     for out in outs:
         assert out.device.type == "cuda" and not out.isnan().any()
     res = A.fill_batch(lambda: SampledGroups(adv[:, 0], gids), target_groups=2, max_extra_rounds=0)

@@ -203,7 +203,7 @@ def test_agg_modes_weight_uneven_lengths_as_documented():
 def test_empty_mask_loss_is_zero_and_differentiable():
     logp, old, adv, _ = _inputs(0)
     mask = torch.zeros_like(adv, dtype=torch.bool)
-    for name in ("ppo", "gspo", "cispo", "cpgd"):
+    for name in ("ppo", "gspo", "cispo", "cpgd", "sapo"):
         for agg in AGG_MODES:
             loss, metrics = policy_loss(name, logp, old, adv, mask, agg=agg)
             assert loss.item() == 0.0
@@ -212,7 +212,7 @@ def test_empty_mask_loss_is_zero_and_differentiable():
             assert all(torch.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "cpgd"])
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "cpgd", "sapo"])
 def test_garbage_in_padding_never_reaches_loss_or_gradient(name):
     logp, old, adv, mask = _inputs(1)
     dirty = logp.detach().masked_fill(~mask, float("nan")).requires_grad_(True)
