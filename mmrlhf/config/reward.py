@@ -85,8 +85,73 @@ class RemoteSourceConfig(Section):
         return value
 
 
+class JudgeSourceConfig(Section):
+    type: Literal["judge"]
+    """A vision-language model judging each answer through a rubric (docs/rewards.md, "Judge")."""
+    backend: Literal["endpoint", "vllm"] = "endpoint"
+    """``endpoint``: an OpenAI-compatible server (``vllm serve``, a hosted API) at ``url``; ``vllm``: an in-process
+    vLLM engine loading the checkpoint ``model``."""
+    model: str = Field(min_length=1)
+    """The judge: the served model name (``endpoint``) or a checkpoint directory (``vllm``)."""
+    url: str = ""
+    """Base URL of the endpoint, up to and including ``/v1`` (e.g. ``http://127.0.0.1:8000/v1``); ``endpoint`` only."""
+    api_key_file: str = ""
+    """File holding the API key sent as a bearer token (empty: none)."""
+    rubric: str = ""
+    """Jinja template of the judge's message, inline or a ``.j2`` / ``.jinja`` / ``.txt`` file path (empty: the
+    built-in yes / no rubric). Variables: ``question``, ``reference`` (None if the sample has none), ``answer`` (the
+    final answer, thinking stripped), ``images`` (markers placing each image)."""
+    scoring: Literal["verdict", "number", "verdict_prob"] = "verdict_prob"
+    """``verdict``: the first verdict word of the judge's text; ``number``: the last number, in ``score_range``,
+    scaled to [0, 1]; ``verdict_prob``: the verdict-weighted probability of the first generated token (no parsing,
+    no sampling noise; with the default verdicts p(yes) / (p(yes) + p(no)))."""
+    verdicts: dict[str, float] = Field(default_factory=lambda: {"yes": 1.0, "no": 0.0})
+    """Verdict word -> score (``verdict`` and ``verdict_prob``); case-blind; for ``verdict_prob`` each must be one
+    token of the judge's tokenizer (with or without a leading space)."""
+    score_range: tuple[float, float] = (0.0, 10.0)
+    """``[lo, hi]`` of the number the rubric asks for (``number``)."""
+    question_column: str = ""
+    """Dataset column holding the question text (empty: the last user turn of the prompt, vision blocks removed)."""
+    max_tokens: int = Field(default=16, ge=1)
+    """Most tokens the judge generates (``verdict_prob`` reads only the first)."""
+    top_logprobs: int = Field(default=20, ge=0, le=20)
+    """Top log-probs asked for the first token (``verdict_prob`` needs >= 1; vLLM serves at most 20 by default)."""
+    max_concurrency: int = Field(default=8, ge=1)
+    """Endpoint requests in flight at once (one request per sample)."""
+    request_timeout_s: float = Field(default=60.0, gt=0)
+    """Timeout of one endpoint request."""
+    max_retries: int = Field(default=4, ge=0)
+    """Retries of one endpoint request (connection errors, timeouts, HTTP 408 / 429 / 502 / 503 / 504)."""
+    backoff_s: float = Field(default=0.5, ge=0)
+    """First retry delay; doubles each retry, with jitter, up to ``backoff_max_s``."""
+    backoff_max_s: float = Field(default=8.0, ge=0)
+    """Upper bound of one retry delay."""
+    cache_size: int = Field(default=4096, ge=0)
+    """Replies kept, keyed by (judge, rubric, scoring, rendered text, images); 0 turns the cache off."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Bound on judging one rollout's samples: past it they fail (``reward.on_failure``)."""
+    sleep: bool = False
+    """``vllm`` on a GPU: the engine sleeps between calls (weights and KV cache off the GPU) so it can share the
+    policy's GPU; ignored on the CPU."""
+    engine: dict[str, Any] = Field(default_factory=dict)
+    """``vllm`` only: settings for ``make_llm`` (``dtype``, ``max_model_len``, ``gpu_memory_utilization``, ...)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "JudgeSourceConfig":
+        if self.backend == "endpoint" and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"backend 'endpoint' needs url starting with http:// or https://, got {self.url!r}")
+        if self.scoring != "number" and not self.verdicts:
+            raise ValueError(f"scoring {self.scoring!r} needs at least one entry in verdicts")
+        if self.scoring == "verdict_prob" and self.top_logprobs < 1:
+            raise ValueError("scoring 'verdict_prob' needs top_logprobs >= 1")
+        lo, hi = self.score_range
+        if not lo < hi:
+            raise ValueError(f"score_range must be [lo, hi] with lo < hi, got [{lo}, {hi}]")
+        return self
+
+
 SourceConfig = Annotated[
-    Union[FunctionSourceConfig, ModelSourceConfig, RemoteSourceConfig], Field(discriminator="type")
+    Union[FunctionSourceConfig, ModelSourceConfig, RemoteSourceConfig, JudgeSourceConfig], Field(discriminator="type")
 ]
 RecipeEntry = tuple[str, float]
 

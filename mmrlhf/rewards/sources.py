@@ -106,6 +106,31 @@ def _remote_source(name: str, cfg: Any, executor: Executor | None = None) -> Rew
     return ClientSource(client, name=name)
 
 
+@SOURCE_TYPES.register("judge")
+def _judge_source(name: str, cfg: Any, executor: Executor | None = None) -> RewardSource:
+    from mmrlhf.rewards.judge.backends import EndpointJudge, VllmJudge
+    from mmrlhf.rewards.judge.rubric import load_rubric
+    from mmrlhf.rewards.judge.source import JudgeSource
+    from mmrlhf.rewards.remote import read_token
+
+    top = cfg.top_logprobs if cfg.scoring == "verdict_prob" else 0
+    if cfg.backend == "endpoint":
+        backend: Any = EndpointJudge(
+            cfg.url, cfg.model, max_tokens=cfg.max_tokens, top_logprobs=top,
+            api_key=read_token(cfg.api_key_file) if cfg.api_key_file else None, timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries, backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s,
+            max_concurrency=cfg.max_concurrency,
+        )
+        judge_id = f"{cfg.url}#{cfg.model}"
+    else:
+        backend = VllmJudge(cfg.model, max_tokens=cfg.max_tokens, top_logprobs=top, sleep=cfg.sleep,
+                            engine_options=cfg.engine)
+        judge_id = cfg.model
+    return JudgeSource(backend, name=name, judge_id=judge_id, rubric=load_rubric(cfg.rubric), scoring=cfg.scoring,
+                       verdicts=cfg.verdicts, score_range=cfg.score_range, question_column=cfg.question_column,
+                       cache_size=cfg.cache_size, timeout_s=cfg.timeout_s)
+
+
 def build_source(name: str, cfg: Any, *, executor: Executor | None = None) -> RewardSource:
     """The source described by one ``label_map`` entry (dispatching on its ``type``); ``executor`` runs
     synchronous reward functions (None: the process's shared pool)."""

@@ -1,0 +1,108 @@
+"""Rubric rendering: one chat message (text + image parts, in the template's order) per sample to judge.
+
+The rubric is a Jinja template over ``question``, ``reference`` (None where the sample has none), ``answer`` (the
+response's final answer: a thinking block is stripped, because the judge should grade the answer, not reasoning
+that may try out wrong candidates) and ``images`` (one marker string per image; printing a marker places that image
+there). Images the template does not place are put before the text, as a VLM chat usually shows them.
+
+The message is OpenAI-shaped (``image_url`` parts carrying base64 PNG data URLs) because both backends take that
+shape: ``vllm serve`` and other endpoints through the HTTP API, and ``vllm.LLM.chat`` in process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmrlhf.rewards.rules import final_answer
+from mmrlhf.rewards.wire import encode_image
+
+DEFAULT_RUBRIC = """\
+{% for image in images %}{{ image }}{% endfor %}You are grading an answer to a question about the image{{ 's' if images|length > 1 else '' }}.
+Question: {{ question }}
+{% if reference is not none %}Reference answer: {{ reference }}
+{% endif %}Answer to grade: {{ answer }}
+Is the answer correct? Reply with one word: yes or no."""
+"""The built-in rubric: a yes / no verdict on the answer, against the reference when there is one."""
+
+_MARKER = "<<judge-image-{}>>"
+_MARKER_RE = re.compile(r"<<judge-image-(\d+)>>")
+_VISION_SPAN = re.compile(r"<\|vision_start\|>.*?<\|vision_end\|>", re.S)
+_SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+@dataclass
+class JudgeRequest:
+    """One judge call: the user message (OpenAI content parts) and the digest that identifies it for the cache."""
+
+    content: list[dict[str, Any]]
+    text: str
+    """The rendered text with image markers, for the report and error messages."""
+    image_digests: list[str] = field(default_factory=list)
+    """sha256 of each image's PNG bytes, in order."""
+
+
+def load_rubric(rubric: str) -> str:
+    """The template text: ``rubric`` itself, the built-in one when empty, or a file's text when it names an
+    existing ``.j2`` / ``.jinja`` / ``.txt`` file (a missing such file is an error naming it)."""
+    if not rubric:
+        return DEFAULT_RUBRIC
+    if rubric.endswith((".j2", ".jinja", ".txt")) and "\n" not in rubric:
+        path = Path(rubric).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"judge rubric file {path} not found")
+        return path.read_text()
+    return rubric
+
+
+def compile_rubric(template_text: str):
+    """A Jinja template with ``StrictUndefined``: a misspelled variable is an error, not an empty string."""
+    import jinja2
+
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=False, autoescape=False)
+    return env.from_string(template_text)
+
+
+def rubric_digest(template_text: str) -> str:
+    return hashlib.sha256(template_text.encode()).hexdigest()[:16]
+
+
+def question_from_prompt(prompt: str) -> str:
+    """The last user turn of a chat-templated prompt (Qwen's ``<|im_start|>user ... <|im_end|>``), vision blocks
+    and special tokens removed; a prompt without that shape is returned whole, special tokens removed."""
+    turns = prompt.split("<|im_start|>user")
+    text = turns[-1].split("<|im_end|>", 1)[0] if len(turns) > 1 else prompt
+    return _SPECIAL.sub("", _VISION_SPAN.sub("", text)).strip()
+
+
+def render_request(template, *, question: str, reference: Any, response: str, prompt: str,
+                   images: list[Any]) -> JudgeRequest:
+    """The judge request for one sample (``template`` from :func:`compile_rubric`)."""
+    markers = [_MARKER.format(i) for i in range(len(images))]
+    text = template.render(question=question, reference=reference,
+                           answer=final_answer(response, prompt).strip(), images=markers)
+    encoded = [encode_image(img) for img in images]
+    digests = [hashlib.sha256(data.encode("ascii")).hexdigest()[:16] for data in encoded]
+    placed: set[int] = set()
+    content: list[dict[str, Any]] = []
+    pos = 0
+    for match in _MARKER_RE.finditer(text):
+        index = int(match.group(1))
+        if index >= len(images):
+            raise ValueError(f"the rubric placed image {index} but the sample has {len(images)} image(s)")
+        if text[pos:match.start()]:
+            content.append({"type": "text", "text": text[pos:match.start()]})
+        content.append(_image_part(encoded[index]))
+        placed.add(index)
+        pos = match.end()
+    if text[pos:]:
+        content.append({"type": "text", "text": text[pos:]})
+    unplaced = [_image_part(encoded[i]) for i in range(len(images)) if i not in placed]
+    return JudgeRequest(content=unplaced + content, text=text, image_digests=digests)
+
+
+def _image_part(png_b64: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}}
