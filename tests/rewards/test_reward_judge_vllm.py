@@ -1,0 +1,37 @@
+"""The judge on an in-process vLLM engine (``backend: vllm``), with the control of the endpoint tests' judge: the
+same construction with the verdicts swapped (``blue`` is right here, ``red`` wrong) must swap the order of the same
+samples, so the scores follow the judge, not the samples' order, length or position."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from mmrlhf.config.reward import RewardConfig
+from mmrlhf.rewards.engine import RewardComputationEngine
+from mmrlhf.rewards.types import RewardBatch
+
+PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What color is the square?<|im_end|>\n"
+          "<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_in_process_vllm_judge_with_swapped_verdicts_swaps_the_order(tmp_path):
+    from judge_testing import build_keyword_judge
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    model = build_keyword_judge(tiny_model_dir("qwen2_vl"), tmp_path / "judge", good="blue", bad="red", gain=2.0)
+    judge = {"type": "judge", "backend": "vllm", "model": str(model), "max_tokens": 1,
+             "engine": {"max_model_len": 2048, "dtype": "float32", "limit_mm_per_prompt": {"image": 1}}}
+    engine = RewardComputationEngine.from_config(RewardConfig(label_map={"judge": judge},
+                                                              recipe={"vqa": [("judge", 1.0)]}))
+    image = Image.new("RGB", (56, 56), (0, 0, 255))
+    data = RewardBatch(responses=["<think>is it blue?</think>red", "blue", "red", "blue"], prompts=[PROMPT] * 4,
+                       labels=["vqa"] * 4, references=[None] * 4, images=[[], [], [image], [image]])
+    result = engine.compute(data)
+    scores = result.sources["judge"].tolist()
+    print(f"\nin-process judge (blue right): {scores}; text: {engine.sources['judge'].last_outputs}")
+    assert result.valid.all()
+    assert scores[1] > 0.5 > scores[0] and scores[3] > 0.5 > scores[2]
+    assert scores[1] - scores[0] > 0.2
