@@ -124,7 +124,8 @@ class ScoredRollout:
         rewards = RewardResult(
             rewards=r.rewards[pick], valid=r.valid[pick], sources={k: v[pick] for k, v in r.sources.items()},
             parts={k: v[pick] for k, v in r.parts.items()}, metrics=dict(r.metrics),
-            weights={k: v[pick] for k, v in r.weights.items()})
+            weights={k: v[pick] for k, v in r.weights.items()},
+            notes={k: [v[i] for i in rows] for k, v in r.notes.items()})
         return ScoredRollout(self.rows.select(rows), rewards, self.sampling, dict(self.metrics), dict(self.seconds),
                              self.logprob_mode)
 
@@ -163,6 +164,7 @@ class ScoredRollout:
             metrics=merge_round_metrics([p.rewards.metrics for p in parts], [p.metrics.get("samples", len(p))
                                                                              for p in parts]),
             weights=_cat_columns([p.rewards.weights for p in parts], [len(p) for p in parts], fill=0.0),
+            notes=_cat_notes([p.rewards.notes for p in parts], [len(p) for p in parts]),
         )
         seconds: dict[str, float] = {}
         for p in parts:
@@ -217,6 +219,12 @@ def merge_round_metrics(metrics: Sequence[dict[str, float]], weights: Sequence[f
             total = sum(w for _, w in present)
             out[key] = float(sum(v * w for v, w in present) / total) if total else float(present[0][0])
     return out
+
+
+def _cat_notes(columns: list[dict[str, list]], sizes: list[int]) -> dict[str, list]:
+    """Per-sample texts of several rounds joined; a note a round lacks is None there."""
+    names = sorted({k for c in columns for k in c})
+    return {name: [text for c, n in zip(columns, sizes) for text in c.get(name, [None] * n)] for name in names}
 
 
 def _cat_columns(columns: list[dict[str, torch.Tensor]], sizes: list[int],

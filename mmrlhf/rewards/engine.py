@@ -158,8 +158,13 @@ class RewardComputationEngine:
         parts_t: dict[str, torch.Tensor] = {}
         failed = [False] * n
         metrics: dict[str, float] = {}
+        notes: dict[str, list[str | None]] = {}
         for name, out in outputs.items():
             self._scatter(name, out, rows[name], source_t[name], parts_t, failed, metrics)
+            for note, texts in out.notes.items():
+                column = notes.setdefault(f"{name}/{note}", [None] * n)
+                for i, text in zip(rows[name], texts):
+                    column[i] = text
         for key, column in parts_t.items():
             _mean_into(metrics, f"reward/{key}/mean", column)
         rewards, valid, no_source = _weighted_sum(recipes, source_t, failed)
@@ -171,7 +176,7 @@ class RewardComputationEngine:
             mask = torch.tensor([lab == label for lab in batch.labels]) & valid
             _mean_into(metrics, f"reward/label/{label}/mean", rewards[mask])
         return RewardResult(rewards=rewards, valid=valid, sources=source_t, parts=parts_t, metrics=metrics,
-                            weights=_recipe_weights(recipes, list(self.sources)))
+                            notes=notes, weights=_recipe_weights(recipes, list(self.sources)))
 
     def _scatter(
         self,
@@ -235,6 +240,7 @@ def _finite_only(name: str, out: SourceScores, sub: RewardBatch) -> SourceScores
         scores=[keep(i, v) for i, v in enumerate(out.scores)],
         parts={p: [keep(i, v) for i, v in enumerate(values)] for p, values in out.parts.items()},
         errors=[err or problems.get(i) for i, err in enumerate(out.errors)],
+        notes=out.notes,
     )
 
 

@@ -128,13 +128,15 @@ class SourceScores:
     scores: list[float | None]
     parts: dict[str, list[float | None]] = field(default_factory=dict)
     errors: list[str | None] = field(default_factory=list)
+    notes: dict[str, list[str | None]] = field(default_factory=dict)
+    """Per-sample text to show with the sample in reports, by name (e.g. a judge's reply); None where absent."""
 
     def __post_init__(self) -> None:
         n = len(self.scores)
         if not self.errors:
             self.errors = [None] * n
-        if len(self.errors) != n or any(len(v) != n for v in self.parts.values()):
-            raise ValueError("SourceScores: scores, errors and every part must have the same length")
+        if len(self.errors) != n or any(len(v) != n for v in [*self.parts.values(), *self.notes.values()]):
+            raise ValueError("SourceScores: scores, errors, every part and every note must have the same length")
 
     @classmethod
     def empty(cls, n: int) -> "SourceScores":
@@ -155,6 +157,9 @@ class RewardResult:
     """``"source/part"`` -> [B] float32 named part (e.g. ``"rule/format"``); NaN where absent."""
     metrics: dict[str, float]
     """Scalar logs: per-source and per-part means, counts, failures (goes to the experience's ``info``)."""
+    notes: dict[str, list[str | None]] = field(default_factory=dict)
+    """``"source/note"`` -> B texts a source attached to its samples (e.g. ``"judge/text"``, the judge's reply),
+    shown in the rollout report; None where absent."""
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     """source name -> [B] float32 weight of that source in each sample's recipe (0 where its recipe has no such
     term): with ``sources`` the recipe terms one by one, which per-component normalisation

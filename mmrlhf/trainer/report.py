@@ -128,6 +128,8 @@ class ReportSample:
     trajectory: Trajectory | None = None
     """A multi-turn sample's exchange: its card shows the turns (assistant text and calls, tool text, images and
     errors) and how it ended, in place of ``response``. ``None``: a single-turn sample."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Texts reward sources attached to this sample, by ``source/note`` (e.g. ``judge/text``, the judge's reply)."""
 
 
 _CSS = """
@@ -191,9 +193,10 @@ def _image_uri(image: Any, where: str, max_side: int, cache: dict[int, str]) -> 
 def _reward_html(s: ReportSample) -> str:
     adv = "" if s.advantage is None else ("pos" if s.advantage > 0 else "neg" if s.advantage < 0 else "")
     parts = "".join(f"<tr><td>{_e(k)}</td><td>{_e(_fmt(v))}</td></tr>" for k, v in s.parts.items())
+    notes = "".join(f'<div class="k">{_e(k)}</div><pre class="note">{_e(v)}</pre>' for k, v in s.notes.items())
     return (f'<div><span class="k">reward</span> <b>{_e(_fmt(s.reward))}</b> &nbsp; <span class="k">advantage</span> '
             f'<span class="{adv}">{_e(_fmt(s.advantage))}</span></div>'
-            + (f'<table class="parts">{parts}</table>' if parts else ""))
+            + (f'<table class="parts">{parts}</table>' if parts else "") + notes)
 
 
 def _plural(n: int, word: str) -> str:

@@ -69,11 +69,12 @@ class StepReporter:
                 mask = items[i].token["loss_mask"]
                 adv = float(items[i].token["advantages"][mask].mean()) if mask.any() else None
             parts = {name: _value(col[i]) for name, col in {**r.sources, **r.parts}.items()}
+            notes = {name: texts[i] for name, texts in r.notes.items() if texts[i] is not None}
             out.append(ReportSample(
                 prompt=rows.prompts[i], response=response, reward=float(r.rewards[i]), advantage=adv,
                 images=images, parts=parts, label=None if rows.labels[i] is None else str(rows.labels[i]),
                 reference=None if rows.references[i] is None else str(rows.references[i]), group=rows.group[i],
-                valid=bool(r.valid[i]), trajectory=trajectory))
+                valid=bool(r.valid[i]), trajectory=trajectory, notes=notes))
         return out
 
 

@@ -166,9 +166,50 @@ def test_source_failures_name_the_sample_and_follow_the_failure_policy():
     assert result.valid.tolist() == [True, False, False]
     assert result.metrics["reward/judge/failures"] == 2.0
     assert result.metrics["reward/judge/parse_failed/mean"] == pytest.approx(0.5)
+    assert result.notes["judge/text"] == ["yes", "hmm", None]  # the judge's text per sample, for the report
     strict = RewardComputationEngine({"judge": source}, {"vqa": [("judge", 1.0)]}, on_failure="error")
     with pytest.raises(RewardError, match="sample 1"):
         strict.compute(data)
+
+
+def test_the_judge_text_reaches_the_rollout_report(tmp_path):
+    from mmrlhf.trainer.report import ReportSample, write_rollout_report
+
+    sample = ReportSample(prompt=PROMPT, response="red", reward=0.9, advantage=None,
+                          notes={"judge/text": "yes <the answer matches>"})
+    out = tmp_path / "report.html"
+    write_rollout_report([sample], out, step=1)
+    assert "judge/text" in out.read_text() and "yes &lt;the answer matches&gt;" in out.read_text()
+
+
+def test_judge_notes_survive_rollout_select_and_concat_into_the_step_reporter(tmp_path):
+    import torch
+
+    from mmrlhf.experience.rollout import Rollout, ScoredRollout
+    from mmrlhf.rewards.types import RewardResult
+    from mmrlhf.rollout.types import SamplingSettings
+    from mmrlhf.trainer.reporting import StepReporter
+
+    def scored(n, notes):
+        cols = dict(sample_index=list(range(n)), group=list(range(n)), prompt_ids=[[1]] * n,
+                    response_ids=[[2]] * n, engine_logprobs=[None] * n, finished=[True] * n, vision=[{}] * n,
+                    prompts=[PROMPT] * n, labels=[None] * n, references=[None] * n, images=[[] for _ in range(n)],
+                    record_ids=[None] * n)
+        rewards = RewardResult(rewards=torch.ones(n), valid=torch.ones(n, dtype=torch.bool), sources={}, parts={},
+                               metrics={}, notes=notes)
+        return ScoredRollout(Rollout(**cols), rewards, SamplingSettings())
+
+    joined = ScoredRollout.concat([scored(2, {"judge/text": ["yes", None]}), scored(1, {})])
+    assert joined.rewards.notes == {"judge/text": ["yes", None, None]}
+    picked = joined.select([2, 0])
+    assert picked.rewards.notes == {"judge/text": [None, "yes"]}
+
+    class Tok:
+        def batch_decode(self, ids, skip_special_tokens):
+            return ["red" for _ in ids]
+
+    samples = StepReporter(tmp_path, Tok()).samples(picked, [])
+    assert [s.notes for s in samples] == [{}, {"judge/text": "yes"}]
 
 
 def test_config_type_judge_validates_and_builds():
@@ -252,6 +293,7 @@ def test_vllm_serve_judge_scores_the_right_answer_higher_with_a_control(keyword_
         assert scores[0] - scores[1] > 0.2
         assert result.metrics["reward/judge/verdict_yes/mean"] == 0.5
         assert result.metrics["reward/judge/latency_s/mean"] > 0
+        assert result.notes["judge/text"][1].startswith("no")  # the judge's own text, for the report
         # Control: the same judge and samples, with a rubric that does not show the answer: no separation.
         blind = _engine(server, rubric="Question: {{ question }}\nIs the answer correct? yes or no.")
         control = blind.compute(right_wrong).sources["judge"].tolist()

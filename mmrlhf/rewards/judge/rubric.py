@@ -20,9 +20,10 @@ from typing import Any
 from mmrlhf.rewards.rules import final_answer
 from mmrlhf.rewards.wire import encode_image
 
-DEFAULT_RUBRIC = """\
-{% for image in images %}{{ image }}{% endfor %}You are grading an answer to a question about the image{{ 's' if images|length > 1 else '' }}.
-Question: {{ question }}
+DEFAULT_RUBRIC = (
+    "{% for image in images %}{{ image }}{% endfor %}"
+    "You are grading an answer to a question about the image{{ 's' if images|length > 1 else '' }}.\n"
+) + """Question: {{ question }}
 {% if reference is not none %}Reference answer: {{ reference }}
 {% endif %}Answer to grade: {{ answer }}
 Is the answer correct? Reply with one word: yes or no."""

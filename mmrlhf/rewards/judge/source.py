@@ -5,7 +5,8 @@ on a cache hit), ``cache_hit`` and ``parse_failed`` (0 / 1), and for verdict sco
 part per verdict word (their means are the verdict distribution). A sample whose rubric cannot be rendered, whose
 request fails for good, or whose output holds no verdict gets an error naming the source, the sample and what
 went wrong; the engine's ``reward.on_failure`` then stops the run or masks and counts the sample, as for every
-source. The judge's text per sample is kept in ``last_outputs`` (sample index -> text) for reports.
+source. The judge's text per sample is its note ``text`` (``RewardResult.notes["<source>/text"]``, shown in the
+rollout report) and, for the last call, ``last_outputs`` (sample index -> text).
 
 The cache is keyed by (judge, rubric, scoring, rendered text, image digests): the rendered text holds the
 question, reference and final answer, so two samples share an entry exactly when the judge would see the same
@@ -128,4 +129,5 @@ class JudgeSource:
             parts["parse_failed"][i] = 0.0
             for word in words:
                 parts[f"verdict_{word}"][i] = 1.0 if verdict == word else 0.0
-        return SourceScores(scores=scores, parts=parts, errors=errors)
+        texts = [None if reply is None else reply.text for reply in replies]
+        return SourceScores(scores=scores, parts=parts, errors=errors, notes={"text": texts})
