@@ -11,11 +11,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 VLLM_START_TIMEOUT_S = 240.0  # a CPU vLLM server on a loaded 2-core machine takes 40 s or more to start
 
@@ -120,6 +118,3 @@ class VllmServer:
                 self.proc.wait(timeout=30)
         self._log.close()
 
-
-def temp_dir(prefix: str) -> Path:
-    return Path(tempfile.mkdtemp(prefix=prefix))

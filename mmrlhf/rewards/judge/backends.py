@@ -2,7 +2,7 @@
 
 - :class:`EndpointJudge`: any OpenAI-compatible chat-completions endpoint (``vllm serve``, a hosted API). One
   request per sample, at most ``max_concurrency`` in flight, each with a timeout and retries with backoff on the
-  answers worth retrying (connection errors, timeouts, HTTP 408 / 429 / 5xx but 500, as the remote source).
+  answers worth retrying (connection errors, timeouts, HTTP 408 / 429 / 502 / 503 / 504, as the remote source).
 - :class:`VllmJudge`: an in-process ``vllm.LLM`` (built with :func:`mmrlhf.rollout.vllm_setup.make_llm`), one
   batched ``chat`` call per scoring call, in a thread so the event loop keeps serving other sources. With
   ``sleep: true`` the engine sleeps between calls (GPU only: its weights and KV cache leave the GPU, so it shares
