@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from mmrlhf.config.rollout import RolloutConfig
+from mmrlhf.models.adapters import get_adapter
 from mmrlhf.rollout import vllm_setup
 from mmrlhf.rollout.types import SamplingSettings
 from mmrlhf.rollout.vllm_engine import VLLMEngine
+from mmrlhf.testing.tiny_models import tiny_model_dir
 
 
 class _StubLLM:
@@ -56,6 +58,7 @@ def _engine(llm: _StubLLM, *, supports_sleep=True, sleep_level=1) -> VLLMEngine:
     engine.llm, engine._asleep, engine.supports_sleep = llm, set(), supports_sleep
     engine.sleep_level = sleep_level
     engine._cpu, engine.bucket_bytes = False, 1 << 20
+    engine.adapter = get_adapter(tiny_model_dir("qwen2_vl"))  # its weights go to the engine under their own names
     return engine
 
 

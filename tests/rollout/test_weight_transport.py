@@ -8,7 +8,9 @@ import pickle
 
 import torch
 
+from mmrlhf.models.adapters import get_adapter
 from mmrlhf.rollout.vllm_engine import VLLMEngine
+from mmrlhf.testing.tiny_models import tiny_model_dir
 from mmrlhf.rollout.vllm_weight_transport import BucketPayload, bucket_loader, choose_transport, pack_bucket
 
 
@@ -55,6 +57,7 @@ def test_update_weights_sends_a_plainly_picklable_loader_that_loads_the_weights(
     engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM: only the state update_weights reads
     engine.llm, engine._asleep, engine.supports_sleep = _RecordingLLM(), False, False
     engine._cpu, engine.bucket_bytes = False, 16  # 16 bytes: one tensor per bucket
+    engine.adapter = get_adapter(tiny_model_dir("qwen2_vl"))  # its weights go under their own names
     weights = [("a", torch.arange(3.0)), ("b", torch.full((2, 2), 7.0))]
     assert engine.update_weights(iter(weights)) == 2
     assert len(engine.llm.sent) == 2  # two buckets, each pickled
