@@ -17,8 +17,9 @@ from mmrlhf.models.adapters import get_adapter
 from mmrlhf.testing.tiny_models import tiny_model_dir
 
 
-def _config(student, teacher, **algorithm):
+def _config(student, teacher, trainer=None, **algorithm):
     return build_config({
+        "trainer": trainer or {},
         "model": {"pretrain": str(student), "teacher": str(teacher), "dtype": "float32"},
         "data": {"prompt_max_len": 256},
         "rollout": {"engine": "transformers", "n_samples_per_prompt": 2, "max_new_tokens": 4, "max_model_len": 512,
@@ -60,9 +61,15 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantage():
     assert abs(exps[0].info["batch"]["distill/reverse_kl"]) < 1e-5
 
 
-def test_a_different_teacher_gives_its_log_ratio_with_the_expected_sign(tmp_path):
+@pytest.mark.parametrize("layout", [{"shared_prompt": False}, {"packing_samples": True, "shared_prompt": False},
+                                    {"shared_prompt": True}],
+                         ids=["padded", "packed", "shared_prompt"])
+def test_a_different_teacher_gives_its_log_ratio_with_the_expected_sign(tmp_path, layout):
+    """Whatever layout the scoring forwards use, the teacher scores the same tokens as the student."""
     teacher = _uniform_teacher(tmp_path)
-    stack, exps = _experiences(_config(tiny_model_dir("qwen2_vl"), teacher))
+    stack, exps = _experiences(_config(tiny_model_dir("qwen2_vl"), teacher, layout))
+    assert stack.maker.settings.packing == bool(layout.get("packing_samples"))
+    assert stack.maker.settings.shared_prompt == layout["shared_prompt"]
     allowed = stack.teacher.model.get_output_embeddings().weight.shape[0] - len(stack.teacher.excluded_token_ids)
     uniform = -math.log(allowed)
     signs = set()
