@@ -7,6 +7,7 @@ See docs/algorithms.md.
 """
 
 from mmrlhf.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from mmrlhf.algorithms.distill import mix_advantages, reverse_kl_advantages
 from mmrlhf.algorithms.dynamic_sampling import FillResult, SampledGroups, fill_batch, filter_groups
 from mmrlhf.algorithms.entropy import entropy_from_logits, high_entropy_mask
 from mmrlhf.algorithms.kl import (
@@ -52,9 +53,11 @@ __all__ = [
     "kl_loss",
     "kl_penalized_rewards",
     "masked_mean",
+    "mix_advantages",
     "overlong_penalty",
     "per_component_rewards",
     "policy_loss",
+    "reverse_kl_advantages",
     "token_level_rewards",
     "value_loss",
     "whiten_advantages",

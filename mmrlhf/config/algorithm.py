@@ -29,6 +29,11 @@ class AlgorithmConfig(Section):
     advantage_params: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments for the advantage estimator (e.g. for a user-registered one)."""
 
+    distill_coef: float = Field(default=0.0, ge=0.0)
+    """On-policy distillation (docs/algorithms.md): weight of the teacher's per-token advantage
+    ``log pi_teacher - log pi_student`` (the negative reverse-KL estimate on the student's own tokens), ADDED to the
+    estimator's advantage before whitening and clipping; 0 disables it. Needs ``model.teacher``. With
+    ``advantage_estimator: distill`` the task advantage is 0 (distillation alone); with ``grpo`` etc. the two mix."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator of the per-token penalty folded into the reward (k1 sums to the sequence log-ratio)."""
     kl_reward_coef: float = Field(default=0.0, ge=0.0)
@@ -129,6 +134,9 @@ class AlgorithmConfig(Section):
     def _check_adaptive(self) -> "AlgorithmConfig":
         if self.kl_controller == "adaptive" and self.kl_reward_coef == 0.0:
             raise ValueError("kl_controller 'adaptive' needs kl_reward_coef > 0 (a zero coefficient never moves)")
+        if self.advantage_estimator == "distill" and self.distill_coef == 0.0:
+            raise ValueError("advantage_estimator 'distill' (distillation alone: the task advantage is 0) needs "
+                             "algorithm.distill_coef > 0, or nothing would train")
         if self.rollout_correction_lower >= self.rollout_correction_cap:
             raise ValueError(f"rollout_correction_lower ({self.rollout_correction_lower}) must be below "
                              f"rollout_correction_cap ({self.rollout_correction_cap})")

@@ -77,6 +77,11 @@ class ModelConfig(Section):
     """Allow model repositories to run their own Python code (off: only transformers' built-in families)."""
     reference: str = ""
     """Path of the reference (initial) policy; empty means the same weights as ``pretrain``."""
+    teacher: str = ""
+    """Path of the on-policy distillation teacher (read only when ``algorithm.distill_coef > 0``): a model of the
+    same family and tokenizer (in real recipes a larger size), loaded and run as the reference is (stored in
+    ``dtype``, one full copy per scoring process, never trained), scoring the student's sampled responses with their
+    images in the same forwards phase."""
     critic: str = ""
     """Path of the model whose decoder initialises the PPO critic (a zero-initialised value head is added); empty
     means ``pretrain``. Only read when the advantage estimator needs values (``gae``)."""

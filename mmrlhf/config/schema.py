@@ -48,6 +48,16 @@ class MMRLHFConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_teacher(self) -> "MMRLHFConfig":
+        """Distillation needs a teacher, and a teacher without distillation would be loaded for nothing."""
+        if self.algorithm.distill_coef > 0 and not self.model.teacher:
+            raise ValueError("algorithm.distill_coef > 0 needs model.teacher (the path of the teacher model)")
+        if self.model.teacher and self.algorithm.distill_coef == 0:
+            raise ValueError("model.teacher is set but algorithm.distill_coef is 0: the teacher would never be read; "
+                             "set algorithm.distill_coef > 0 or remove model.teacher")
+        return self
+
+    @model_validator(mode="after")
     def _check_rollout_kind(self) -> "MMRLHFConfig":
         """The built-in kinds and the ``agent`` section must agree: the turn loop needs tools or an environment, and
         tools configured for a single-turn rollout would sit in every prompt unused."""

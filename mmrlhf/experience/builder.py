@@ -30,6 +30,7 @@ class ExperienceStack:
     engine: Any
     tokenizer: Any
     processor: Any
+    teacher: Any = None  # on-policy distillation teacher (None without distillation)
 
 
 def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None,
@@ -68,6 +69,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         reference = load_model(model_cfg, model_cfg.reference or model_cfg.pretrain, adapter,
                                trainable=False, routing_replay=config.rollout.routing_replay).to(target).eval()
         reference.requires_grad_(False)
+    teacher = build_teacher(config, adapter, target) if settings.distill_coef > 0 else None
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
@@ -91,8 +93,41 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     kind = build_rollout_kind(rollout_kind_name(config), KindSetup(agent, config.agent.out_of_budget_reward),
                               config.rollout.kind_options)
     maker = FastExperienceMaker(actor, engine, data_processor, rewards, tokenizer, settings, sampling,
-                                initial_model=reference, critic=critic, kl_controller=controller, kind=kind)
-    return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor)
+                                initial_model=reference, critic=critic, kl_controller=controller, kind=kind,
+                                teacher_model=teacher)
+    return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor, teacher)
+
+
+def build_teacher(config: MMRLHFConfig, adapter: Any, device: torch.device) -> Any:
+    """The on-policy distillation teacher (``model.teacher``), loaded as the reference is: frozen, stored in
+    ``model.dtype``, one full copy on ``device``. It scores the student's batches, built by the student's adapter
+    and processor, so it must be of the student's family (same vision placeholders, same rope index) and tokenizer:
+    anything else is refused here, before a step runs."""
+    from mmrlhf.models.adapters import get_adapter
+
+    model_cfg = config.model
+    own = get_adapter(model_cfg.teacher, "auto")
+    if type(own) is not type(adapter):
+        raise ValueError(f"model.teacher={model_cfg.teacher!r} is a {type(own).__name__} model but the student is "
+                         f"a {type(adapter).__name__} one: the teacher scores the student's batches, so it must be of "
+                         "the same family (and tokenizer)")
+    _check_same_tokenizer(model_cfg.pretrain, model_cfg.teacher, model_cfg.trust_remote_code)
+    teacher = load_model(model_cfg, model_cfg.teacher, adapter, trainable=False,
+                         routing_replay="none").to(device).eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def _check_same_tokenizer(student: str, teacher: str, trust_remote_code: bool) -> None:
+    """The teacher reads the student's token ids: both vocabularies must map every token to the same id (the
+    embedding tables may differ in padded size, e.g. Qwen2.5-VL 3B 151936 vs 7B 152064 rows)."""
+    from transformers import AutoTokenizer
+
+    a = AutoTokenizer.from_pretrained(student, trust_remote_code=trust_remote_code)
+    b = AutoTokenizer.from_pretrained(teacher, trust_remote_code=trust_remote_code)
+    if a.get_vocab() != b.get_vocab():
+        raise ValueError(f"model.teacher={teacher!r} has another tokenizer than model.pretrain={student!r}: on-policy "
+                         "distillation scores the student's token ids with the teacher, so both must share one")
 
 
 def rollout_kind_name(config: MMRLHFConfig) -> str:

@@ -67,15 +67,21 @@ class FastExperienceMaker(ExperienceMaker):
         settings: :class:`ExperienceSettings`; sampling: engine sampling settings (``n`` is set from settings).
         initial_model: reference :class:`ActorVL` (KL); critic: a module mapping (samples, vision_extra) to
             values [B, A] (PPO); kl_controller: object with ``.value`` and ``update(kl, n)``.
+        teacher_model: on-policy distillation teacher (an :class:`ActorVL` of the same family and tokenizer), run
+            like the reference on the same batches; needed when ``settings.distill_coef > 0``.
         kind: how responses come about (:mod:`mmrlhf.experience.kinds`; default single turn).
     """
 
     def __init__(self, actor: Any, engine: Any, data_processor: Any, reward_engine: Any, tokenizer: Any,
                  settings: ExperienceSettings, sampling: SamplingSettings, *, initial_model: Any = None,
-                 critic: Any = None, kl_controller: Any = None, kind: RolloutKind | None = None) -> None:
+                 critic: Any = None, kl_controller: Any = None, kind: RolloutKind | None = None,
+                 teacher_model: Any = None) -> None:
         super().__init__(actor, critic, reward_engine, initial_model)
         if settings.need_reference and initial_model is None:
             raise ValueError("settings need reference log-probs (KL) but no initial_model was given")
+        if settings.distill_coef > 0 and teacher_model is None:
+            raise ValueError("settings.distill_coef > 0 (on-policy distillation) but no teacher_model was given")
+        self.teacher_model = teacher_model if settings.distill_coef > 0 else None
         if settings.kl_in_reward and kl_controller is None:
             raise ValueError("settings fold KL into the reward but no kl_controller was given")
         self.engine = engine
@@ -94,7 +100,7 @@ class FastExperienceMaker(ExperienceMaker):
                                       sampling.stop_token_ids)
         # The models score the distribution the engine samples from: without the tokens it may never sample.
         excluded = forbidden_token_ids(self.adapter, self.sampling)
-        for model in (actor, initial_model):
+        for model in (actor, initial_model, self.teacher_model):
             if model is not None and hasattr(model, "excluded_token_ids"):
                 model.excluded_token_ids = excluded
 
@@ -294,12 +300,13 @@ class FastExperienceMaker(ExperienceMaker):
     @torch.no_grad()
     def _score(self, b: BuiltSamples, timer: PhaseTimer, distribution: ScoringDistribution, *,
                padding: bool = False) -> dict[str, torch.Tensor | None]:
-        """Actor (+ entropy), reference and critic forwards of one micro-batch, all in the padded [b, A] shape,
+        """Actor (+ entropy), reference, teacher and critic forwards of one micro-batch, all in the padded [b, A] shape,
         scored under ``distribution`` (the sampling temperature and the sampler's truncation: the distribution the
         samples were drawn from). The CPU-built batch goes to the models as it is (each moves it to its device);
         the outputs come back as CPU tensors. ``outside`` / ``ref_outside`` [b, A]: tokens outside the actor's /
         reference's kept set (None untruncated). ``padding``: a rank-aligning forward whose result is dropped;
-        the reference is never sharded, so it runs none."""
+        the reference and the teacher are never sharded, so they run none. The teacher scores the same batch (same
+        ids, same pixels) under the same distribution as the reference."""
         temperature, truncation = distribution.temperature, distribution.truncation
         with timer("actor"):
             routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
@@ -308,6 +315,7 @@ class FastExperienceMaker(ExperienceMaker):
         row: dict[str, torch.Tensor | None] = {
             "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
             "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
+            "teacher_log_probs": None,
         }
         if routed and out.routing is not None and out.routing.own:
             # [N, L, k] per flattened token: the trainer's own top-k and the engine's (docs: moe/ metrics)
@@ -318,6 +326,11 @@ class FastExperienceMaker(ExperienceMaker):
                 ref = self.initial_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
                                          truncation=truncation)
             row["ref_log_probs"], row["ref_outside"] = ref.log_probs, ref.outside
+        if self.teacher_model is not None and not padding:
+            with timer("teacher"):
+                teacher = self.teacher_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
+                                             truncation=truncation)
+            row["teacher_log_probs"] = teacher.log_probs  # [b, A]
         if self.critic is not None:
             with timer("critic"):
                 row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
@@ -356,7 +369,8 @@ class FastExperienceMaker(ExperienceMaker):
                           max_new_tokens=sampling.max_new_tokens, mask=mask,
                           log_probs=cat("log_probs"), ref_log_probs=cat("ref_log_probs"),
                           values=cat("values") if self.critic is not None else None, reward_norm=self.reward_norm,
-                          kl_controller=self.kl_controller, world=world, bonus=bonus)
+                          kl_controller=self.kl_controller, world=world, bonus=bonus,
+                          teacher_log_probs=cat("teacher_log_probs") if self.teacher_model is not None else None)
 
     def _experience_metrics(self, rows: Rollout, scored, shaped) -> dict[str, float]:
         valid = shaped["valid"]

@@ -23,6 +23,9 @@ class ExperienceSettings:
     kl_estimator: str = "k1"  # KL folded into the reward
     kl_in_reward: bool = False  # fold -coef * KL into the token rewards (coef from the controller)
     need_reference: bool = False  # compute reference log-probs (KL in the reward, or a KL loss later)
+    # on-policy distillation: weight of the teacher's per-token advantage (mmrlhf.algorithms.distill); 0 = off, and
+    # then no teacher forward runs
+    distill_coef: float = 0.0
     compute_entropy: bool = False  # per-token entropy (high-entropy filtering, logging)
     routing_metrics: bool = False  # rollout.routing_replay != none: log expert load and engine/trainer agreement
     overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)
@@ -79,6 +82,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         kl_estimator=algorithm.kl_estimator,
         kl_in_reward=kl_in_reward,
         need_reference=kl_in_reward or algorithm.kl_loss_coef > 0,
+        distill_coef=algorithm.distill_coef,
         # Entropy of the old policy: high-entropy token selection needs it, and the trainer logs it (the earliest
         # sign of an entropy collapse); one extra reduction per scored token.
         compute_entropy=True,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from mmrlhf.algorithms.advantages import compute_advantages
+from mmrlhf.algorithms.distill import distill_metrics, mix_advantages, reverse_kl_advantages
 from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.algorithms.kl import approx_kl, kl_penalized_rewards
 from mmrlhf.algorithms.reward_components import per_component_rewards
@@ -74,11 +75,15 @@ def combined_rewards(rewards: RewardResult, groups: Tensor, *, combination: str 
 def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResult, lengths: Tensor,
                max_new_tokens: int, mask: Tensor, log_probs: Tensor, ref_log_probs: Tensor | None,
                values: Tensor | None, reward_norm: RunningRewardNorm | None, kl_controller: Any,
-               world: World, bonus: Tensor | None = None) -> dict[str, Any]:
+               world: World, bonus: Tensor | None = None,
+               teacher_log_probs: Tensor | None = None) -> dict[str, Any]:
     """This rank's share of the step (``[N]`` groups, rewards and response lengths, ``[N, A]`` action mask and
     scores) -> ``[N, A]`` advantages, returns, trained mask and KL, ``[N]`` shaped rewards, validity and groups, and
     metrics. ``reward_norm`` and ``kl_controller`` are updated from the whole step's rewards and KL. ``bonus``
-    (``[N]``, e.g. ``agent.tool_bonus``) is added to the rewards first, with the overlong penalty."""
+    (``[N]``, e.g. ``agent.tool_bonus``) is added to the rewards first, with the overlong penalty.
+    ``teacher_log_probs`` ``[N, A]`` (``settings.distill_coef > 0``): the teacher's scores of the sampled tokens; the
+    distillation advantage they give is added to the estimator's, before whitening and clipping (per token, so no
+    step-wide statistic: each rank adds its own share's; the ``distill/*`` metrics are this rank's)."""
     total = step_sum(world)
     valid = rewards.valid.clone()  # [N]
     seq_reward = combined_rewards(rewards, torch.tensor(groups, dtype=torch.long), combination=s.reward_combination,
@@ -109,6 +114,13 @@ def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResul
         metrics["kl_seq"] = _update_kl_controller(kl_controller, kl, mask, valid, world)
     adv, ret = compute_advantages(s.advantage_estimator, token_rewards, mask, values=values, group_ids=group_ids,
                                   step_sum=total, **dict(s.advantage_params))
+    if s.distill_coef > 0:
+        if teacher_log_probs is None:
+            raise ValueError("settings.distill_coef > 0 but no teacher log-probs were given (build the maker with "
+                             "teacher_model=...)")
+        adv = mix_advantages(adv, reverse_kl_advantages(log_probs, teacher_log_probs, mask, coef=s.distill_coef),
+                             mask)
+        metrics.update(distill_metrics(log_probs, teacher_log_probs, mask))
     if s.advantage_whitening:
         adv, m = whiten_advantages(adv, mask, moments=total(masked_moments(adv, mask)))
         metrics.update({k: float(v) for k, v in m.items()})

@@ -94,6 +94,8 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     agent = data.get("agent") or {}
     tools = bool(agent.get("tools") or agent.get("environment"))  # tool-using recipes: the tool-calling tokenizer
     data["model"].update(pretrain=str(tiny_model_dir(recipe.family, tools=tools)), dtype="float32")
+    if data["model"].get("teacher"):  # distillation: another tiny model of the family (same tokenizer) teaches
+        data["model"]["teacher"] = str(tiny_model_dir(recipe.family, seed=1, tools=tools))
     data["data"].update(prompt_data=[str(data_file)], eval_data=[])
     # transformers engine: vLLM's start-up (~20 s a run on this CPU) buys nothing for a recipe test.
     data["rollout"].update(engine="transformers", dtype="auto", n_samples_per_prompt=n, max_new_tokens=4,
