@@ -10,8 +10,8 @@ import torch
 
 from mmrlhf.models.adapters import get_adapter
 from mmrlhf.rollout.vllm_engine import VLLMEngine
-from mmrlhf.testing.tiny_models import tiny_model_dir
 from mmrlhf.rollout.vllm_weight_transport import BucketPayload, bucket_loader, choose_transport, pack_bucket
+from mmrlhf.testing.tiny_models import tiny_model_dir
 
 
 class _Model(torch.nn.Module):
