@@ -62,10 +62,22 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, A
             yield f"{prefix}{key}", value
 
 
-def config_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
-    """Every dotted key whose value differs between two ``model_dump(mode="json")`` trees, sorted."""
+def config_changes(saved: Mapping[str, Any], new: Mapping[str, Any],
+                   defaults: Mapping[str, Any] | None = None) -> list[Change]:
+    """Every dotted key whose value differs between two ``model_dump(mode="json")`` trees, sorted. A key the saved
+    tree lacks (added to the schema after the checkpoint was written) had its ``defaults`` value then: it changed
+    only if the new config sets it otherwise."""
     a, b = dict(_flatten(saved)), dict(_flatten(new))
-    return [Change(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    d = dict(_flatten(defaults)) if defaults else {}
+    old = {k: a[k] if k in a else d.get(k) for k in set(a) | set(b)}
+    return [Change(k, old[k], b.get(k)) for k in sorted(old) if old[k] != b.get(k)]
+
+
+def schema_defaults() -> dict[str, Any]:
+    """The config tree of every key at its default (unvalidated: defaults only)."""
+    from mmrlhf.config.schema import MMRLHFConfig
+
+    return MMRLHFConfig.model_construct().model_dump(mode="json")
 
 
 def refused(changes: list[Change]) -> list[tuple[Change, str]]:
@@ -82,7 +94,7 @@ def refused(changes: list[Change]) -> list[tuple[Change, str]]:
 
 def check_changes(saved: Mapping[str, Any], new: Mapping[str, Any], checkpoint: str) -> list[Change]:
     """The changed keys; raises ``ValueError`` naming every refused one (before any model is loaded)."""
-    changes = config_changes(saved, new)
+    changes = config_changes(saved, new, schema_defaults())
     bad = refused(changes)
     if new.get("data", {}).get("restart_stream_on_resume"):  # the stream starts over: its data may change
         bad = [(c, why) for c, why in bad if not c.key.startswith(STREAM_KEYS)]

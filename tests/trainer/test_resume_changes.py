@@ -26,6 +26,20 @@ def test_changes_are_found_and_refused_keys_named():
         Change("trainer.lr", 1e-3, 5e-4), Change("trainer.max_steps", 3, 9)]
 
 
+def test_a_key_added_after_the_checkpoint_counts_as_its_default():
+    """A checkpoint written before a key existed (here model.teacher, under the refused ``model.`` section) resumes
+    when the new config leaves the key at its default, and is refused when it sets it."""
+    from mmrlhf.config import build_config
+
+    new = build_config({"model": {"pretrain": "/models/policy"}}).model_dump(mode="json")
+    saved = {**new, "model": {k: v for k, v in new["model"].items() if k != "teacher"}}
+    assert check_changes(saved, new, "ckpt") == []
+    assert [c.key for c in config_changes(saved, new)] == ["model.teacher"]  # without the defaults: a change
+    teacher = {**new, "model": {**new["model"], "teacher": "/models/teacher"}}
+    with pytest.raises(ValueError, match=r"model\.teacher: '' -> '/models/teacher'"):
+        check_changes(saved, teacher, "ckpt")
+
+
 def _lrs(trainer):
     return [g["lr"] for g in trainer.p.policy.stepper.optimizer.param_groups]
 
