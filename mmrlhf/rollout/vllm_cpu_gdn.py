@@ -124,8 +124,9 @@ def gdn_core(layer: Any, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tens
     beta = gate_b.float().sigmoid()
 
     result = torch.zeros_like(v)
+    ends = torch.tensor(lengths, device=v.device)[:, None, None, None]  # [N, 1, 1, 1]
     for t in range(steps):
-        live = torch.tensor([t < length for length in lengths], device=v.device)[:, None, None, None]
+        live = t < ends  # sequences still running at step t
         s = state * decay[:, t, :, None, None].exp()
         memory = (s * k[:, t, :, :, None]).sum(dim=-2)  # [N, Hv, Dv]
         delta = (v[:, t] - memory) * beta[:, t, :, None]
