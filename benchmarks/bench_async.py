@@ -17,6 +17,7 @@ Run:  python benchmarks/bench_async.py [--steps 12] [--warmup 2] [--staleness 0 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -40,12 +41,14 @@ def run_once(k: int, steps: int, out: Path, extra: list[str]) -> list[dict[str, 
         f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"trainer.output_dir={out}", "trainer.eval_steps=0",
         f"trainer.max_steps={steps}", "distributed.backend=ray", f"distributed.max_staleness={k}", *extra])
     run = RayRun(config)
-    history: list[dict[str, float]] = []
     try:
-        run.fit(steps, on_step=lambda r, m: history.append(dict(m)))
+        errors = run.setup(resume=False)
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        run.fit()
     finally:
         run.shutdown()
-    return history
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def summarise(history: list[dict[str, float]], warmup: int) -> dict[str, Any]:

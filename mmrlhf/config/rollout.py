@@ -118,6 +118,20 @@ class RolloutConfig(Section):
     removes that term (docs/models.md, measured there). Padded and packed layouts; the shared-prompt
     layout (``trainer.shared_prompt``) is refused with ``replay``. ``none``: nothing recorded. Refused for a dense
     model's family and for the transformers engine."""
+    partial: bool = False
+    """Partial rollouts (asynchronous Ray mode, ``distributed.max_staleness >= 1``): each rollout actor generates in
+    segments of ``partial_segment_tokens`` new tokens, and a weight update that arrives during a batch is applied at
+    the next segment boundary; the unfinished answers keep their tokens and continue under the new weights (their
+    prefix recomputed by it). The trainer's push then waits for one segment instead of the batch's longest answer.
+    Every response token records the version that sampled it (``rollout_versions``): the staleness bound reads the
+    oldest, the engine-vs-trainer check reads the tokens of the trainer's version, the rollout correction reads each
+    token's own behaviour log-prob, and a resume regenerates an in-flight batch with the same versions at the same
+    boundaries. Off by default until measured on GPUs (benchmarks/partial_rollouts.py, docs/distributed.md).
+    Single-turn rollouts only; refused with stop strings (``rollout.stop``) and routing replay."""
+    partial_segment_tokens: int = Field(default=256, ge=1)
+    """New tokens per segment with ``rollout.partial``: how long an update waits at most (one segment's decoding)
+    against how often the unfinished answers' prefix is sent again (cached by vLLM's prefix cache while the weights
+    do not change)."""
     seed: int = 0
     """Base seed for sampling: every sample of every call draws from its own stream, derived from this seed, the
     call, the request and the sample by hashing (see ``SamplingSettings.seed``); different seeds give unrelated

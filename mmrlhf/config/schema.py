@@ -86,6 +86,28 @@ class MMRLHFConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_partial(self) -> "MMRLHFConfig":
+        """Partial rollouts only have a meaning where updates arrive during a generation, and only continue what a
+        segment boundary cannot break."""
+        r, d = self.rollout, self.distributed
+        if not r.partial:
+            return self
+        if d.backend != "ray" or d.max_staleness < 1:
+            raise ValueError("rollout.partial=true needs the asynchronous Ray mode (distributed.backend=ray and "
+                             f"distributed.max_staleness >= 1; got backend={d.backend}, max_staleness="
+                             f"{d.max_staleness}): elsewhere no weight update arrives while a batch is generated")
+        if self.agent.enabled or r.kind == "agent":
+            raise ValueError("rollout.partial=true: multi-turn (agent) rollouts are not segmented; set "
+                             "rollout.partial=false")
+        if r.stop:
+            raise ValueError(f"rollout.partial=true with rollout.stop={r.stop}: a stop string that straddles a "
+                             "segment boundary would not be matched (EOS is); remove rollout.stop or set rollout.partial=false")
+        if r.routing_replay != "none":
+            raise ValueError(f"rollout.partial=true with rollout.routing_replay={r.routing_replay}: a continued "
+                             "answer's routing would cover its last segment only; set one of them off")
+        return self
+
+    @model_validator(mode="after")
     def _check_sleep_level(self) -> "MMRLHFConfig":
         if self.rollout.enable_sleep and self.rollout.sleep_level == 2 and self.model.lora.rank > 0:
             raise ValueError(

@@ -22,7 +22,7 @@ from mmrlhf.models.batch import GroupedSamples, SamplesVL
 
 # Per-token [B, A] fields of an Experience that training reads (None-valued ones are skipped).
 TOKEN_FIELDS = ("action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",
-                "action_entropy", "rollout_log_probs")
+                "action_entropy", "rollout_log_probs", "rollout_versions")
 # Per-sample [B] tensors of Experience.info that travel with an item.
 SAMPLE_INFO = ("reward", "raw_reward", "valid", "group", "response_length", "total_length", "truncated")
 

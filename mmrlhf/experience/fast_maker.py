@@ -410,6 +410,7 @@ class FastExperienceMaker(ExperienceMaker):
                       "batch": info},
                 kl=None if shaped["kl"] is None else shaped["kl"][sl, :a], action_entropy=row["entropy"],
                 rollout_log_probs=_engine_logprob_tensor(rows.engine_logprobs[sl], row["action_mask"]),
+                rollout_versions=_versions_tensor(rows.token_versions[sl], row["action_mask"]),
                 packed_seq_lens=smp.packed_seq_lens, num_actions=smp.num_actions,
                 policy_mask=row["action_mask"].bool() if rows.multi_turn else None,  # rows with observation tokens
                 pixel_values=smp.pixel_values, image_grid_thws=smp.image_grid_thws,
@@ -442,6 +443,18 @@ def _cat_padded(tensors: list[torch.Tensor | None], width: int) -> torch.Tensor 
     if any(t is None for t in tensors):
         return None
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors], dim=0)
+
+
+def _versions_tensor(versions: list[list[int]], action_mask: torch.Tensor) -> torch.Tensor | None:
+    """[b, A] long: the policy version of each response token (``rollout.partial``; 0 off the mask), or None when
+    the rollout recorded none."""
+    if not versions:
+        return None
+    out = torch.zeros(action_mask.shape, dtype=torch.long)  # [b, A]
+    for i, v in enumerate(versions):
+        n = min(len(v), action_mask.shape[1])
+        out[i, :n] = torch.tensor(v[:n], dtype=torch.long)
+    return out * action_mask.long()
 
 
 def _engine_logprob_tensor(engine_logprobs: list[list[float] | None], action_mask: torch.Tensor

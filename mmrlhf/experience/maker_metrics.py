@@ -52,8 +52,10 @@ def outside_metrics(scored) -> dict[str, float]:
 def engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
     """Mean / max |engine log-prob - actor log-prob| over response tokens: the off-policy gap of the rollout.
     Tokens outside the actor's kept set (scored untruncated, out of the loss) are left out: they are counted in
-    ``logprobs/outside_kept_frac``."""
+    ``logprobs/outside_kept_frac``. With ``rollout.partial`` only the tokens of the newest version count: the scoring
+    copy holds that version, the earlier segments were sampled by versions it no longer has."""
     diffs, turns, row = [], [], 0
+    newest = max((max(v) for v in rollout.token_versions if v), default=None)
     for part in scored:
         lp, mask, outside = part["log_probs"], part["action_mask"], part.get("outside")
         for i in range(lp.shape[0]):
@@ -62,6 +64,9 @@ def engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
                 continue
             keep = mask[i, : len(eng)].bool()  # policy tokens of the response (all of a single-turn one)
             inside = keep if outside is None else keep & ~outside[i, : keep.shape[0]].bool()
+            if newest is not None:
+                versions = torch.tensor(rollout.token_versions[row + i][: keep.shape[0]], dtype=torch.long)
+                inside = inside & torch.nn.functional.pad(versions == newest, (0, keep.shape[0] - len(versions)))
             diffs.append((torch.tensor(eng[: keep.shape[0]])[inside] - lp[i, : keep.shape[0]][inside]).abs())
             if rollout.multi_turn:  # the turn of each policy token: a turn starts where a run of policy tokens does
                 starts = keep & ~torch.nn.functional.pad(keep, (1, 0))[:-1]

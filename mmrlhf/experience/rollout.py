@@ -68,6 +68,8 @@ class Rollout:
     # rollout.routing_replay (mixture-of-experts engines): per sample the experts the engine routed its prompt +
     # response tokens to, [tokens, L, k] int16 (empty list: not recorded)
     routed_experts: list[torch.Tensor] = field(default_factory=list)
+    # rollout.partial: per sample, per response token, the policy version that sampled it (empty list: one version)
+    token_versions: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.sample_index)

@@ -34,6 +34,8 @@ class Experience(TensorContainer):
     #   distribution it sampled from (rollout correction); None when the engine reported none
     packed_seq_lens: torch.Tensor | None = None  # [B] for the packed layout
     num_actions: int | torch.Tensor | None = None  # A | [B] packed
+    rollout_versions: torch.Tensor | None = None  # [B, A] long rollout.partial: the policy version that sampled each
+    #   response token (0 off the mask); None: the whole rollout came from one version
     policy_mask: torch.Tensor | None = None  # [B, A] bool multi-turn samples: policy tokens (observation tokens
     #   False); None: every response token is the policy's. ``action_mask`` is always within it.
 

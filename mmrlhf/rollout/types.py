@@ -104,6 +104,9 @@ class Completion:
     # rollout.routing_replay (mixture-of-experts models, vLLM engine): the experts each token was routed to,
     # [prompt + response - 1, num_hidden_layers, top_k] int (every token the engine ran; -1 where none); else None
     routed_experts: Any = None
+    # rollout.partial (a segmented generation, mmrlhf.rollout.partial): per response token the policy version that
+    # sampled it; None: one generation, every token of the version the engine held
+    token_versions: list[int] | None = None
 
     @property
     def truncated(self) -> bool:

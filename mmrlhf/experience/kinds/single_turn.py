@@ -90,6 +90,10 @@ def collect(call: RolloutCall, result: GenerationResult) -> Rollout:
             if completion.routed_experts is not None:  # the engine's rows, cut to the kept prompt + response
                 routed = torch.as_tensor(completion.routed_experts).to(torch.int16)
                 cols["routed_experts"].append(routed[: len(expected) + len(response)])
+            if completion.token_versions is not None:
+                cols["token_versions"].append(list(completion.token_versions[: len(response)]))
     if cols["routed_experts"] and len(cols["routed_experts"]) != len(cols["sample_index"]):
         raise ValueError("routed experts came back for some completions only")
+    if cols["token_versions"] and len(cols["token_versions"]) != len(cols["sample_index"]):
+        raise ValueError("token versions came back for some completions only")
     return Rollout(**cols)

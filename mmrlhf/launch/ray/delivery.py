@@ -103,10 +103,20 @@ class WeightDelivery:
 
     # ---- the sync check ----------------------------------------------------------------------------------------
     def sync_check(self, items: Sequence[Any], current: Sequence[torch.Tensor], fresh: Sequence[bool]) -> dict:
-        """Mean / max |engine log-prob - trainer log-prob| over the response tokens of fresh (staleness 0) samples,
-        over all ranks: an engine that kept old weights shows here."""
-        diffs = [(it.token["rollout_log_probs"] - lp).abs()[it.token["loss_mask"]]
-                 for it, lp, f in zip(items, current, fresh) if f and "rollout_log_probs" in it.token]
+        """Mean / max |engine log-prob - trainer log-prob| over the response tokens the trainer's current version
+        sampled, over all ranks: an engine that kept old weights shows here. Those are the tokens of fresh
+        (staleness 0) samples, or with ``rollout.partial`` (per-token ``rollout_versions``) every token of this
+        version, whichever sample it ends."""
+        diffs = []
+        for it, lp, f in zip(items, current, fresh):
+            if "rollout_log_probs" not in it.token:
+                continue
+            mask = it.token["loss_mask"]
+            if "rollout_versions" in it.token:
+                mask = mask & (it.token["rollout_versions"] == self.version)
+            elif not f:
+                continue
+            diffs.append((it.token["rollout_log_probs"] - lp).abs()[mask])
         d = torch.cat(diffs) if diffs else torch.zeros(0)
         total, count = self.world.all_sum([float(d.sum()), float(d.numel())])
         top = self.world.all_max([float(d.max()) if d.numel() else 0.0])[0]

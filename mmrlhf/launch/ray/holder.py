@@ -9,6 +9,13 @@ Why a lock: the actor runs with two threads so that weight chunks can be receive
 the weights it generates and scores with change only between batches: chunks are staged, and the last one applies
 the whole update (engine, scoring actor copy and critic copy together, then the version bump) under the same lock a
 generation holds from its first prompt to its last experience.
+
+Partial rollouts (``rollout.partial``): the engine generates in segments (:mod:`mmrlhf.rollout.partial`) and this
+actor is the segments' version gate. An update whose last chunk arrives during a generation is queued; the
+generating thread applies it at the next segment boundary (the unfinished answers continue under it), so the
+trainer's push waits for one segment, not for the batch's longest answer. Every token records its version, and the
+metadata records the version of every segment of every engine call (``segment_versions``): a resume regenerates an
+in-flight batch with the same versions at the same boundaries (``generate(..., replay=...)``).
 """
 
 from __future__ import annotations
@@ -74,13 +81,26 @@ class ExperienceMakerHolder:
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._staged_version: int | None = None
         self._last_end: float | None = None
+        # rollout.partial: updates waiting for a segment boundary (named tensors, kind, version, applied event), the
+        # segment versions of this generation's engine calls, and a checkpoint's plan while replaying one
+        self.partial = cfg.rollout.partial
+        self._pending: list[tuple[list[tuple[str, torch.Tensor]], str, int, threading.Event, list[str]]] = []
+        self._generating = False
+        self._replay: dict[str, Any] | None = None
+        if self.partial:
+            from mmrlhf.rollout.partial import SegmentedEngine
+
+            self.maker.engine = SegmentedEngine(self.producer.engine, cfg.rollout.partial_segment_tokens, self)
 
     # ---- rollout ---------------------------------------------------------------------------------------------------
-    def generate(self, step: int, min_version: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def generate(self, step: int, min_version: int, replay: dict[str, Any] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The train items of this actor's share of ``step``'s prompts, generated with policy version >=
         ``min_version`` (the staleness gate; the driver only asks once that version was pushed). Two objects (called
         with ``num_returns=2``): the small metadata the driver reads, and the same plus the items, which only the
-        trainer reads."""
+        trainer reads. ``replay`` (``rollout.partial``, a resume): ``{"segments": [[version per segment] per engine
+        call], "weights": {version: named tensors}, "kind": weight kind}``, the versions a checkpoint recorded for
+        this batch, applied at the same boundaries instead of the updates that arrive."""
         from mmrlhf.experience.wire import pack_items
         from mmrlhf.launch.ray.ledger import StaleExperienceError
 
@@ -96,9 +116,19 @@ class ExperienceMakerHolder:
             # the same prompts and seeds.
             self._seek(step)
             self.maker.load_state_dict({"calls": step * self.count + self.index})
-            batch = self.producer.collect(step)  # CPU tensors whatever the models' device
+            segments: list[list[int]] = []
+            if self.partial:
+                self.maker.engine.calls = segments
+                self._generating, self._replay = True, replay
+            try:
+                batch = self.producer.collect(step)  # CPU tensors whatever the models' device
+            finally:
+                self._generating, self._replay = False, None
             self._last_end = time.perf_counter()
+            if segments:  # the oldest token's version: what the staleness bound reads
+                version = min(v for call in segments for v in call)
         meta = {"step": step, "share": self.index, "version": version, "samples": len(batch.items),
+                "segment_versions": segments,
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
                 "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
@@ -152,10 +182,59 @@ class ExperienceMakerHolder:
             if not last:
                 return None
             staged, self._staged, self._staged_version = self._staged, [], None
-        with self._lock:
-            self._apply(staged, kind)
-            self.version = version
+        if not self.partial:
+            with self._lock:
+                self._apply(staged, kind)
+                self.version = version
+            return version
+        # A generation in progress applies it at its next segment boundary; with none, this thread takes the lock.
+        applied, errors = threading.Event(), []
+        with self._stage_lock:
+            self._pending.append((staged, kind, version, applied, errors))
+        while not applied.wait(0.005):
+            if self._lock.acquire(blocking=False):
+                try:
+                    self._apply_pending()
+                finally:
+                    self._lock.release()
+        if errors:
+            raise RuntimeError(f"{holder_name(self.index)}: policy version {version} was not applied: {errors[0]}")
         return version
+
+    # ---- partial rollouts: the segments' version gate ----------------------------------------------------------
+    def boundary(self, call: int, segment: int) -> int:
+        """Before segment ``segment`` of engine call ``call`` (the generating thread, under the lock): the queued
+        updates applied, or while replaying a checkpoint the version it recorded there; the version it runs under."""
+        if self._generating and self._replay is not None:
+            want = int(self._replay["segments"][call][segment])
+            if want != self.version:
+                if want not in self._replay["weights"]:
+                    raise RuntimeError(f"{holder_name(self.index)}: the checkpoint's plan needs policy version {want} "
+                                       f"at call {call} segment {segment}, and its tensors were not given")
+                self._apply(list(self._replay["weights"][want]), self._replay["kind"])
+                self.version = want
+        elif self._generating:
+            self._apply_pending()
+        return self.version
+
+    def _apply_pending(self) -> None:
+        """Every queued update, in order (called under the lock); each sender is released, with the error that
+        stopped its update if one did (then the later ones are not applied either, and the error propagates)."""
+        with self._stage_lock:
+            queued, self._pending = self._pending, []
+        failed: Exception | None = None
+        for named, kind, version, applied, errors in queued:
+            if failed is None:
+                try:
+                    self._apply(named, kind)
+                    self.version = version
+                except Exception as exc:  # noqa: BLE001 (told to every waiting sender, then raised here)
+                    failed = exc
+            if failed is not None:
+                errors.append(f"{type(failed).__name__}: {failed}")
+            applied.set()
+        if failed is not None:
+            raise failed
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], kind: str) -> None:
         """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock)."""

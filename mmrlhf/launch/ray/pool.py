@@ -35,7 +35,9 @@ class HolderPool:
         slot = self.plan.rollout[index]
         options = actor_options(holder_name(index), slot.cpus, slot.gpus, placement_group=self.placement_group,
                                 bundle_index=slot.bundle_index)
-        options["max_concurrency"] = 2  # weight chunks arrive while a batch is generated (see holder.py)
+        # Weight chunks arrive while a batch is generated (see holder.py). Up to max_staleness + 1 requested batches
+        # may wait on the generation lock: each holds a thread, and the chunks must still find a free one.
+        options["max_concurrency"] = 2 + int(self.config["distributed"]["max_staleness"])
         cpus = self.config["distributed"]["rollout_actor_cpus"]
         remote = ray.remote(ExperienceMakerHolder)
         for attempt in range(20):

@@ -63,14 +63,16 @@ class RolloutSchedule:
         while self.submitted < min(step + self.s.max_staleness, self.s.max_steps - 1):
             self.submit_step(self.submitted + 1)
 
-    def submit_step(self, step: int) -> None:
+    def submit_step(self, step: int, replays: dict[int, dict[str, Any]] | None = None) -> None:
+        """Ask every rollout actor for its share of ``step``; ``replays`` (a resume of partial rollouts): per share,
+        the segment versions the checkpoint recorded and their tensors (``ExperienceMakerHolder.generate``)."""
         for share in range(self.pool.count):
-            self._submit(step, share)
+            self._submit(step, share, (replays or {}).get(share))
         self.submitted = max(self.submitted, step)
 
-    def _submit(self, step: int, share: int) -> None:
-        meta, data = self.pool.handles[share].generate.options(num_returns=2).remote(
-            step, min_rollout_version(step, self.s.max_staleness))
+    def _submit(self, step: int, share: int, replay: dict[str, Any] | None = None) -> None:
+        args = (step, min_rollout_version(step, self.s.max_staleness)) + (() if replay is None else (replay,))
+        meta, data = self.pool.handles[share].generate.options(num_returns=2).remote(*args)
         self.pending[(step, share)] = (meta, data)
 
     def await_share(self, step: int, share: int) -> dict[str, Any]:
@@ -95,12 +97,19 @@ class RolloutSchedule:
             del self.pending[(step, share)]
         return payloads
 
-    def in_flight(self) -> list[dict[str, int]]:
+    def in_flight(self) -> list[dict[str, Any]]:
         """The steps asked for and not taken yet, in order, each with the policy version that generated it (awaited:
-        what a checkpoint records to regenerate them)."""
+        what a checkpoint records to regenerate them). Partial rollouts (segment versions in the metadata) also
+        record, per share, the version of every segment of every engine call (``segments``), and ``version`` is the
+        oldest of them."""
         out = []
         for step in sorted({step for step, _ in self.pending}):
-            versions = {self.await_share(step, share)["version"] for share in range(self.pool.count)}
+            metas = [self.await_share(step, share) for share in range(self.pool.count)]
+            if any(m.get("segment_versions") for m in metas):
+                out.append({"step": step, "version": min(m["version"] for m in metas),
+                            "segments": {str(m["share"]): m["segment_versions"] for m in metas}})
+                continue
+            versions = {m["version"] for m in metas}
             if len(versions) != 1:
                 raise RuntimeError(f"step {step} in flight with several versions {sorted(versions)}")
             out.append({"step": step, "version": versions.pop()})

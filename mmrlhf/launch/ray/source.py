@@ -69,10 +69,19 @@ class RayRollouts:
             check_position(self.pool.handles[0], step, self.resume["stream"])
             for entry in self.resume.get("inflight", []):  # what was in flight at the save, with its version
                 self.weights.send(self.resume["tensors"][entry["version"]], range(self.pool.count), entry["version"])
-                self.schedule.submit_step(entry["step"])
+                self.schedule.submit_step(entry["step"], self._replays(entry))
                 for share in range(self.pool.count):
                     self.schedule.await_share(entry["step"], share)
         self._push()  # every rank: the gather of sharded weights is collective
+
+    def _replays(self, entry: dict[str, Any]) -> dict[int, dict[str, Any]] | None:
+        """Partial rollouts in flight at the save: per share, its recorded segment versions and their tensors."""
+        if "segments" not in entry:
+            return None
+        tensors = self.resume["tensors"]
+        return {int(share): {"segments": plan, "kind": self.s.weight_kind,
+                             "weights": {v: tensors[v] for v in sorted({v for call in plan for v in call})}}
+                for share, plan in entry["segments"].items()}
 
     def collect(self, step: int) -> StepBatch:
         t0 = time.perf_counter()
@@ -97,6 +106,7 @@ class RayRollouts:
         # outside this policy's kept set: out of the loss (and of the check)
         items = [it.with_token(loss_mask=it.token["loss_mask"] & ~out) for it, out in zip(items, outside)]
         metrics = self.weights.sync_check(items, current, mine["fresh"])
+        metrics.update(token_versions(items, self.weights.version, self.s.max_staleness))
         if self.s.max_staleness >= 1:  # the PPO ratio's old policy: the trainer's current version
             items = [it.with_token(action_log_probs=lp) for it, lp in zip(items, current)]
         metrics.update(mine["metrics"])
@@ -125,6 +135,10 @@ class RayRollouts:
         out = merge_share_metrics([m["metrics"] for m in metas], [m["samples"] for m in metas])
         out["samples"] = float(sum(m["samples"] for m in metas))
         out["async/generate_s"] = max(m["generate_s"] for m in metas)
+        calls = [call for m in metas for call in m.get("segment_versions") or []]
+        if calls:  # partial rollouts: segments per engine call, and the calls whose versions changed in between
+            out["partial/segments_mean"] = sum(len(c) for c in calls) / len(calls)
+            out["partial/interrupted_calls_frac"] = sum(len(set(c)) > 1 for c in calls) / len(calls)
         out.update(self.ledger.check_step(step, self.pool.count))
         out.update(self.stats.metrics(staleness))
         out.update(self.waits.add(waited, sum(m["rollout_wait_s"] for m in metas) / len(metas)))
@@ -163,13 +177,13 @@ class RayRollouts:
                  "staleness": self.stats.state_dict(), "actor_restarts": self.schedule.restarted(), "inflight": []}
         if self.schedule.deferred is None:  # else a dead actor stopped the run: a resume generates with its version
             state["inflight"] = self.schedule.in_flight()
-        for entry in state["inflight"]:
-            self.weights.save(folder, entry["version"])
+        for version in inflight_versions(state["inflight"]):
+            self.weights.save(folder, version)
         return state
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         self.resume = dict(state)
-        inflight = [entry["version"] for entry in state.get("inflight", [])]
+        inflight = inflight_versions(state.get("inflight", []))
         self.resume["tensors"] = WeightDelivery.load(folder, inflight) if self.world.is_main else {}
         # the run-long counts go on (a checkpoint of another launch mode has none: the histogram starts here)
         self.stats.load_state_dict(state.get("staleness", {}))
@@ -209,6 +223,32 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
             parts[rank]["items"].append(it)
             parts[rank]["fresh"].append(s == 0)
     return parts
+
+
+def inflight_versions(inflight: Sequence[dict[str, Any]]) -> list[int]:
+    """Every policy version a checkpoint's in-flight rollouts were generated with (partial ones: every segment's)."""
+    versions = {int(entry["version"]) for entry in inflight}
+    for entry in inflight:
+        versions.update(int(v) for plan in entry.get("segments", {}).values() for call in plan for v in call)
+    return sorted(versions)
+
+
+def token_versions(items: Sequence[Any], trainer_version: int, max_staleness: int) -> dict[str, float]:
+    """Partial rollouts (per-token ``rollout_versions``): the staleness bound checked on every response token (the
+    oldest one decides), and ``partial/*`` metrics: token staleness and the share of samples whose tokens came from
+    more than one version. Empty without per-token versions."""
+    versions = [it.token["rollout_versions"][it.token["loss_mask"]] for it in items
+                if "rollout_versions" in it.token]
+    if not versions:
+        return {}
+    flat = torch.cat(versions)
+    if flat.numel():
+        check_staleness(trainer_version, int(flat.min()), max_staleness)
+    staleness = (trainer_version - flat).float()
+    return {"partial/token_staleness_mean": float(staleness.mean()) if flat.numel() else 0.0,
+            "partial/token_staleness_max": float(staleness.max()) if flat.numel() else 0.0,
+            "partial/spanning_frac": sum(int(v.numel() > 0 and bool((v != v[0]).any())) for v in versions)
+            / len(versions)}
 
 
 def check_position(holder: Any, step: int, have: dict[str, Any]) -> None:
