@@ -111,10 +111,10 @@ def _check_path(path: list[str], text: str) -> None:
         if depth == len(path) - 1:
             return
         annotation = fields[part].annotation
+        if _is_mapping(annotation):  # before the section test: dict[str, SomeSection] is a mapping, not that section
+            return
         section = _section_type(annotation)
         if section is None:
-            if _is_mapping(annotation):
-                return
             raise ConfigError(f"override {text!r}: {'.'.join(path[: depth + 1])} is a value, not a section")
         current = section
 

@@ -149,6 +149,15 @@ class JudgeSourceConfig(Section):
     """``ray``: GPUs the judge's actor reserves; unset: ``engine.tensor_parallel_size`` (1) on a GPU cluster, 0 on
     a CPU one. They are the judge's own: not taken from the rollout or trainer actors' placement group."""
 
+    @field_validator("verdicts", mode="before")
+    @classmethod
+    def _word_keys(cls, value: Any) -> Any:
+        # YAML 1.1 reads unquoted yes / no / on / off as booleans: {yes: 1.0, no: 0.0} arrives as {True: 1.0, ...}.
+        if isinstance(value, dict) and any(isinstance(k, bool) for k in value):
+            raise ValueError("verdict words must be strings, got booleans: YAML reads unquoted yes / no / on / off "
+                             "as true / false; quote them: {\"yes\": 1.0, \"no\": 0.0}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> "JudgeSourceConfig":
         if self.backend == "endpoint" and not self.url.startswith(("http://", "https://")):

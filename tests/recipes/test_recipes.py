@@ -16,11 +16,13 @@ from mmrlhf.cli import main as cli_main
 from mmrlhf.config import load_config
 from mmrlhf.data.datasets import PromptDataset
 from mmrlhf.data.prepare import CONVERTERS
-from recipe_testing import (RECIPES, ROOT, Recipe, prepare_synthetic, remote_sources, server_command,
-                            tiny_config)
+from mmrlhf.testing.tiny_models import tiny_model_dir
+from recipe_testing import (RECIPES, ROOT, Recipe, judge_sources, prepare_synthetic, remote_sources,
+                            server_command, tiny_config, tiny_judge_fields)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))  # the reward tests' server helper
 from reward_testing import ServerProcess  # noqa: E402
+from judge_testing import build_keyword_judge  # noqa: E402
 
 IDS = [p.stem for p in RECIPES]
 
@@ -32,6 +34,7 @@ def test_the_recipes_cover_the_families_estimators_and_inputs_promised():
     converters = {r.prepare_commands()[0][0] for r in recipes}
     assert converters == set(CONVERTERS)  # every converter is used by a recipe, and only known ones are named
     assert any(remote_sources(r) for r in recipes)
+    assert any(judge_sources(r) for r in recipes)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=IDS)
@@ -101,6 +104,10 @@ def test_tiny_override_of_the_recipe_trains_two_steps(path, tmp_path, one_torch_
             server = ServerProcess([sys.executable, "-m", "mmrlhf.cli.serve_reward", *argv])
             servers.append(server)
             urls[name] = {"url": server.url, "token_file": str(token)}
+        for name in judge_sources(recipe):  # in process, on a tiny judge (what the header's server would serve)
+            judge = build_keyword_judge(tiny_model_dir("qwen2_vl"), tmp_path / f"judge-{name}", good="red",
+                                        bad="blue", gain=2.0)
+            urls[name] = tiny_judge_fields(judge)
         config = tiny_config(recipe, data_file, tmp_path / "run", **urls)
         trainer = build_trainer(config)
         with trainer.p.tracker:

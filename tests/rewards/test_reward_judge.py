@@ -10,6 +10,7 @@ import math
 
 import httpx
 import pytest
+import yaml
 from PIL import Image
 
 from mmrlhf.config.reward import RewardConfig
@@ -222,6 +223,9 @@ def test_config_type_judge_validates_and_builds():
     assert isinstance(engine.sources["judge"], JudgeSource)
     with pytest.raises(ValueError, match="needs url"):
         RewardConfig(label_map={"j": {"type": "judge", "model": "tiny"}})
+    with pytest.raises(ValueError, match=r"(?s)verdicts.*quote them"):  # YAML's {yes: 1, no: 0} has boolean keys
+        RewardConfig(label_map={"j": {"type": "judge", "model": "m", "url": "http://h/v1",
+                                      "verdicts": yaml.safe_load("{yes: 1.0, no: 0.0}")}})
     with pytest.raises(ValueError, match="lo < hi"):
         RewardConfig(label_map={"j": {"type": "judge", "model": "m", "url": "http://h/v1", "score_range": [5, 1]}})
 
