@@ -230,7 +230,7 @@ def test_config_type_judge_validates_and_builds():
         RewardConfig(label_map={"j": {"type": "judge", "model": "m", "url": "http://h/v1", "score_range": [5, 1]}})
 
 
-def test_config_ray_backend_builds_lazily_and_its_resources_are_refused_by_key():
+def test_config_ray_backend_builds_lazily_and_its_resources_are_refused_by_key(monkeypatch):
     from types import SimpleNamespace
 
     from mmrlhf.launch.ray.driver import _check_judges
@@ -252,6 +252,10 @@ def test_config_ray_backend_builds_lazily_and_its_resources_are_refused_by_key()
     _check_judges(SimpleNamespace(reward=on_gpu), full, 8.0)  # 7 + 1 fit
     with pytest.raises(ValueError, match="sleep: true is for backend 'vllm'"):
         RewardConfig(label_map={"j": {**judge, "sleep": True}})
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun ranks without a shared Ray: one engine each, refused
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match=r"reward\.label_map\.judge\.backend=ray under torchrun.*RAY_ADDRESS"):
+        RewardComputationEngine.from_config(cfg)
 
 
 # ---- the endpoint client -------------------------------------------------------------------------------------

@@ -35,13 +35,18 @@ def test_merging_runner_merges_the_calls_that_wait_and_splits_the_replies():
         await asyncio.sleep(0.01)  # the first call is running: the next two wait and go together
         second, third = runner(["b", "c"]), runner(["d"])
         out = await asyncio.gather(first, second, third)
-        failed = await asyncio.gather(runner(["bad"]), return_exceptions=True)
+        # a bad request merged with a good one: the merged call fails, each caller is run alone again
+        busy = asyncio.ensure_future(runner(["e"]))
+        await asyncio.sleep(0.01)
+        failed = await asyncio.gather(busy, runner(["bad"]), runner(["f"]), return_exceptions=True)
         return out, failed, runner
 
     out, failed, runner = asyncio.run(main())
     assert out == [["A"], ["B", "C"], ["D"]]
-    assert seen[:2] == [["a"], ["b", "c", "d"]] and (runner.calls, runner.runs) == (4, 3)
-    assert isinstance(failed[0], RuntimeError)
+    assert seen[:2] == [["a"], ["b", "c", "d"]]
+    assert seen[2:] == [["e"], ["bad", "f"], ["bad"], ["f"]]
+    assert failed[0] == ["E"] and isinstance(failed[1], RuntimeError) and failed[2] == ["F"]
+    assert (runner.calls, runner.runs) == (6, 6)
 
 
 def _batch(responses, images):
@@ -72,7 +77,7 @@ def test_judge_on_its_own_ray_actor_is_shared_and_scores_the_right_answer_higher
 
     from mmrlhf.config.reward import RewardConfig
     from mmrlhf.rewards.engine import RewardComputationEngine
-    from mmrlhf.rewards.judge.ray_actor import judge_actor_name
+    from mmrlhf.rewards.judge.ray_actor import judge_actor_name, start_judge_actors
     from mmrlhf.testing.tiny_models import tiny_model_dir
 
     model = build_keyword_judge(tiny_model_dir("qwen2_vl"), tmp_path / "judge", good="red", bad="blue", gain=2.0)
@@ -83,6 +88,8 @@ def test_judge_on_its_own_ray_actor_is_shared_and_scores_the_right_answer_higher
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
     try:
+        # As the Ray driver does: the actor first (engine loaded), then every caller finds it by name.
+        [created] = start_judge_actors(RewardConfig(label_map={"judge": judge}, recipe={"vqa": [("judge", 1.0)]}))
         # Two sources of one run, both named "judge" in their configs' label maps: one actor, one engine.
         engine = RewardComputationEngine.from_config(RewardConfig(label_map={"judge": judge},
                                                                   recipe={"vqa": [("judge", 1.0)]}))
@@ -101,8 +108,8 @@ def test_judge_on_its_own_ray_actor_is_shared_and_scores_the_right_answer_higher
 
         remote = ray.remote(num_cpus=1)(_score_in_another_process)
         other, pid = ray.get(remote.remote(judge, ["red", "blue"]))
-        actor = ray.get_actor(judge_actor_name("judge"))
-        stats = ray.get(actor.stats.remote())
+        stats = ray.get(ray.get_actor(judge_actor_name("judge")).stats.remote())
+        assert ray.get(created.stats.remote())["pid"] == stats["pid"]  # the driver's actor served every caller
         print(f"another process ({pid}): {other}; actor stats: {stats}")
         assert other[0] > 0.5 > other[1]
         assert pid != stats["pid"] and stats["calls"] == 3  # this process's two sources + the other process

@@ -38,7 +38,9 @@ def judge_actor_name(source: str) -> str:
 
 class MergingRunner:
     """Runs ``run(requests)`` one call at a time; the calls that arrive while one runs are merged into the next
-    (no timer: a lone call goes at once), and each caller gets its own slice of the replies back."""
+    (no timer: a lone call goes at once), and each caller gets its own slice of the replies back. A merged call
+    that raises is run again caller by caller, so one caller's bad request (a prompt over the engine's context,
+    say) never fails another's."""
 
     def __init__(self, run: Callable[[list], Awaitable[list]]) -> None:
         self._run = run
@@ -58,19 +60,26 @@ class MergingRunner:
     async def _drain(self) -> None:
         while self._waiting:
             group, self._waiting = self._waiting, []
-            self.runs += 1
-            try:
-                replies = await self._run([r for requests, _ in group for r in requests])
-            except Exception as exc:  # noqa: BLE001 - every caller of this merged call gets it
-                for _, future in group:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            start = 0
-            for requests, future in group:
-                if not future.done():
-                    future.set_result(replies[start:start + len(requests)])
-                start += len(requests)
+            await self._run_group(group)
+
+    async def _run_group(self, group: list[tuple[list, asyncio.Future]]) -> None:
+        self.runs += 1
+        try:
+            replies = await self._run([r for requests, _ in group for r in requests])
+        except Exception as exc:  # noqa: BLE001 - the caller's, or each caller alone again
+            if len(group) == 1:
+                if not group[0][1].done():
+                    group[0][1].set_exception(exc)
+                return
+            logger.warning("a merged judge call of %d callers failed (%s); running them one by one", len(group), exc)
+            for one in group:
+                await self._run_group([one])
+            return
+        start = 0
+        for requests, future in group:
+            if not future.done():
+                future.set_result(replies[start:start + len(requests)])
+            start += len(requests)
 
 
 class JudgeEngineActor:
@@ -142,6 +151,12 @@ class RayActorJudge:
     """The backend of ``backend: ray``: the named actor's engine, reached from any process of the run."""
 
     def __init__(self, name: str, cfg: Any) -> None:
+        import os
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not os.environ.get("RAY_ADDRESS"):
+            # each torchrun rank would start a Ray of its own, and so a judge engine of its own
+            raise ValueError(f"reward.label_map.{name}.backend=ray under torchrun needs a Ray cluster the ranks "
+                             "share: start one (ray start --head) and set RAY_ADDRESS, or use backend endpoint")
         self.name = name
         self.cfg = cfg
         self.actor_name = judge_actor_name(name)
