@@ -49,8 +49,12 @@ def test_overrides_reach_the_fields_of_a_reward_source_of_any_type():
     judge = cfg.reward.label_map["judge"]
     assert cfg.reward.label_map["checker"].url == "http://other:9/score"
     assert (judge.backend, judge.model, judge.engine) == ("vllm", "/models/j", {"gpu_memory_utilization": 0.25})
-    with pytest.raises(ConfigError, match="label_map.judge.*modle"):
+    with pytest.raises(ConfigError) as info:  # the key as written, and the judge's own fields
         build_config(base, ["reward.label_map.judge.modle=x"])
+    assert "'reward.label_map.judge.modle' (did you mean 'model'?)" in str(info.value)
+    assert "chat_template_kwargs" in str(info.value) and "function" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"'reward\.label_map\.checker\.max_retries': .*greater than or equal"):
+        build_config(base, ["reward.label_map.checker.max_retries=-1"])
 
 
 @pytest.mark.parametrize(
