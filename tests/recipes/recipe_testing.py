@@ -70,6 +70,13 @@ class Recipe:
         return [shlex.split(m.group(1)) for m in re.finditer(r"python -m mmrlhf\.data\.prepare (.+)", joined)]
 
 
+def train_commands(recipe: Recipe) -> list[list[str]]:
+    """The ``mmrlhf train examples/...`` commands of the header (continuation lines joined), as arguments from the
+    recipe's path on."""
+    joined = re.sub(r"\\\n#\s*", " ", recipe.header)
+    return [shlex.split(m.group(1)) for m in re.finditer(r"mmrlhf train (examples/\S+\.yaml.*)", joined)]
+
+
 def prepare_synthetic(recipe: Recipe, folder: Path) -> Path:
     """Synthetic published data for the recipe's converter, converted by the header's first preparation command
     (its converter and options; input, output and media root point into ``folder``)."""

@@ -18,7 +18,7 @@ from mmrlhf.data.datasets import PromptDataset
 from mmrlhf.data.prepare import CONVERTERS
 from mmrlhf.testing.tiny_models import tiny_model_dir
 from recipe_testing import (RECIPES, ROOT, Recipe, judge_sources, prepare_synthetic, remote_sources,
-                            server_command, tiny_config, tiny_judge_fields)
+                            server_command, tiny_config, tiny_judge_fields, train_commands)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))  # the reward tests' server helper
 from reward_testing import ServerProcess  # noqa: E402
@@ -60,6 +60,17 @@ def test_recipe_header_names_its_launch_and_preparation_commands(path):
         args = build_parser().parse_args(argv)  # each command is valid for the CLI as written
         prepared.add(args.output)
     assert set(recipe.data["data"]["prompt_data"]) <= prepared  # the recipe reads what the header writes
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=IDS)
+def test_recipe_header_train_commands_validate_with_their_overrides(path, monkeypatch):
+    """Every launch the header offers (the alternatives' overrides included) is a valid config."""
+    monkeypatch.chdir(ROOT)
+    commands = train_commands(Recipe.load(path))
+    assert commands
+    for argv in commands:
+        assert argv[0] == f"examples/{path.name}", argv
+        load_config(argv[0], [a for a in argv[1:] if "=" in a and not a.startswith("-")])
 
 
 def test_every_recipe_is_listed_in_the_readme():
