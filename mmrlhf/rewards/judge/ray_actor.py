@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any, Awaitable, Callable
 
 from mmrlhf.rewards.judge.backends import JudgeCallError, JudgeReply, VllmJudge
@@ -29,6 +30,7 @@ from mmrlhf.rewards.judge.rubric import JudgeRequest
 logger = logging.getLogger(__name__)
 
 ACTOR_PREFIX = "mmrlhf-judge-"
+_CONNECT_LOCK = threading.Lock()
 
 
 def judge_actor_name(source: str) -> str:
@@ -163,6 +165,10 @@ class RayActorJudge:
         self._handle: Any = None
 
     def handle(self) -> Any:
+        with _CONNECT_LOCK:  # two judge sources' first calls run at once: one Ray start, one creation each
+            return self._handle_locked()
+
+    def _handle_locked(self) -> Any:
         if self._handle is None:
             import ray
 
