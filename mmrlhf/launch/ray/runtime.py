@@ -90,8 +90,8 @@ def plan_placement(distributed: Any, tensor_parallel_size: int, cluster_gpus: fl
     engine's workers) and each trainer actor one, unless set; refused by key when it cannot work (0 GPUs, a
     tensor-parallel engine without that many whole GPUs, more GPUs than the cluster has)."""
     d = distributed
-    rollout_gpus = resolve_actor_gpus(d.rollout_actor_gpus, "distributed.rollout_actor_gpus", float(tensor_parallel_size),
-                               cluster_gpus)
+    rollout_gpus = resolve_actor_gpus(d.rollout_actor_gpus, "distributed.rollout_actor_gpus",
+                                      float(tensor_parallel_size), cluster_gpus)
     trainer_gpus = resolve_actor_gpus(d.trainer_actor_gpus, "distributed.trainer_actor_gpus", 1.0, cluster_gpus)
     if cluster_gpus > 0 and tensor_parallel_size > 1 and rollout_gpus != tensor_parallel_size:
         raise ValueError(f"distributed.rollout_actor_gpus={rollout_gpus:g} with rollout.tensor_parallel_size="
