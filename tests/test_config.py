@@ -38,6 +38,25 @@ def test_overrides_apply_in_order_and_parse_types():
     assert cfg.rollout.stop == ["a", "b"]
 
 
+def test_overrides_reach_the_fields_of_a_reward_source_of_any_type():
+    """``label_map`` maps names to a union of source sections: a dotted override goes into the entry (a judge's
+    fields, a remote's url, a judge's engine settings) and validation, not the first union member, checks it."""
+    base = {"reward": {"label_map": {"checker": {"type": "remote", "url": "http://127.0.0.1:8000/score"},
+                                     "judge": {"type": "judge", "model": "judge", "url": "http://h:1/v1"}}}}
+    cfg = build_config(base, ["reward.label_map.checker.url=http://other:9/score",
+                              "reward.label_map.judge.backend=vllm", "reward.label_map.judge.model=/models/j",
+                              "reward.label_map.judge.engine.gpu_memory_utilization=0.25"])
+    judge = cfg.reward.label_map["judge"]
+    assert cfg.reward.label_map["checker"].url == "http://other:9/score"
+    assert (judge.backend, judge.model, judge.engine) == ("vllm", "/models/j", {"gpu_memory_utilization": 0.25})
+    with pytest.raises(ConfigError) as info:  # the key as written, and the judge's own fields
+        build_config(base, ["reward.label_map.judge.modle=x"])
+    assert "'reward.label_map.judge.modle' (did you mean 'model'?)" in str(info.value)
+    assert "chat_template_kwargs" in str(info.value) and "function" not in str(info.value)
+    with pytest.raises(ConfigError, match=r"'reward\.label_map\.checker\.max_retries': .*greater than or equal"):
+        build_config(base, ["reward.label_map.checker.max_retries=-1"])
+
+
 @pytest.mark.parametrize(
     "override, must_contain",
     [

@@ -55,17 +55,47 @@ def _looks_like_float(raw: str) -> bool:
     return s not in {"nan", "inf", "-inf", "+inf", "infinity"}
 
 
-def _section_fields(model: type[BaseModel], path: Sequence[str]) -> dict[str, Any] | None:
-    """The fields of the section at ``path`` (None if the path does not lead to a section)."""
-    current: Any = model
-    for part in path:
-        fields = getattr(current, "model_fields", None)
-        if fields is None or part not in fields:
-            return None
-        current = _section_type(fields[part].annotation)
+def _locate(loc: Sequence[str]) -> tuple[dict[str, Any] | None, str]:
+    """For a pydantic error location: the fields of the section holding its last key (None where the path leads to
+    no section) and the dotted key as a user writes it. Inside a name -> section mapping (``reward.label_map``) the
+    entry's name is kept and the union tag pydantic adds (``judge`` in ``label_map.j.judge.model``) is dropped: the
+    entry's section is the union member of that tag."""
+    current: Any = MMRLHFConfig
+    shown: list[str] = []
+    i = 0
+    while i < len(loc) - 1:
+        fields = getattr(current, "model_fields", None) or {}
+        part = loc[i]
+        shown.append(part)
+        i += 1
+        if part not in fields:
+            return None, ".".join(shown + list(loc[i:]))
+        annotation = fields[part].annotation
+        if _is_mapping(annotation) and i < len(loc) - 1:
+            shown.append(loc[i])  # the entry's name
+            i += 1
+            members = _models_in(typing.get_args(annotation)[-1] if typing.get_args(annotation) else annotation)
+            tagged = {tag: m for m in members for tag in typing.get_args(
+                getattr(m.model_fields.get("type"), "annotation", None))}
+            if i < len(loc) - 1 and loc[i] in tagged:
+                current = tagged[loc[i]]
+                i += 1
+            elif len(members) == 1:
+                current = members[0]
+            else:
+                return None, ".".join(shown + list(loc[i:]))
+            continue
+        current = _section_type(annotation)
         if current is None:
-            return None
-    return getattr(current, "model_fields", None)
+            return None, ".".join(shown + list(loc[i:]))
+    return getattr(current, "model_fields", None), ".".join(shown + list(loc[i:]))
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a type annotation names (through unions, ``Annotated``, ``Optional``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 def _section_type(annotation: Any) -> type[BaseModel] | None:
@@ -111,10 +141,10 @@ def _check_path(path: list[str], text: str) -> None:
         if depth == len(path) - 1:
             return
         annotation = fields[part].annotation
+        if _is_mapping(annotation):  # before the section test: dict[str, SomeSection] is a mapping, not that section
+            return
         section = _section_type(annotation)
         if section is None:
-            if _is_mapping(annotation):
-                return
             raise ConfigError(f"override {text!r}: {'.'.join(path[: depth + 1])} is a value, not a section")
         current = section
 
@@ -150,10 +180,9 @@ def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
-        dotted = ".".join(loc)
+        fields, dotted = _locate(loc)
         if err["type"] == "extra_forbidden":
-            fields = _section_fields(MMRLHFConfig, loc[:-1]) or {}
-            lines.append(_unknown_key_message(dotted, loc[-1], fields))
+            lines.append(_unknown_key_message(dotted, loc[-1], fields or {}))
             continue
         msg = err["msg"]
         if err["type"] == "literal_error":

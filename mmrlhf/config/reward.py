@@ -88,11 +88,14 @@ class RemoteSourceConfig(Section):
 class JudgeSourceConfig(Section):
     type: Literal["judge"]
     """A vision-language model judging each answer through a rubric (docs/rewards.md, "Judge")."""
-    backend: Literal["endpoint", "vllm"] = "endpoint"
+    backend: Literal["endpoint", "vllm", "ray"] = "endpoint"
     """``endpoint``: an OpenAI-compatible server (``vllm serve``, a hosted API) at ``url``; ``vllm``: an in-process
-    vLLM engine loading the checkpoint ``model``."""
+    vLLM engine loading the checkpoint ``model`` (beside the policy's engine; ``sleep`` shares its GPU); ``ray``: that
+    engine in a named Ray actor of its own (``actor_cpus`` / ``actor_gpus``), created once per run and shared by every
+    rollout actor (with ``distributed.backend=ray`` the driver creates it; in one process the first call does,
+    joining ``RAY_ADDRESS`` or starting a local Ray)."""
     model: str = Field(min_length=1)
-    """The judge: the served model name (``endpoint``) or a checkpoint directory (``vllm``)."""
+    """The judge: the served model name (``endpoint``) or a checkpoint directory (``vllm``, ``ray``)."""
     url: str = ""
     """Base URL of the endpoint, up to and including ``/v1`` (e.g. ``http://127.0.0.1:8000/v1``); ``endpoint`` only."""
     api_key_file: str = ""
@@ -134,7 +137,26 @@ class JudgeSourceConfig(Section):
     """``vllm`` on a GPU: the engine sleeps between calls (weights and KV cache off the GPU) so it can share the
     policy's GPU; ignored on the CPU."""
     engine: dict[str, Any] = Field(default_factory=dict)
-    """``vllm`` only: settings for ``make_llm`` (``dtype``, ``max_model_len``, ``gpu_memory_utilization``, ...)."""
+    """``vllm`` and ``ray``: settings for ``make_llm`` (``dtype``, ``max_model_len``, ``gpu_memory_utilization``,
+    ``tensor_parallel_size``, ...)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables for the judge's chat template, on every backend (a vLLM server takes them in the request body;
+    other OpenAI-compatible servers may refuse the field). A judge that thinks by default needs
+    ``{enable_thinking: false}`` for ``verdict_prob`` (its first token would open the thinking block)."""
+    actor_cpus: float = Field(default=1.0, gt=0)
+    """``ray``: CPUs the judge's actor reserves (and its torch threads)."""
+    actor_gpus: float | None = Field(default=None, ge=0)
+    """``ray``: GPUs the judge's actor reserves; unset: ``engine.tensor_parallel_size`` (1) on a GPU cluster, 0 on
+    a CPU one. They are the judge's own: not taken from the rollout or trainer actors' placement group."""
+
+    @field_validator("verdicts", mode="before")
+    @classmethod
+    def _word_keys(cls, value: Any) -> Any:
+        # YAML 1.1 reads unquoted yes / no / on / off as booleans: {yes: 1.0, no: 0.0} arrives as {True: 1.0, ...}.
+        if isinstance(value, dict) and any(isinstance(k, bool) for k in value):
+            raise ValueError("verdict words must be strings, got booleans: YAML reads unquoted yes / no / on / off "
+                             "as true / false; quote them: {\"yes\": 1.0, \"no\": 0.0}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "JudgeSourceConfig":
@@ -142,6 +164,9 @@ class JudgeSourceConfig(Section):
             raise ValueError(f"backend 'endpoint' needs url starting with http:// or https://, got {self.url!r}")
         if self.scoring != "number" and not self.verdicts:
             raise ValueError(f"scoring {self.scoring!r} needs at least one entry in verdicts")
+        if self.sleep and self.backend != "vllm":
+            raise ValueError(f"sleep: true is for backend 'vllm' (an engine beside the policy's); backend "
+                             f"{self.backend!r} has no engine to put to sleep here")
         if self.scoring == "verdict_prob" and self.top_logprobs < 1:
             raise ValueError("scoring 'verdict_prob' needs top_logprobs >= 1")
         lo, hi = self.score_range

@@ -98,6 +98,7 @@ def _slice(out: SourceScores, start: int, stop: int) -> SourceScores:
         scores=out.scores[start:stop],
         parts={name: values[start:stop] for name, values in out.parts.items()},
         errors=out.errors[start:stop],
+        notes={name: texts[start:stop] for name, texts in out.notes.items()},
     )
 
 

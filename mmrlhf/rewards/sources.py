@@ -6,6 +6,7 @@ once. ``SOURCE_TYPES`` maps the config's ``type`` to a builder; it is the single
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import Executor
 from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
@@ -119,13 +120,20 @@ def _judge_source(name: str, cfg: Any, executor: Executor | None = None) -> Rewa
             cfg.url, cfg.model, max_tokens=cfg.max_tokens, top_logprobs=top,
             api_key=read_token(cfg.api_key_file) if cfg.api_key_file else None, timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries, backoff_s=cfg.backoff_s, backoff_max_s=cfg.backoff_max_s,
-            max_concurrency=cfg.max_concurrency,
+            max_concurrency=cfg.max_concurrency, chat_template_kwargs=cfg.chat_template_kwargs,
         )
         judge_id = f"{cfg.url}#{cfg.model}"
+    elif cfg.backend == "ray":
+        from mmrlhf.rewards.judge.ray_actor import RayActorJudge
+
+        backend = RayActorJudge(name, cfg)
+        judge_id = cfg.model
     else:
         backend = VllmJudge(cfg.model, max_tokens=cfg.max_tokens, top_logprobs=top, sleep=cfg.sleep,
-                            engine_options=cfg.engine)
+                            engine_options=cfg.engine, chat_template_kwargs=cfg.chat_template_kwargs)
         judge_id = cfg.model
+    if cfg.chat_template_kwargs:  # the template's variables change what the judge sees: part of the cache key
+        judge_id += "#" + json.dumps(cfg.chat_template_kwargs, sort_keys=True, default=str)
     return JudgeSource(backend, name=name, judge_id=judge_id, rubric=load_rubric(cfg.rubric), scoring=cfg.scoring,
                        verdicts=cfg.verdicts, score_range=cfg.score_range, question_column=cfg.question_column,
                        cache_size=cfg.cache_size, timeout_s=cfg.timeout_s)

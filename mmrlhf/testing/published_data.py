@@ -107,6 +107,22 @@ def video_qa(folder: Path, n: int = 3) -> tuple[Path, list[dict]]:
     return path, rows
 
 
+def open_vqa(folder: Path, n: int = 4) -> tuple[Path, list[dict]]:
+    """``val.parquet`` like lmms-lab/COCO-Caption2017: ``question_id``, ``image`` (``{bytes, path}``), ``question``
+    (the captioning instruction; empty on odd rows, as in a caption set without one) and ``answer`` (a list of
+    captions, one on the last row)."""
+    colours = ["red", "blue", "green", "yellow"]
+    rows = []
+    for k in range(n):
+        colour = colours[k % len(colours)]
+        captions = [f"A {colour} square on a plain background.", f"A {colour} block seen from above."]
+        rows.append({"question_id": f"{k:012d}.jpg", "image": {"bytes": png_bytes(300 + k), "path": f"{k}.jpg"},
+                     "question": None if k % 2 else "Provide a one-sentence caption for the provided image.",
+                     "answer": captions[:1] if k == n - 1 else captions})
+    folder.mkdir(parents=True, exist_ok=True)
+    return _write_parquet(rows, folder / "val.parquet"), rows
+
+
 DEEPEYES_SYSTEM = ("You are a helpful assistant.\n\n# Tools\n<tools>\n{\"type\": \"function\", \"function\": "
                    "{\"name\": \"image_zoom_in_tool\", \"parameters\": {\"bbox_2d\": \"...\"}}}\n</tools>")
 DEEPEYES_INSTRUCTION = ("\nThink first, call **image_zoom_in_tool** if needed, then answer. Format strictly as:  "

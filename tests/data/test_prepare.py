@@ -107,6 +107,23 @@ def test_video_qa_json_answer_text_becomes_the_option_letter_and_the_video_loads
     assert video.frames.shape[0] == 10  # every frame of the 10-frame clip (fps above the clip's)
 
 
+def test_open_vqa_keeps_every_reference_and_gives_a_caption_row_its_instruction(tmp_path):
+    src, rows = published_data.open_vqa(tmp_path / "raw")
+    out = tmp_path / "out" / "open.jsonl"
+    prepare("open_vqa", [str(src)], str(out))
+    records = _load(out)
+    assert [r.reference for r in records] == [row["answer"] for row in rows[:-1]] + [rows[-1]["answer"][0]]
+    assert records[0].prompt == "<image>" + rows[0]["question"]
+    assert records[1].prompt == "<image>Describe the image in one sentence."  # no question: the caption one
+    assert {r.label for r in records} == {"open"} and [r.record_id for r in records] == [
+        row["question_id"] for row in rows]
+    np.testing.assert_array_equal(_pixels(records[2].images[0], records[2].base_dir),
+                                  _raw_pixels(rows[2]["image"]["bytes"]))
+    bad = _parquet(tmp_path / "bad.parquet", [{"image": rows[0]["image"], "answer": ["fine", ""]}])
+    with pytest.raises(DataError, match="field .answer / answers.*non-empty texts"):
+        prepare("open_vqa", [bad], str(tmp_path / "bad.jsonl"))
+
+
 def _parquet(path, rows):
     pq.write_table(pa.Table.from_pylist(rows), path)
     return str(path)

@@ -40,6 +40,7 @@ SYNTHETIC = {
     "video_qa": (published_data.video_qa, "videos"),
     # two rows: a V* row and a ThinkLite row, so the one step of 2 prompts holds both labels
     "deepeyes": (functools.partial(published_data.deepeyes, n=2), None),
+    "open_vqa": (published_data.open_vqa, None),
 }
 
 
@@ -67,6 +68,13 @@ class Recipe:
         """The ``python -m mmrlhf.data.prepare ...`` commands of the header (continuation lines joined)."""
         joined = re.sub(r"\\\n#\s*", " ", self.header)
         return [shlex.split(m.group(1)) for m in re.finditer(r"python -m mmrlhf\.data\.prepare (.+)", joined)]
+
+
+def train_commands(recipe: Recipe) -> list[list[str]]:
+    """The ``mmrlhf train examples/...`` commands of the header (continuation lines joined), as arguments from the
+    recipe's path on."""
+    joined = re.sub(r"\\\n#\s*", " ", recipe.header)
+    return [shlex.split(m.group(1)) for m in re.finditer(r"mmrlhf train (examples/\S+\.yaml.*)", joined)]
 
 
 def prepare_synthetic(recipe: Recipe, folder: Path) -> Path:
@@ -117,6 +125,19 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
 def remote_sources(recipe: Recipe) -> list[str]:
     return [name for name, src in recipe.data.get("reward", {}).get("label_map", {}).items()
             if isinstance(src, dict) and src.get("type") == "remote"]
+
+
+def judge_sources(recipe: Recipe) -> list[str]:
+    return [name for name, src in recipe.data.get("reward", {}).get("label_map", {}).items()
+            if isinstance(src, dict) and src.get("type") == "judge"]
+
+
+def tiny_judge_fields(model: Path) -> dict[str, Any]:
+    """A recipe's judge, as the tiny override runs it: in process on the tiny keyword judge at ``model`` (CPU
+    engine settings), its rubric, scoring and verdicts as the recipe has them."""
+    return {"backend": "vllm", "model": str(model), "url": "", "max_tokens": 1, "sleep": False,
+            "chat_template_kwargs": {},
+            "engine": {"max_model_len": 2048, "dtype": "float32", "limit_mm_per_prompt": {"image": 1}}}
 
 
 def server_command(recipe: Recipe) -> list[str]:

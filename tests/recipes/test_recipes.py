@@ -16,11 +16,13 @@ from mmrlhf.cli import main as cli_main
 from mmrlhf.config import load_config
 from mmrlhf.data.datasets import PromptDataset
 from mmrlhf.data.prepare import CONVERTERS
-from recipe_testing import (RECIPES, ROOT, Recipe, prepare_synthetic, remote_sources, server_command,
-                            tiny_config)
+from mmrlhf.testing.tiny_models import tiny_model_dir
+from recipe_testing import (RECIPES, ROOT, Recipe, judge_sources, prepare_synthetic, remote_sources,
+                            server_command, tiny_config, tiny_judge_fields, train_commands)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))  # the reward tests' server helper
 from reward_testing import ServerProcess  # noqa: E402
+from judge_testing import build_keyword_judge  # noqa: E402
 
 IDS = [p.stem for p in RECIPES]
 
@@ -32,6 +34,7 @@ def test_the_recipes_cover_the_families_estimators_and_inputs_promised():
     converters = {r.prepare_commands()[0][0] for r in recipes}
     assert converters == set(CONVERTERS)  # every converter is used by a recipe, and only known ones are named
     assert any(remote_sources(r) for r in recipes)
+    assert any(judge_sources(r) for r in recipes)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=IDS)
@@ -57,6 +60,17 @@ def test_recipe_header_names_its_launch_and_preparation_commands(path):
         args = build_parser().parse_args(argv)  # each command is valid for the CLI as written
         prepared.add(args.output)
     assert set(recipe.data["data"]["prompt_data"]) <= prepared  # the recipe reads what the header writes
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=IDS)
+def test_recipe_header_train_commands_validate_with_their_overrides(path, monkeypatch):
+    """Every launch the header offers (the alternatives' overrides included) is a valid config."""
+    monkeypatch.chdir(ROOT)
+    commands = train_commands(Recipe.load(path))
+    assert commands
+    for argv in commands:
+        assert argv[0] == f"examples/{path.name}", argv
+        load_config(argv[0], [a for a in argv[1:] if "=" in a and not a.startswith("-")])
 
 
 def test_every_recipe_is_listed_in_the_readme():
@@ -101,6 +115,10 @@ def test_tiny_override_of_the_recipe_trains_two_steps(path, tmp_path, one_torch_
             server = ServerProcess([sys.executable, "-m", "mmrlhf.cli.serve_reward", *argv])
             servers.append(server)
             urls[name] = {"url": server.url, "token_file": str(token)}
+        for name in judge_sources(recipe):  # in process, on a tiny judge (what the header's server would serve)
+            judge = build_keyword_judge(tiny_model_dir("qwen2_vl"), tmp_path / f"judge-{name}", good="red",
+                                        bad="blue", gain=2.0)
+            urls[name] = tiny_judge_fields(judge)
         config = tiny_config(recipe, data_file, tmp_path / "run", **urls)
         trainer = build_trainer(config)
         with trainer.p.tracker:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 
+HINT_TURN = "<|im_start|>system\n{{ judge_hint }}<|im_end|>\n"
+"""What the keyword judge's template adds when the ``judge_hint`` template variable is set."""
 VLLM_START_TIMEOUT_S = 240.0  # a CPU vLLM server on a loaded 2-core machine takes 40 s or more to start
 
 
@@ -62,6 +64,13 @@ def build_keyword_judge(src: Path, out: Path, *, good: str, bad: str, gain: floa
     head[yes, c], head[no, c] = 0.0, 0.0
     head[yes, j], head[no, j] = 1.0, -1.0
     save_file({name: v.contiguous() for name, v in sd.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    # A chat-template variable the tests set through the judge's chat_template_kwargs: its text enters the prompt
+    # (and so the verdict) only when given.
+    template = out / "chat_template.jinja"
+    text = template.read_text()
+    hook = "{% if add_generation_prompt %}"
+    assert hook in text, f"the tiny chat template changed: no {hook!r} to hook the judge_hint variable before"
+    template.write_text(text.replace(hook, "{% if judge_hint is defined %}" + HINT_TURN + "{% endif %}" + hook, 1))
     return out
 
 

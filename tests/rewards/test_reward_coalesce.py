@@ -31,7 +31,8 @@ class Gated:
             await self.release.wait()
         if "bad" in batch.responses:
             raise ValueError("cannot process 'bad'")
-        return SourceScores(scores=[float(r) * 10 for r in batch.responses], parts={"x": [1.0] * len(batch)})
+        return SourceScores(scores=[float(r) * 10 for r in batch.responses], parts={"x": [1.0] * len(batch)},
+                            notes={"text": [f"said {r}" for r in batch.responses]})
 
 
 def test_requests_arriving_while_the_model_is_busy_are_scored_together_and_split_back():
@@ -49,6 +50,7 @@ def test_requests_arriving_while_the_model_is_busy_are_scored_together_and_split
     assert first.scores == [10.0]
     for k, res in zip(range(2, 6), later):
         assert res.scores == [float(10 * k + j) * 10 for j in range(k)] and res.parts["x"] == [1.0] * k
+        assert res.notes["text"] == [f"said {10 * k + j}" for j in range(k)]  # a source's texts split back too
     assert len(inner.calls) == 2 and scorer.calls == 2  # the first alone, the four others in one call
     assert inner.calls[1] == [str(10 * k + j) for k in range(2, 6) for j in range(k)]
 

@@ -10,6 +10,7 @@ import math
 
 import httpx
 import pytest
+import yaml
 from PIL import Image
 
 from mmrlhf.config.reward import RewardConfig
@@ -222,8 +223,39 @@ def test_config_type_judge_validates_and_builds():
     assert isinstance(engine.sources["judge"], JudgeSource)
     with pytest.raises(ValueError, match="needs url"):
         RewardConfig(label_map={"j": {"type": "judge", "model": "tiny"}})
+    with pytest.raises(ValueError, match=r"(?s)verdicts.*quote them"):  # YAML's {yes: 1, no: 0} has boolean keys
+        RewardConfig(label_map={"j": {"type": "judge", "model": "m", "url": "http://h/v1",
+                                      "verdicts": yaml.safe_load("{yes: 1.0, no: 0.0}")}})
     with pytest.raises(ValueError, match="lo < hi"):
         RewardConfig(label_map={"j": {"type": "judge", "model": "m", "url": "http://h/v1", "score_range": [5, 1]}})
+
+
+def test_config_ray_backend_builds_lazily_and_its_resources_are_refused_by_key(monkeypatch):
+    from types import SimpleNamespace
+
+    from mmrlhf.launch.ray.driver import _check_judges
+    from mmrlhf.launch.ray.runtime import ActorSlot, PlacementPlan
+    from mmrlhf.rewards.judge.ray_actor import RayActorJudge, actor_resources
+
+    judge = {"type": "judge", "backend": "ray", "model": "/models/judge", "engine": {"tensor_parallel_size": 2}}
+    cfg = RewardConfig(label_map={"judge": judge}, recipe={"vqa": [("judge", 1.0)]})
+    source = RewardComputationEngine.from_config(cfg).sources["judge"]
+    assert isinstance(source.backend, RayActorJudge) and source.backend._handle is None  # no Ray until scoring
+    assert actor_resources("judge", cfg.label_map["judge"], 8.0) == (1.0, 2.0)  # auto: the engine's GPUs
+    assert actor_resources("judge", cfg.label_map["judge"], 0.0) == (1.0, 0.0)  # a CPU cluster
+    on_gpu = RewardConfig(label_map={"judge": {**judge, "actor_gpus": 1}})
+    with pytest.raises(ValueError, match=r"reward\.label_map\.judge\.actor_gpus=1 but the Ray cluster has no GPUs"):
+        actor_resources("judge", on_gpu.label_map["judge"], 0.0)
+    full = PlacementPlan(rollout=(ActorSlot(1, 4, 0),), trainer=(ActorSlot(1, 3, 1),))  # 7 of 8 GPUs taken
+    with pytest.raises(ValueError, match=r"reward\.label_map\.judge\.actor_gpus=2, but the cluster has 8"):
+        _check_judges(SimpleNamespace(reward=cfg), full, 8.0)
+    _check_judges(SimpleNamespace(reward=on_gpu), full, 8.0)  # 7 + 1 fit
+    with pytest.raises(ValueError, match="sleep: true is for backend 'vllm'"):
+        RewardConfig(label_map={"j": {**judge, "sleep": True}})
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun ranks without a shared Ray: one engine each, refused
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match=r"reward\.label_map\.judge\.backend=ray under torchrun.*RAY_ADDRESS"):
+        RewardComputationEngine.from_config(cfg)
 
 
 # ---- the endpoint client -------------------------------------------------------------------------------------
@@ -251,6 +283,7 @@ def test_endpoint_retries_busy_answers_and_refuses_bad_requests():
     assert len(calls) == 3 and str(calls[0].url) == "http://judge/v1/chat/completions"
     body = judge.body(request)
     assert body["temperature"] == 0.0 and body["logprobs"] is True and body["top_logprobs"] == 5
+    assert "chat_template_kwargs" not in body  # only sent when set: other OpenAI-compatible servers may refuse it
 
     refused = EndpointJudge("http://judge/v1", "m", max_tokens=4, top_logprobs=5, backoff_s=0.0,
                             transport=httpx.MockTransport(lambda r: httpx.Response(400, text="bad image")))
@@ -305,6 +338,18 @@ def test_vllm_serve_judge_scores_the_right_answer_higher_with_a_control(keyword_
     except AssertionError:
         print(server.log_tail())
         raise
+
+
+@pytest.mark.slow
+def test_chat_template_kwargs_reach_the_served_judges_template(keyword_judge_server):
+    """The tiny judge's template prints the ``judge_hint`` variable: sent in the request body, a hint full of the
+    right colour turns the wrong answer's verdict; the same request without it is the control."""
+    wrong = batch(["blue"])
+    plain = _engine(keyword_judge_server).compute(wrong).sources["judge"].tolist()
+    hint = {"judge_hint": " ".join(["red"] * 8)}
+    hinted = _engine(keyword_judge_server, chat_template_kwargs=hint).compute(wrong).sources["judge"].tolist()
+    print(f"\nwrong answer without / with the red hint: {plain} / {hinted}")
+    assert hinted[0] > 0.5 > plain[0]
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """The judge on an in-process vLLM engine (``backend: vllm``), with the control of the endpoint tests' judge: the
 same construction with the verdicts swapped (``blue`` is right here, ``red`` wrong) must swap the order of the same
-samples, so the scores follow the judge, not the samples' order, length or position."""
+samples, so the scores follow the judge, not the samples' order, length or position. The same engine then shows
+that ``chat_template_kwargs`` reach the judge's template in process: the tiny judge's template prints the
+``judge_hint`` variable, and a hint full of the right colour turns the wrong answer's verdict."""
 
 from __future__ import annotations
 
@@ -35,3 +37,18 @@ def test_in_process_vllm_judge_with_swapped_verdicts_swaps_the_order(tmp_path):
     assert result.valid.all()
     assert scores[1] > 0.5 > scores[0] and scores[3] > 0.5 > scores[2]
     assert scores[1] - scores[0] > 0.2
+
+    import asyncio
+
+    from mmrlhf.rewards.judge.backends import VllmJudge
+    from mmrlhf.rewards.judge.rubric import DEFAULT_RUBRIC
+    from mmrlhf.rewards.judge.source import JudgeSource
+
+    shared = engine.sources["judge"].backend._llm  # the engine built above: no second start
+    hinted = VllmJudge(str(model), max_tokens=1, top_logprobs=20, llm=shared,
+                       chat_template_kwargs={"judge_hint": " ".join(["blue"] * 8)})
+    source = JudgeSource(hinted, name="hinted", judge_id="hinted", rubric=DEFAULT_RUBRIC)
+    out = asyncio.run(source.score(RewardBatch(responses=["red"], prompts=[PROMPT], labels=["vqa"],
+                                               references=[None], index=[0])))
+    print(f"wrong answer 'red' with the blue hint in the template: {out.scores} (without: {scores[0]})")
+    assert out.errors == [None] and out.scores[0] > 0.5 > scores[0]

@@ -7,7 +7,7 @@ reporting, skipping, writing and the load-back check are shared (:mod:`mmrlhf.da
 
 from __future__ import annotations
 
-from mmrlhf.data.prepare import clevr_count, deepeyes, geometry3k, multi_image, video_qa
+from mmrlhf.data.prepare import clevr_count, deepeyes, geometry3k, multi_image, open_vqa, video_qa
 from mmrlhf.data.prepare.common import Converter, Summary, convert
 
 CONVERTERS: dict[str, Converter] = {
@@ -16,6 +16,7 @@ CONVERTERS: dict[str, Converter] = {
     "multi_image": multi_image.convert_row,
     "video_qa": video_qa.convert_row,
     "deepeyes": deepeyes.convert_row,
+    "open_vqa": open_vqa.convert_row,
 }
 
 

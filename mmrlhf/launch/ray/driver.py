@@ -83,6 +83,11 @@ class RayRun:
         d = self.config.distributed
         self.plan = plan or cluster_placement(self.config)
         self.placement_group = _reserve(self.plan)
+        # The judges' own actors (reward backend "ray"), outside the placement group, owned by this driver: they
+        # live as long as the run and every rollout actor finds them by name.
+        from mmrlhf.rewards.judge.ray_actor import start_judge_actors
+
+        self.judges = start_judge_actors(self.config.reward)
         dump = self.config.model_dump(mode="json")
         dump["trainer"]["progress_bar"] = False  # the ranks' output reaches the driver only at the end
         self.pool = HolderPool(dump, self.plan, self.placement_group)
@@ -137,7 +142,7 @@ class RayRun:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in [*self.pool.handles, *self.ranks]:
+        for actor in [*self.pool.handles, *self.ranks, *self.judges]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception as exc:  # an actor already gone: nothing to stop
@@ -151,7 +156,20 @@ def cluster_placement(config: Any) -> PlacementPlan:
     import ray
 
     gpus = float(ray.cluster_resources().get("GPU", 0.0))
-    return plan_placement(config.distributed, config.rollout.tensor_parallel_size, gpus)
+    plan = plan_placement(config.distributed, config.rollout.tensor_parallel_size, gpus)
+    _check_judges(config, plan, gpus)
+    return plan
+
+
+def _check_judges(config: Any, plan: PlacementPlan, cluster_gpus: float) -> None:
+    """The judges' own actors (reward backend ``ray``) must fit beside the placement group's GPUs."""
+    from mmrlhf.rewards.judge.ray_actor import actor_resources, ray_judges
+
+    judges = {name: actor_resources(name, cfg, cluster_gpus)[1] for name, cfg in ray_judges(config.reward).items()}
+    if judges and plan.gpus + sum(judges.values()) > cluster_gpus > 0:
+        keys = ", ".join(f"reward.label_map.{name}.actor_gpus={g:g}" for name, g in judges.items())
+        raise ValueError(f"the rollout and trainer actors need {plan.gpus:g} GPUs and the judges {keys}, but the "
+                         f"cluster has {cluster_gpus:g}: lower those keys or the distributed.*_actor_gpus ones")
 
 
 def _reserve(plan: PlacementPlan) -> Any:
@@ -182,7 +200,10 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, int
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from mmrlhf.rewards.judge.ray_actor import ray_judges
+
     cpus = d.num_rollout_actors * d.rollout_actor_cpus + d.num_trainer_actors * d.trainer_actor_cpus
+    cpus += sum(judge.actor_cpus for judge in ray_judges(config.reward).values())  # a local Ray: theirs too
     started = connect(d.ray_address, num_cpus=cpus)
     run = None
     try:

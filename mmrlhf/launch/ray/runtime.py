@@ -70,7 +70,7 @@ class PlacementPlan:
         return sum(slot.gpus for slot in (*self.rollout, *self.trainer))
 
 
-def _actor_gpus(value: float | None, key: str, auto: float, cluster_gpus: float) -> float:
+def resolve_actor_gpus(value: float | None, key: str, auto: float, cluster_gpus: float) -> float:
     """An actor kind's GPUs: ``auto`` (None) on a GPU cluster, 0 on a CPU one; the value given otherwise, refused
     where it cannot work."""
     if value is None:
@@ -90,9 +90,9 @@ def plan_placement(distributed: Any, tensor_parallel_size: int, cluster_gpus: fl
     engine's workers) and each trainer actor one, unless set; refused by key when it cannot work (0 GPUs, a
     tensor-parallel engine without that many whole GPUs, more GPUs than the cluster has)."""
     d = distributed
-    rollout_gpus = _actor_gpus(d.rollout_actor_gpus, "distributed.rollout_actor_gpus", float(tensor_parallel_size),
-                               cluster_gpus)
-    trainer_gpus = _actor_gpus(d.trainer_actor_gpus, "distributed.trainer_actor_gpus", 1.0, cluster_gpus)
+    rollout_gpus = resolve_actor_gpus(d.rollout_actor_gpus, "distributed.rollout_actor_gpus",
+                                      float(tensor_parallel_size), cluster_gpus)
+    trainer_gpus = resolve_actor_gpus(d.trainer_actor_gpus, "distributed.trainer_actor_gpus", 1.0, cluster_gpus)
     if cluster_gpus > 0 and tensor_parallel_size > 1 and rollout_gpus != tensor_parallel_size:
         raise ValueError(f"distributed.rollout_actor_gpus={rollout_gpus:g} with rollout.tensor_parallel_size="
                          f"{tensor_parallel_size}: a tensor-parallel engine needs one whole GPU per worker; set "

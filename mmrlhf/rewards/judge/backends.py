@@ -7,6 +7,12 @@
   batched ``chat`` call per scoring call, in a thread so the event loop keeps serving other sources. With
   ``sleep: true`` the engine sleeps between calls (GPU only: its weights and KV cache leave the GPU, so it shares
   the policy's GPU); on the CPU make_llm drops sleep mode.
+- :class:`~mmrlhf.rewards.judge.ray_actor.RayActorJudge` (its own module): a :class:`VllmJudge` inside a named Ray
+  actor with its own resources, shared by every process of the run.
+
+``chat_template_kwargs`` reach the judge's chat template on every path (the request body's field of that name for
+a vLLM server, ``LLM.chat``'s argument in process): a judge that thinks by default (Qwen3.5) answers at once with
+``{enable_thinking: false}``, which ``verdict_prob`` needs.
 
 A request that fails for good comes back as its exception, so one bad sample fails alone (the source turns it into
 that sample's error and the engine's failure policy decides).
@@ -44,7 +50,8 @@ class EndpointJudge:
 
     def __init__(self, base_url: str, model: str, *, max_tokens: int, top_logprobs: int, api_key: str | None = None,
                  timeout_s: float = 60.0, max_retries: int = 4, backoff_s: float = 0.5, backoff_max_s: float = 8.0,
-                 max_concurrency: int = 8, seed: int | None = None, transport: Any = None) -> None:
+                 max_concurrency: int = 8, seed: int | None = None, transport: Any = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.max_tokens = max_tokens
@@ -57,6 +64,7 @@ class EndpointJudge:
         self.max_concurrency = max_concurrency
         self._rng = random.Random(seed)
         self._transport = transport
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.requests_sent = 0
 
     def body(self, request: JudgeRequest) -> dict[str, Any]:
@@ -64,6 +72,8 @@ class EndpointJudge:
                                 "max_tokens": self.max_tokens, "temperature": 0.0}
         if self.top_logprobs:
             body.update(logprobs=True, top_logprobs=self.top_logprobs)
+        if self.chat_template_kwargs:  # a vLLM server's extension; other OpenAI-compatible servers may refuse it
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         return body
 
     async def run(self, requests: list[JudgeRequest]) -> list[JudgeReply | Exception]:
@@ -126,9 +136,11 @@ class VllmJudge:
     """An in-process vLLM engine for the judge model at ``path`` (built on first use, then kept)."""
 
     def __init__(self, path: str, *, max_tokens: int, top_logprobs: int, sleep: bool = False,
-                 engine_options: dict[str, Any] | None = None, llm: Any = None) -> None:
+                 engine_options: dict[str, Any] | None = None, llm: Any = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
         """``llm``: an already built engine (tests, or an engine the caller shares)."""
         self.path = path
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.max_tokens = max_tokens
         self.top_logprobs = top_logprobs
         self.sleep = sleep
@@ -164,7 +176,7 @@ class VllmJudge:
             params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
                                     logprobs=self.top_logprobs or None)
             outputs = llm.chat([[{"role": "user", "content": r.content}] for r in requests], params,
-                               use_tqdm=False)
+                               use_tqdm=False, chat_template_kwargs=self.chat_template_kwargs or None)
         finally:
             if sleeps:
                 llm.sleep(level=1)
