@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from mmrlhf.config.distributed import DistributedConfig
-from mmrlhf.launch.ray.runtime import actor_options, plan_placement
+from mmrlhf.launch.ray.runtime import plan_placement
+from mmrlhf.parallel.ray_actors import actor_options
 
 
 def _d(**kw) -> DistributedConfig:

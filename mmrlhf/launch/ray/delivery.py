@@ -82,7 +82,7 @@ class WeightDelivery:
         receiving it."""
         import ray
 
-        from mmrlhf.launch.ray.runtime import describe_actor_error
+        from mmrlhf.parallel.ray_actors import describe_actor_error
         from mmrlhf.rollout.base import iter_buckets
 
         sent = named if self.s.push_weights else []  # the control announces versions without tensors

@@ -15,14 +15,8 @@ import sys
 from typing import Any, Callable
 
 from mmrlhf.launch.ray.pool import HolderPool
-from mmrlhf.launch.ray.runtime import (
-    PlacementPlan,
-    actor_options,
-    actor_threads,
-    connect,
-    describe_actor_error,
-    plan_placement,
-)
+from mmrlhf.launch.ray.runtime import PlacementPlan, plan_placement
+from mmrlhf.parallel.ray_actors import actor_options, actor_threads, connect, describe_actor_error
 from mmrlhf.launch.ray.trainer_actor import RayTrainerRank, trainer_name
 from mmrlhf.trainer.interrupt import stop_on_interrupt
 

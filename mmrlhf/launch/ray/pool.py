@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmrlhf.launch.ray.holder import ExperienceMakerHolder, holder_name
-from mmrlhf.launch.ray.runtime import PlacementPlan, actor_options, actor_threads
+from mmrlhf.launch.ray.runtime import PlacementPlan
+from mmrlhf.parallel.ray_actors import actor_options, actor_threads
 
 
 @dataclass

@@ -80,7 +80,7 @@ class RolloutSchedule:
         unfinished batches) when it died and the policy allows."""
         import ray
 
-        from mmrlhf.launch.ray.runtime import describe_actor_error
+        from mmrlhf.parallel.ray_actors import describe_actor_error
 
         while True:
             try:

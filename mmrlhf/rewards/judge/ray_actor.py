@@ -111,7 +111,7 @@ def actor_resources(name: str, cfg: Any, cluster_gpus: float) -> tuple[float, fl
     """(CPUs, GPUs) of the actor of judge source ``name`` (config ``cfg``) on a cluster with ``cluster_gpus`` GPUs:
     ``actor_gpus`` unset means the engine's ``tensor_parallel_size`` (1) on a GPU cluster and 0 on a CPU one;
     refused by key where it cannot work (GPUs asked of a CPU cluster, 0 GPUs on a GPU cluster)."""
-    from mmrlhf.launch.ray.runtime import resolve_actor_gpus
+    from mmrlhf.parallel.ray_actors import resolve_actor_gpus
 
     tp = float(cfg.engine.get("tensor_parallel_size", 1))
     key = f"reward.label_map.{name}.actor_gpus"
@@ -122,7 +122,7 @@ def ensure_judge_actor(name: str, cfg: Any) -> Any:
     """The handle of the judge actor of source ``name`` (config ``cfg``), created here if no process did yet."""
     import ray
 
-    from mmrlhf.launch.ray.runtime import actor_options, actor_threads
+    from mmrlhf.parallel.ray_actors import actor_options, actor_threads
 
     cpus, gpus = actor_resources(name, cfg, float(ray.cluster_resources().get("GPU", 0.0)))
     options = actor_options(judge_actor_name(name), cpus, gpus)
@@ -173,7 +173,7 @@ class RayActorJudge:
             import ray
 
             if not ray.is_initialized():
-                from mmrlhf.launch.ray.runtime import connect
+                from mmrlhf.parallel.ray_actors import connect
 
                 connect(None, num_cpus=self.cfg.actor_cpus)
                 logger.info("judge %r: joined or started Ray for its actor %s", self.name, self.actor_name)
@@ -185,7 +185,7 @@ class RayActorJudge:
             handle = await asyncio.to_thread(self.handle)  # creating it may wait for resources
             return await handle.run.remote(requests)
         except Exception as exc:  # noqa: BLE001 - the actor died or refused: each request fails, naming it
-            from mmrlhf.launch.ray.runtime import describe_actor_error
+            from mmrlhf.parallel.ray_actors import describe_actor_error
 
             error = JudgeCallError(f"judge actor {self.actor_name}: {type(exc).__name__}: "
                                    f"{describe_actor_error(exc)}")
