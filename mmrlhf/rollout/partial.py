@@ -115,7 +115,7 @@ def generate_in_segments(engine: Any, requests: list[GenerationRequest], setting
             break
         segment += 1
         versions.append(boundary(segment))
-        follow = [_continuation(requests[o.request], prompts[o.request], o) for o in live]
+        follow = [_continuation(requests[o.request], o) for o in live]
         # every live completion filled each segment so far: they all hold segment * segment_tokens tokens
         result = engine.generate(follow, _segment_settings(settings, segment, 1, segment_tokens, len(live[0].ids)))
         seconds += result.seconds
@@ -152,9 +152,9 @@ def _segment_settings(settings: SamplingSettings, segment: int, n: int, segment_
                                min_new_tokens=min(cap, max(0, settings.min_new_tokens - done)), seed=seed)
 
 
-def _continuation(request: GenerationRequest, prompt_ids: list[int], o: _Open) -> GenerationRequest:
-    """The completion so far as a prompt: the engine's prompt ids and the response, with the prompt's images and
-    videos (token types: the response's tokens are text)."""
+def _continuation(request: GenerationRequest, o: _Open) -> GenerationRequest:
+    """The completion so far as a prompt: the processor's prompt ids (vision pads expanded, what the engine takes as
+    ids) and the response, with the prompt's images and videos (token types: the response's tokens are text)."""
     types = None if request.mm_token_type_ids is None else list(request.mm_token_type_ids) + [0] * len(o.ids)
     return dataclasses.replace(request, prompt_token_ids=list(request.prompt_token_ids) + o.ids,
                                mm_token_type_ids=types,
