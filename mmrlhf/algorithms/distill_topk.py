@@ -27,8 +27,9 @@ Directions: ``reverse`` (mode-seeking, the one the advantage of :mod:`mmrlhf.alg
 the student's mass out of the tail bucket and onto the teacher's tokens, with a gradient proportional to the
 student's own probability of each token; ``forward`` (mass-covering, the supervised-KD direction, GKD's beta = 0)
 gives the logits the gradient ``p_student - p_teacher`` on the teacher's tokens (the cross-entropy gradient, the
-teacher's tail ignored once it is ~0), which does not vanish where the student gives a teacher token almost nothing:
-the strong signal a random student needs (measured on the toy task, docs/algorithms.md).
+teacher's tail ignored once it is ~0), which does not vanish where the student gives a teacher token almost nothing.
+On the toy task (a random student, docs/algorithms.md) forward reached the teacher's greedy eval reward 20 steps
+before reverse, their sampled rewards alike; both 50+ steps before GRPO alone.
 
 Tail masses are floored at ``TAIL_FLOOR``: the inputs are float32 log-probs, whose sum over ``k`` tokens resolves
 the rest of the mass only to ~1e-7, so a smaller tail is rounding, and its log would be noise (or -inf).

@@ -182,3 +182,49 @@ def test_the_loss_term_and_its_gradient_vanish_when_the_teacher_is_the_student(t
         assert abs(metrics["policy/distill_topk_kl"]) < 1e-5 * ctrl["policy/distill_topk_kl"]
         assert norms[0] < 1e-4 * ctrl_norms[0]
         assert 0 < metrics["policy/distill_teacher_topk_mass"] < 1
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_students_gather_at_the_teachers_ids_in_one_forward_or_in_groups(layout):
+    """With the teacher equal to the student, the student's log-probs gathered at the recorded ids are the recorded
+    top-k log-probs, and its own top-k is the record; one forward or per-sample groups (``micro_batch_size``) give
+    the same [B, A, k] tensors."""
+    from mmrlhf.experience.batching import collate, split_experience
+
+    stack, exps = _experiences(_loss_config(tiny_model_dir("qwen2_vl"), layout, k=3))
+    items = [it for e in exps for it in split_experience(e)]
+    batch = collate(items, packed=layout == "packed", pad_id=stack.maker.pad_id, adapter=stack.actor.adapter)
+    ids, want = batch.token["teacher_topk_ids"], batch.token["teacher_topk_log_probs"]
+    mask = batch.token["loss_mask"]
+    with torch.no_grad():
+        outs = [stack.actor(batch.samples, vision_extra=batch.vision_extra, topk=3, gather_ids=ids,
+                            micro_batch_size=micro) for micro in (None, 1)]
+    for out in outs:
+        assert out.gathered_log_probs.shape == want.shape
+        torch.testing.assert_close(out.gathered_log_probs[mask], want[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.topk_log_probs[mask], want[mask], rtol=0, atol=1e-5)
+        assert torch.equal(out.topk_ids[mask], ids[mask].long())
+    for name in ("gathered_log_probs", "topk_log_probs"):
+        torch.testing.assert_close(getattr(outs[1], name), getattr(outs[0], name), rtol=0, atol=1e-5)
+
+
+def test_top_k_outputs_regroup_from_forwards_to_chunks_with_their_last_dimension():
+    """A token budget may score other micro-batches than the experiences keep: [b, A, k] outputs move to their
+    chunks row for row like the [b, A] ones, zero-padded along the positions only."""
+    from mmrlhf.experience.scoring_split import regroup
+
+    g = torch.Generator().manual_seed(0)
+    parts = [{"lp": torch.randn(2, 3, generator=g), "top": torch.randn(2, 3, 4, generator=g)},
+             {"lp": torch.randn(1, 5, generator=g), "top": torch.randn(1, 5, 4, generator=g)}]
+    micros, chunks, widths = [[2, 0], [1]], [[0, 1], [2]], [5, 3]
+    out = regroup(parts, micros, chunks, widths)
+    rows = {2: (0, 0), 0: (0, 1), 1: (1, 0)}  # sample -> (forward, row)
+    for c, (chunk, w) in enumerate(zip(chunks, widths)):
+        assert out[c]["top"].shape == (len(chunk), w, 4)
+        for j, sample in enumerate(chunk):
+            f, r = rows[sample]
+            for key in ("lp", "top"):
+                src = parts[f][key][r]
+                n = min(w, src.shape[0])
+                assert torch.equal(out[c][key][j, :n], src[:n])
+                assert (out[c][key][j, n:] == 0).all()
