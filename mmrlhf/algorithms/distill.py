@@ -72,8 +72,9 @@ def distill_metrics(student_log_probs: Tensor, teacher_log_probs: Tensor, mask: 
 @ADVANTAGE_ESTIMATORS.register(DISTILL_ESTIMATOR)
 def zero_task_advantages(token_rewards: Tensor, mask: Tensor, *, values: Tensor | None = None,
                          group_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Distillation alone: the task advantage (and return) is 0 for every token, so only the teacher's term,
-    added by the experience maker with ``algorithm.distill_coef``, trains the student. Rewards are still computed
+    """Distillation alone: the task advantage (and return) is 0 for every token, so only the teacher trains the
+    student: its advantage, added by the experience maker with ``algorithm.distill_coef``, and / or its top-k loss
+    term (``algorithm.distill_loss_coef``, :mod:`mmrlhf.algorithms.distill_topk`). Rewards are still computed
     and logged (the task's eval reward is what the distillation is judged by)."""
     zeros = token_rewards.new_zeros(token_rewards.shape)  # [B, A]
     return zeros, zeros.clone()

@@ -34,6 +34,20 @@ class AlgorithmConfig(Section):
     ``log pi_teacher - log pi_student`` (the negative reverse-KL estimate on the student's own tokens), ADDED to the
     estimator's advantage before whitening and clipping; 0 disables it. Needs ``model.teacher``. With
     ``advantage_estimator: distill`` the task advantage is 0 (distillation alone); with ``grpo`` etc. the two mix."""
+    distill_loss_coef: float = Field(default=0.0, ge=0.0)
+    """On-policy distillation as a loss term (docs/algorithms.md): weight of the per-token KL between the student
+    and the teacher over the teacher's ``distill_topk`` most likely tokens plus one bucket for the rest of the mass,
+    at every response position the student sampled, ADDED to the policy loss and aggregated like it
+    (``loss_agg``). It reads the teacher's whole top-k distribution, not only the sampled token, so it trains a
+    student that rarely samples the teacher's tokens. 0 disables it. Needs ``model.teacher``; combines with
+    ``distill_coef`` and with any advantage estimator (``distill``: the loss term alone)."""
+    distill_topk: int = Field(default=16, ge=1)
+    """Teacher tokens kept per response position for ``distill_loss_coef`` (their log-probs and ids, ``[B, A, k]``
+    per step, recorded at scoring time); the rest of the teacher's mass counts as one outcome."""
+    distill_loss_kl: Literal["forward", "reverse"] = "forward"
+    """Direction of the ``distill_loss_coef`` term: ``forward`` KL(teacher || student), the supervised-KD gradient
+    ``p_student - p_teacher`` on the teacher's tokens (strong where the student gives them almost nothing);
+    ``reverse`` KL(student || teacher), mode-seeking, its gradient proportional to the student's own probability."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator of the per-token penalty folded into the reward (k1 sums to the sequence log-ratio)."""
     kl_reward_coef: float = Field(default=0.0, ge=0.0)
@@ -130,13 +144,18 @@ class AlgorithmConfig(Section):
     value_loss_coef: float = Field(default=0.5, ge=0.0)
     """Critic (``gae``): weight of the value loss."""
 
+    @property
+    def distilling(self) -> bool:
+        """A teacher is read: the distillation advantage, the loss term, or both."""
+        return self.distill_coef > 0 or self.distill_loss_coef > 0
+
     @model_validator(mode="after")
     def _check_adaptive(self) -> "AlgorithmConfig":
         if self.kl_controller == "adaptive" and self.kl_reward_coef == 0.0:
             raise ValueError("kl_controller 'adaptive' needs kl_reward_coef > 0 (a zero coefficient never moves)")
-        if self.advantage_estimator == "distill" and self.distill_coef == 0.0:
+        if self.advantage_estimator == "distill" and not self.distilling:
             raise ValueError("advantage_estimator 'distill' (distillation alone: the task advantage is 0) needs "
-                             "algorithm.distill_coef > 0, or nothing would train")
+                             "algorithm.distill_coef > 0 or algorithm.distill_loss_coef > 0, or nothing would train")
         if self.rollout_correction_lower >= self.rollout_correction_cap:
             raise ValueError(f"rollout_correction_lower ({self.rollout_correction_lower}) must be below "
                              f"rollout_correction_cap ({self.rollout_correction_cap})")

@@ -78,7 +78,8 @@ class ModelConfig(Section):
     reference: str = ""
     """Path of the reference (initial) policy; empty means the same weights as ``pretrain``."""
     teacher: str = ""
-    """Path of the on-policy distillation teacher (read only when ``algorithm.distill_coef > 0``): a model of the
+    """Path of the on-policy distillation teacher (read only when ``algorithm.distill_coef`` or
+    ``algorithm.distill_loss_coef`` is > 0): a model of the
     same family and tokenizer (in real recipes a larger size), loaded and run as the reference is (stored in
     ``dtype``, one full copy per scoring process, never trained), scoring the student's sampled responses with their
     images in the same forwards phase."""

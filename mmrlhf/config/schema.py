@@ -49,12 +49,15 @@ class MMRLHFConfig(Section):
 
     @model_validator(mode="after")
     def _check_teacher(self) -> "MMRLHFConfig":
-        """Distillation needs a teacher, and a teacher without distillation would be loaded for nothing."""
-        if self.algorithm.distill_coef > 0 and not self.model.teacher:
-            raise ValueError("algorithm.distill_coef > 0 needs model.teacher (the path of the teacher model)")
-        if self.model.teacher and self.algorithm.distill_coef == 0:
-            raise ValueError("model.teacher is set but algorithm.distill_coef is 0: the teacher would never be read; "
-                             "set algorithm.distill_coef > 0 or remove model.teacher")
+        """Distillation (the advantage, the loss term or both) needs a teacher, and a teacher without distillation
+        would be loaded for nothing."""
+        a = self.algorithm
+        for key in ("distill_coef", "distill_loss_coef"):
+            if getattr(a, key) > 0 and not self.model.teacher:
+                raise ValueError(f"algorithm.{key} > 0 needs model.teacher (the path of the teacher model)")
+        if self.model.teacher and not a.distilling:
+            raise ValueError("model.teacher is set but algorithm.distill_coef and algorithm.distill_loss_coef are 0: "
+                             "the teacher would never be read; set one > 0 or remove model.teacher")
         return self
 
     @model_validator(mode="after")

@@ -22,7 +22,8 @@ from mmrlhf.models.batch import GroupedSamples, SamplesVL
 
 # Per-token [B, A] fields of an Experience that training reads (None-valued ones are skipped).
 TOKEN_FIELDS = ("action_log_probs", "base_action_log_probs", "values", "returns", "advantages", "kl",
-                "action_entropy", "rollout_log_probs", "rollout_versions")
+                "action_entropy", "rollout_log_probs", "rollout_versions", "teacher_topk_log_probs",
+                "teacher_topk_ids")  # the last two [B, A, k]: an item's are [A_i, k]
 # Per-sample [B] tensors of Experience.info that travel with an item.
 SAMPLE_INFO = ("reward", "raw_reward", "valid", "group", "response_length", "total_length", "truncated")
 
@@ -136,5 +137,13 @@ def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: A
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[A_i] -> [width], zero / False padded on the right."""
-    return torch.nn.functional.pad(x, (0, width - x.shape[0])) if x.shape[0] < width else x
+    """[A_i, ...] -> [width, ...], zero / False padded on the right of the first (position) dimension."""
+    if x.shape[0] >= width:
+        return x
+    return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 1) + (0, width - x.shape[0]))
+
+
+def pad_positions(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, A_i, ...] -> [B, width, ...], zero / False padded on the right of the position dimension (per-token
+    tensors with trailing dimensions, e.g. a teacher's top-k [B, A, k], pad where [B, A] ones do)."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, width - x.shape[1]))

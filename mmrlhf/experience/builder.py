@@ -69,7 +69,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         reference = load_model(model_cfg, model_cfg.reference or model_cfg.pretrain, adapter,
                                trainable=False, routing_replay=config.rollout.routing_replay).to(target).eval()
         reference.requires_grad_(False)
-    teacher = build_teacher(config, adapter, target) if settings.distill_coef > 0 else None
+    teacher = build_teacher(config, adapter, target) if settings.teacher_needed else None
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,

@@ -32,6 +32,7 @@ import torch
 from mmrlhf.algorithms.moe import step_routing_metrics
 from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
+from mmrlhf.experience.batching import pad_positions
 from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.kinds.base import RolloutCall, RolloutKind
@@ -68,7 +69,8 @@ class FastExperienceMaker(ExperienceMaker):
         initial_model: reference :class:`ActorVL` (KL); critic: a module mapping (samples, vision_extra) to
             values [B, A] (PPO); kl_controller: object with ``.value`` and ``update(kl, n)``.
         teacher_model: on-policy distillation teacher (an :class:`ActorVL` of the same family and tokenizer), run
-            like the reference on the same batches; needed when ``settings.distill_coef > 0``.
+            like the reference on the same batches; needed when ``settings.teacher_needed`` (the distillation
+            advantage, ``distill_coef``, or its top-k record for the loss term, ``distill_topk``).
         kind: how responses come about (:mod:`mmrlhf.experience.kinds`; default single turn).
     """
 
@@ -79,9 +81,10 @@ class FastExperienceMaker(ExperienceMaker):
         super().__init__(actor, critic, reward_engine, initial_model)
         if settings.need_reference and initial_model is None:
             raise ValueError("settings need reference log-probs (KL) but no initial_model was given")
-        if settings.distill_coef > 0 and teacher_model is None:
-            raise ValueError("settings.distill_coef > 0 (on-policy distillation) but no teacher_model was given")
-        self.teacher_model = teacher_model if settings.distill_coef > 0 else None
+        if settings.teacher_needed and teacher_model is None:
+            raise ValueError("settings.distill_coef > 0 or settings.distill_topk > 0 (on-policy distillation) but no "
+                             "teacher_model was given")
+        self.teacher_model = teacher_model if settings.teacher_needed else None
         if settings.kl_in_reward and kl_controller is None:
             raise ValueError("settings fold KL into the reward but no kl_controller was given")
         self.engine = engine
@@ -315,7 +318,7 @@ class FastExperienceMaker(ExperienceMaker):
         row: dict[str, torch.Tensor | None] = {
             "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
             "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
-            "teacher_log_probs": None,
+            "teacher_log_probs": None, "teacher_topk_log_probs": None, "teacher_topk_ids": None,
         }
         if routed and out.routing is not None and out.routing.own:
             # [N, L, k] per flattened token: the trainer's own top-k and the engine's (docs: moe/ metrics)
@@ -329,8 +332,11 @@ class FastExperienceMaker(ExperienceMaker):
         if self.teacher_model is not None and not padding:
             with timer("teacher"):
                 teacher = self.teacher_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
-                                             truncation=truncation)
+                                             truncation=truncation, topk=self.settings.distill_topk)
             row["teacher_log_probs"] = teacher.log_probs  # [b, A]
+            if self.settings.distill_topk:  # [b, A, k] the loss term's targets (ids as int32: half the memory)
+                row["teacher_topk_log_probs"] = teacher.topk_log_probs
+                row["teacher_topk_ids"] = teacher.topk_ids.to(torch.int32)
         if self.critic is not None:
             with timer("critic"):
                 row["values"] = self.critic(b.samples, vision_extra=b.vision_extra)
@@ -418,6 +424,7 @@ class FastExperienceMaker(ExperienceMaker):
                 mm_token_type_ids=smp.mm_token_type_ids, image_num=list(smp.image_num),
                 video_num=list(smp.video_num), raw_images=smp.raw_images, vision_extra=dict(b.vision_extra or {}),
                 routed_experts=smp.routed_experts,
+                teacher_topk_log_probs=row.get("teacher_topk_log_probs"), teacher_topk_ids=row.get("teacher_topk_ids"),
             ))
             start += n
         return experiences
@@ -442,7 +449,7 @@ def _cat_padded(tensors: list[torch.Tensor | None], width: int) -> torch.Tensor 
     """[b_i, A_i] pieces -> [sum b_i, width] (right zero-padding)."""
     if any(t is None for t in tensors):
         return None
-    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tensors], dim=0)
+    return torch.cat([pad_positions(t, width) for t in tensors], dim=0)
 
 
 def _versions_tensor(versions: list[list[int]], action_mask: torch.Tensor) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from mmrlhf.experience.batching import pad_positions
 from mmrlhf.experience.costs import sample_costs
 from mmrlhf.experience.rollout import Rollout
 from mmrlhf.parallel.micro_batches import Budget, Layout, SplitPlan, plan_micro_batches
@@ -55,7 +56,7 @@ def regroup(parts: Sequence[dict[str, torch.Tensor | None]], micros: Sequence[Se
         if any(v is None for v in values):
             raise ValueError(f"scored field {key!r} is missing from some forwards")
         width = max(max(v.shape[1] for v in values), max(widths, default=0))
-        flat = torch.cat([torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values])  # [N, W]
+        flat = torch.cat([pad_positions(v, width) for v in values])  # [N, W, ...]
         for o, chunk, w in zip(out, chunks, widths):
             o[key] = flat[where[torch.tensor(list(chunk), dtype=torch.long)], :w]  # [b_c, A_c]
     return out

@@ -26,6 +26,9 @@ class ExperienceSettings:
     # on-policy distillation: weight of the teacher's per-token advantage (mmrlhf.algorithms.distill); 0 = off, and
     # then no teacher forward runs
     distill_coef: float = 0.0
+    # on-policy distillation loss term (algorithm.distill_loss_coef > 0): the teacher's top-k log-probs and ids kept
+    # per response position for the update (mmrlhf.algorithms.distill_topk); 0 = none recorded
+    distill_topk: int = 0
     compute_entropy: bool = False  # per-token entropy (high-entropy filtering, logging)
     routing_metrics: bool = False  # rollout.routing_replay != none: log expert load and engine/trainer agreement
     overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)
@@ -41,6 +44,11 @@ class ExperienceSettings:
     # agent.tool_bonus / tool_bonus_steps: exploration bonus of trajectories that called a tool, annealed by step
     tool_bonus: float = 0.0
     tool_bonus_steps: int | None = None
+
+    @property
+    def teacher_needed(self) -> bool:
+        """The teacher runs in the scoring forwards: for the distillation advantage, the top-k record, or both."""
+        return self.distill_coef > 0 or self.distill_topk > 0
 
 
 def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_implementation: str = "sdpa",
@@ -83,6 +91,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         kl_in_reward=kl_in_reward,
         need_reference=kl_in_reward or algorithm.kl_loss_coef > 0,
         distill_coef=algorithm.distill_coef,
+        distill_topk=algorithm.distill_topk if algorithm.distill_loss_coef > 0 else 0,
         # Entropy of the old policy: high-entropy token selection needs it, and the trainer logs it (the earliest
         # sign of an entropy collapse); one extra reduction per scored token.
         compute_entropy=True,

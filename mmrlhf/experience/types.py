@@ -38,6 +38,10 @@ class Experience(TensorContainer):
     #   response token (0 off the mask); None: the whole rollout came from one version
     policy_mask: torch.Tensor | None = None  # [B, A] bool multi-turn samples: policy tokens (observation tokens
     #   False); None: every response token is the policy's. ``action_mask`` is always within it.
+    # [B, A, k] the distillation teacher's k most likely tokens at each response position: their log-probs (float32)
+    # and ids (int32), 0 off the mask (algorithm.distill_loss_coef; mmrlhf.algorithms.distill_topk); None without
+    teacher_topk_log_probs: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
 
 
 @dataclass

@@ -74,6 +74,12 @@ class ActionLogProbs(NamedTuple):
     # return_routing: what the routers of a mixture-of-experts decoder did in this forward (indices and logits per
     # routed layer over the batch's flattened tokens, and which of those tokens are real); None otherwise
     routing: RoutingTrace | None = None
+    # topk > 0: this model's k largest log-probs at each response position and their ids, [B, A, k] float32 / long
+    # (0 off the mask): what a distillation teacher records (mmrlhf.algorithms.distill_topk); None otherwise
+    topk_log_probs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    # gather_ids given: this model's log-probs at those ids, [B, A, k] float32, differentiable (0 off the mask)
+    gathered_log_probs: torch.Tensor | None = None
 
 
 def response_index(samples: SamplesVL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -288,13 +294,13 @@ class ActorVL(nn.Module):
         return out.last_hidden_state
 
     def _forward_one(self, samples, vision_extra, return_entropy, chunk_size, temperature,
-                     truncation, return_routing=False) -> ActionLogProbs:
+                     truncation, return_routing=False, topk=0, gather_ids=None) -> ActionLogProbs:
         # Positions and the response index come from the host batch (integer bookkeeping: no device syncs), then
         # everything moves here, per micro-batch, after any selection.
         position_ids, mixer = self.position_ids(samples, vision_extra), self._mixer_kwargs(samples)
         index = response_index(samples)  # [N], [N], [B, A]
-        samples, vision_extra, position_ids, mixer, (src, tgt, action_mask) = to_device(
-            (samples, vision_extra, position_ids, mixer, index), self.device)
+        samples, vision_extra, position_ids, mixer, (src, tgt, action_mask), gather_ids = to_device(
+            (samples, vision_extra, position_ids, mixer, index, gather_ids), self.device)
         trace: list[RoutingTrace] | None = [] if return_routing else None
         hidden = self._hidden_states(samples, vision_extra, position_ids, mixer, trace)  # [B,S,H] | [1,T,H] | [G,L,H]
         h = hidden.reshape(-1, hidden.shape[-1])[src]  # [N, H] only the rows that predict response tokens
@@ -303,17 +309,28 @@ class ActorVL(nn.Module):
         if self.compute_dtype is not None:  # a custom autograd function: cast its inputs once, as autocast would
             h, weight = h.to(self.compute_dtype), weight.to(self.compute_dtype)
             bias = None if bias is None else bias.to(self.compute_dtype)
-        logp, ent, out = chunked_sampled_log_probs(
+        extra = None
+        if gather_ids is not None:
+            if gather_ids.ndim != 3 or gather_ids.shape[0] != action_mask.shape[0] \
+                    or gather_ids.shape[1] < action_mask.shape[1]:
+                raise ValueError(f"gather_ids {tuple(gather_ids.shape)} must be [B, >= A, k] over the batch's "
+                                 f"action mask {tuple(action_mask.shape)}")
+            extra = gather_ids[:, :action_mask.shape[1]][action_mask]  # [N, k] in response-token order
+        scored = chunked_sampled_log_probs(
             h, weight, samples.sequences.reshape(-1)[tgt], bias=bias,
             chunk_size=chunk_size, temperature=temperature, return_entropy=return_entropy,
-            excluded=self._excluded_tensor, truncation=truncation,
-        )  # [N], [N] | None, [N]
+            excluded=self._excluded_tensor, truncation=truncation, extra_targets=extra, topk=topk,
+        )  # [N], [N] | None, [N]; [N, k] | None each
+        logp, ent, out = scored.log_probs, scored.entropy, scored.outside
         log_probs = logp.new_zeros(action_mask.shape).masked_scatter(action_mask, logp)  # [B, A]
         entropy = None if ent is None else ent.new_zeros(action_mask.shape).masked_scatter(action_mask, ent)
         outside = None
         if truncation is not None and truncation.active:
             outside = torch.zeros_like(action_mask).masked_scatter(action_mask, out)  # [B, A]
-        return ActionLogProbs(log_probs, entropy, action_mask, outside, trace[0] if trace else None)
+        return ActionLogProbs(log_probs, entropy, action_mask, outside, trace[0] if trace else None,
+                              _per_position(scored.top_log_probs, action_mask),
+                              _per_position(scored.top_ids, action_mask),
+                              _per_position(scored.extra_log_probs, action_mask))
 
     def forward(
         self,
@@ -326,6 +343,8 @@ class ActorVL(nn.Module):
         truncation: Truncation | None = None,
         micro_batch_size: int | None = None,
         return_routing: bool = False,
+        topk: int = 0,
+        gather_ids: torch.Tensor | None = None,
     ) -> ActionLogProbs:
         """Log-probs [B, A] of the response tokens of ``samples`` (padded or packed) and optionally entropy [B, A].
 
@@ -336,6 +355,11 @@ class ActorVL(nn.Module):
         The inputs may be anywhere (the CPU, where they are built): they are moved to this actor's device, where
         the outputs are. ``return_routing``: fill ``ActionLogProbs.routing`` (one forward: not with a
         ``micro_batch_size`` below the batch).
+
+        Distillation over more than the sampled token (:mod:`mmrlhf.algorithms.distill_topk`): ``topk`` > 0 fills
+        ``topk_log_probs`` / ``topk_ids`` [B, A, k] (a teacher's record, no gradient); ``gather_ids`` [B, A, k] (ids
+        per response position, e.g. a teacher's top-k) fills ``gathered_log_probs`` [B, A, k], differentiable. Both
+        come from the lm_head chunks the sampled tokens' log-probs are computed from (no [B, A, V] tensor).
         """
         check_wrapper_layout(self.model)
         chunk = chunk_size or self.chunk_size
@@ -348,32 +372,55 @@ class ActorVL(nn.Module):
                 raise ValueError("return_routing describes one forward: pass no micro_batch_size below the batch")
             with self._autocast():
                 return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature, truncation,
-                                         return_routing=True)
+                                         return_routing=True, topk=topk, gather_ids=gather_ids)
         with self._autocast():
             return self._forward_groups(samples, vision_extra, return_entropy, chunk, temperature, truncation,
-                                        micro_batch_size)
+                                        micro_batch_size, topk, gather_ids)
 
     def _forward_groups(self, samples, vision_extra, return_entropy, chunk, temperature, truncation,
-                        micro_batch_size) -> ActionLogProbs:
+                        micro_batch_size, topk=0, gather_ids=None) -> ActionLogProbs:
         batch = samples.batch_size
         if micro_batch_size is None or micro_batch_size >= batch:
-            return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature, truncation)
-        parts = [
-            self._forward_one(*select_samples(samples, vision_extra, range(s, min(s + micro_batch_size, batch))),
-                              return_entropy, chunk, temperature, truncation)
-            for s in range(0, batch, micro_batch_size)
-        ]
+            return self._forward_one(samples, vision_extra, return_entropy, chunk, temperature, truncation,
+                                     topk=topk, gather_ids=gather_ids)
+        parts = []
+        for s in range(0, batch, micro_batch_size):
+            group = range(s, min(s + micro_batch_size, batch))
+            ids = None if gather_ids is None else gather_ids[group.start:group.stop]  # this group's rows
+            parts.append(self._forward_one(*select_samples(samples, vision_extra, group), return_entropy, chunk,
+                                           temperature, truncation, topk=topk, gather_ids=ids))
         a_max = max(p.action_mask.shape[1] for p in parts)
 
-        def cat(tensors):  # [b_i, A_i] ... -> [B, A]
-            return torch.cat([nn.functional.pad(t, (0, a_max - t.shape[1])) for t in tensors], dim=0)
+        def cat(tensors):  # [b_i, A_i, ...] ... -> [B, A, ...]
+            if tensors[0] is None:
+                return None
+            return torch.cat([_pad_positions(t, a_max) for t in tensors], dim=0)
 
         return ActionLogProbs(
             cat([p.log_probs for p in parts]),
             cat([p.entropy for p in parts]) if return_entropy else None,
             cat([p.action_mask for p in parts]),
-            cat([p.outside for p in parts]) if parts[0].outside is not None else None,
+            cat([p.outside for p in parts]),
+            None,
+            cat([p.topk_log_probs for p in parts]),
+            cat([p.topk_ids for p in parts]),
+            cat([p.gathered_log_probs for p in parts]),
         )
+
+
+def _per_position(flat: torch.Tensor | None, action_mask: torch.Tensor) -> torch.Tensor | None:
+    """[N, k] values of the response tokens (action-mask order) -> [B, A, k], 0 off the mask (differentiable)."""
+    if flat is None:
+        return None
+    out = flat.new_zeros(*action_mask.shape, flat.shape[-1])  # [B, A, k]
+    out[action_mask] = flat
+    return out
+
+
+def _pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, A_i, ...] -> [b, width, ...], zero (False) on the right of the position dimension."""
+    pad = [0, 0] * (t.ndim - 2) + [0, width - t.shape[1]]
+    return nn.functional.pad(t, pad)
 
 
 def select_samples(

@@ -1,5 +1,6 @@
 """The policy update: the loss named in the config (through ``POLICY_LOSSES``), its aggregation, the KL loss term,
-the entropy bonus, rollout correction and high-entropy token selection, over shuffled mini-batches.
+the top-k distillation loss term, the entropy bonus, rollout correction and high-entropy token selection, over
+shuffled mini-batches.
 
 Before the update, :func:`prepare_policy_targets` decides per token, over the WHOLE step (both need batch-wide
 statistics): which tokens the loss sees (the reward engine's mask, minus tokens rollout correction masks, minus
@@ -19,10 +20,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from mmrlhf.algorithms.distill_topk import topk_kl, topk_metrics
 from mmrlhf.algorithms.entropy import high_entropy_mask, masked_scores
 from mmrlhf.algorithms.kl import kl_loss
 from mmrlhf.algorithms.losses import policy_loss
-from mmrlhf.algorithms.masked import agg_count
+from mmrlhf.algorithms.masked import agg_count, agg_loss
 from mmrlhf.algorithms.moe import load_balancing_loss
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
@@ -52,6 +54,9 @@ class PolicyUpdateSettings:
     moe_aux_loss_coef: float = 0.0  # algorithm.moe_aux_loss_coef: the routers' load-balancing loss weight
     kl_loss_coef: float = 0.0
     kl_loss_estimator: str = "k3"
+    # algorithm.distill_loss_coef / distill_loss_kl: the top-k distillation loss term (mmrlhf.algorithms.distill_topk)
+    distill_loss_coef: float = 0.0
+    distill_loss_kl: str = "forward"
     high_entropy_top_p: float = 1.0
     correction: str = "none"  # rollout correction: none | tis | mis
     correction_level: str = "token"
@@ -125,6 +130,10 @@ class PolicyUpdater:
         (``policy/outside_kept_frac``)."""
         s = self.s
         need_ref = s.kl_loss_coef > 0
+        distill = s.distill_loss_coef > 0
+        if distill and items and "teacher_topk_ids" not in items[0].token:
+            raise ValueError("algorithm.distill_loss_coef > 0 but the experience holds no teacher top-k (the maker "
+                             "records it when its settings have distill_topk > 0: build it from the same config)")
         counts = [float(agg_count(it.token["policy_loss_mask"][None], s.agg)) for it in items]
         # The actor stays in eval mode: dropout would make the new log-probs differ from the old ones (scored
         # without it) for reasons that have nothing to do with the update, and break the ratio's meaning.
@@ -136,7 +145,8 @@ class PolicyUpdater:
                             max_row_tokens=s.shared_prompt_max_tokens)  # on the CPU; the actor moves it
             out = self.actor(batch.samples, vision_extra=batch.vision_extra, temperature=distribution.temperature,
                              truncation=distribution.truncation, return_entropy=s.entropy_coef > 0,
-                             return_routing=s.moe_aux_loss_coef > 0)
+                             return_routing=s.moe_aux_loss_coef > 0,
+                             gather_ids=batch.token["teacher_topk_ids"] if distill else None)
             tok = to_device(batch.token, out.log_probs.device)  # the loss's other inputs join the outputs
             mask = tok["policy_loss_mask"]
             outside = None
@@ -155,6 +165,15 @@ class PolicyUpdater:
                                 agg=s.agg, norm_len=s.norm_len, denominator=denom)
                 loss = loss + s.kl_loss_coef * kl
                 metrics.update(m)
+            if distill:
+                # the student's log-probs at the teacher's top-k ids, against the teacher's: on the policy loss's
+                # tokens, aggregated as it is (the mini-batch's count), so accumulation stays exact
+                per_token = topk_kl(out.gathered_log_probs, tok["teacher_topk_log_probs"], mask,
+                                    direction=s.distill_loss_kl)  # [b, A]
+                term = agg_loss(per_token, mask, s.agg, norm_len=s.norm_len, denominator=denom)
+                loss = loss + s.distill_loss_coef * term
+                metrics["distill_loss"] = float(term.detach())
+                metrics.update(topk_metrics(per_token, tok["teacher_topk_log_probs"], mask))
             # pg_loss / entropy / kl_loss are this micro-batch's share of the mini-batch value: rescale to its mean
             share = sum(counts[i] for i in micro) / max(denom, 1.0)
             if s.moe_aux_loss_coef > 0:
@@ -164,7 +183,7 @@ class PolicyUpdater:
                                           out.routing.token_mask)
                 loss = loss + s.moe_aux_loss_coef * share * aux  # weighted like the micro-batch's policy loss
                 metrics["moe_aux_loss"] = float(aux.detach())
-            for key in ("pg_loss", "entropy", "kl_loss"):
+            for key in ("pg_loss", "entropy", "kl_loss", "distill_loss"):
                 if key in metrics:
                     metrics[key] = metrics[key] / max(share, 1e-12)
             return loss, metrics

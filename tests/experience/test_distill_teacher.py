@@ -39,14 +39,15 @@ def _experiences(cfg):
     return stack, exps
 
 
-def _uniform_teacher(tmp_path):
-    """A copy of the tiny student whose head is zero: every logit 0, so it scores each allowed token
-    -log(number of allowed tokens), whatever the context."""
+def _uniform_teacher(tmp_path, scale=0.0):
+    """A copy of the tiny student whose head is scaled by ``scale``. 0 (the default): every logit 0, so it scores
+    each allowed token -log(number of allowed tokens), whatever the context; a large scale: the student's
+    distribution sharpened (the tiny random student is close to uniform, so it differs from either)."""
     src = tiny_model_dir("qwen2_vl")
-    dst = tmp_path / "uniform_teacher"
+    dst = tmp_path / f"teacher_head_x{scale:g}"
     shutil.copytree(src, dst)
     weights = load_file(str(dst / "model.safetensors"))
-    weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
+    weights["lm_head.weight"] = weights["lm_head.weight"] * scale
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -98,3 +99,132 @@ def test_the_teacher_must_be_of_the_students_family():
     cfg = _config(tiny_model_dir("qwen2_vl"), tiny_model_dir("qwen2_5_vl"))
     with pytest.raises(ValueError, match="same family"):
         build_teacher(cfg, get_adapter(str(tiny_model_dir("qwen2_vl"))), torch.device("cpu"))
+
+
+# ---- the top-k loss term (algorithm.distill_loss_coef): the teacher's record, and the term in the update ----------
+
+LAYOUTS = {"padded": {"shared_prompt": False}, "packed": {"packing_samples": True, "shared_prompt": False},
+           "shared_prompt": {"shared_prompt": True}}
+
+
+def _loss_config(teacher, layout, k=4):
+    """The loss term alone: no distillation advantage, and a zero task advantage (so the policy loss has no
+    gradient and what trains is the term)."""
+    return _config(tiny_model_dir("qwen2_vl"), teacher, LAYOUTS[layout], distill_coef=0.0, distill_loss_coef=1.0,
+                   distill_topk=k)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_teachers_top_k_is_recorded_for_image_prompts(tmp_path, layout):
+    """A uniform teacher (zeroed head) gives every allowed token -log(allowed): its top-k log-probs are exactly
+    that on every response position, with k distinct allowed ids, and 0 off the mask."""
+    stack, exps = _experiences(_loss_config(_uniform_teacher(tmp_path), layout, k=4))
+    assert stack.maker.settings.distill_topk == 4 and stack.teacher is not None
+    excluded = set(stack.teacher.excluded_token_ids)
+    allowed = stack.teacher.model.get_output_embeddings().weight.shape[0] - len(excluded)
+    assert any(e.image_num and max(e.image_num) > 0 for e in exps)  # the image prompt went through
+    for e in exps:
+        lp, ids, m = e.teacher_topk_log_probs, e.teacher_topk_ids, e.action_mask
+        assert lp.shape == ids.shape == (*m.shape, 4) and ids.dtype == torch.int32
+        torch.testing.assert_close(lp[m], torch.full_like(lp[m], -math.log(allowed)), rtol=0, atol=1e-5)
+        assert (lp[~m] == 0).all() and (ids[~m] == 0).all()
+        picked = ids[m]  # [n, k]
+        assert not set(picked.flatten().tolist()) & excluded
+        assert all(len(set(row)) == 4 for row in picked.tolist())
+        torch.testing.assert_close(e.advantages, torch.zeros_like(e.advantages), rtol=0, atol=0)
+
+
+class _GradProbe:
+    """A stepper that takes no step: it records the gradient norm of each optimiser step and clears it."""
+
+    def __init__(self, params):
+        from mmrlhf.parallel.world import single
+
+        self.params = [p for p in params if p.requires_grad]
+        self.world, self.skipped_total, self.lr, self.norms = single(), 0, 0.0, []
+
+    def step(self, finite):
+        norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in self.params if p.grad is not None)))
+        for p in self.params:
+            p.grad = None
+        self.norms.append(norm)
+        return norm, True
+
+
+def _update(stack, exps, layout, direction):
+    from mmrlhf.experience.batching import split_experience
+    from mmrlhf.experience.rollout import ScoringDistribution
+    from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings, prepare_policy_targets
+
+    items = [it for e in exps for it in split_experience(e)]
+    s = PolicyUpdateSettings(train_batch_size=len(items), micro_batch_size=3, shuffle=False,
+                             packing=layout == "packed", distill_loss_coef=1.0, distill_loss_kl=direction)
+    items, _ = prepare_policy_targets(items, s)
+    probe = _GradProbe(stack.actor.parameters())
+    metrics = PolicyUpdater(stack.actor, probe, s, pad_id=stack.maker.pad_id).update(
+        items, distribution=ScoringDistribution(temperature=1.0), generator=None)
+    return probe.norms, metrics
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_loss_term_and_its_gradient_vanish_when_the_teacher_is_the_student(tmp_path, layout):
+    """Through the update (the student's log-probs gathered at the recorded ids from its own lm_head chunks): a
+    teacher equal to the student gives a KL of ~0 and no gradient; a different teacher (the control) gives a
+    positive KL and a gradient, in each direction."""
+    student = tiny_model_dir("qwen2_vl")
+    same_stack, same = _experiences(_loss_config(student, layout))
+    other_stack, other = _experiences(_loss_config(_uniform_teacher(tmp_path, scale=30.0), layout))
+    for direction in ("forward", "reverse"):
+        norms, metrics = _update(same_stack, same, layout, direction)
+        ctrl_norms, ctrl = _update(other_stack, other, layout, direction)
+        assert len(norms) == len(ctrl_norms) == 1
+        assert ctrl["policy/distill_topk_kl"] > 0.1 and ctrl_norms[0] > 0.1
+        assert abs(metrics["policy/distill_topk_kl"]) < 1e-5 * ctrl["policy/distill_topk_kl"]
+        assert norms[0] < 1e-4 * ctrl_norms[0]
+        assert 0 < metrics["policy/distill_teacher_topk_mass"] < 1
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_students_gather_at_the_teachers_ids_in_one_forward_or_in_groups(layout):
+    """With the teacher equal to the student, the student's log-probs gathered at the recorded ids are the recorded
+    top-k log-probs, and its own top-k is the record; one forward or per-sample groups (``micro_batch_size``) give
+    the same [B, A, k] tensors."""
+    from mmrlhf.experience.batching import collate, split_experience
+
+    stack, exps = _experiences(_loss_config(tiny_model_dir("qwen2_vl"), layout, k=3))
+    items = [it for e in exps for it in split_experience(e)]
+    batch = collate(items, packed=layout == "packed", pad_id=stack.maker.pad_id, adapter=stack.actor.adapter)
+    ids, want = batch.token["teacher_topk_ids"], batch.token["teacher_topk_log_probs"]
+    mask = batch.token["loss_mask"]
+    with torch.no_grad():
+        outs = [stack.actor(batch.samples, vision_extra=batch.vision_extra, topk=3, gather_ids=ids,
+                            micro_batch_size=micro) for micro in (None, 1)]
+    for out in outs:
+        assert out.gathered_log_probs.shape == want.shape
+        torch.testing.assert_close(out.gathered_log_probs[mask], want[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.topk_log_probs[mask], want[mask], rtol=0, atol=1e-5)
+        assert torch.equal(out.topk_ids[mask], ids[mask].long())
+    for name in ("gathered_log_probs", "topk_log_probs"):
+        torch.testing.assert_close(getattr(outs[1], name), getattr(outs[0], name), rtol=0, atol=1e-5)
+
+
+def test_top_k_outputs_regroup_from_forwards_to_chunks_with_their_last_dimension():
+    """A token budget may score other micro-batches than the experiences keep: [b, A, k] outputs move to their
+    chunks row for row like the [b, A] ones, zero-padded along the positions only."""
+    from mmrlhf.experience.scoring_split import regroup
+
+    g = torch.Generator().manual_seed(0)
+    parts = [{"lp": torch.randn(2, 3, generator=g), "top": torch.randn(2, 3, 4, generator=g)},
+             {"lp": torch.randn(1, 5, generator=g), "top": torch.randn(1, 5, 4, generator=g)}]
+    micros, chunks, widths = [[2, 0], [1]], [[0, 1], [2]], [5, 3]
+    out = regroup(parts, micros, chunks, widths)
+    rows = {2: (0, 0), 0: (0, 1), 1: (1, 0)}  # sample -> (forward, row)
+    for c, (chunk, w) in enumerate(zip(chunks, widths)):
+        assert out[c]["top"].shape == (len(chunk), w, 4)
+        for j, sample in enumerate(chunk):
+            f, r = rows[sample]
+            for key in ("lp", "top"):
+                src = parts[f][key][r]
+                n = min(w, src.shape[0])
+                assert torch.equal(out[c][key][j, :n], src[:n])
+                assert (out[c][key][j, n:] == 0).all()
