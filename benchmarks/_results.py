@@ -26,6 +26,15 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
     return {"title": title, "columns": list(columns), "rows": [[_cell(c) for c in row] for row in rows]}
 
 
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """``rows`` under ``columns`` as a right-aligned plain-text table (what a script prints for a human)."""
+    widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
+    print(" | ".join(str(c).rjust(w) for c, w in zip(columns, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for row in rows:
+        print(" | ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+
+
 def write_json(path: str | Path, benchmark: str, headline: str, params: dict[str, Any],
                tables: Sequence[dict[str, Any]]) -> None:
     """Write the result file (parent folders created)."""

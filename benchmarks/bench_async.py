@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _results import table, write_json
+    from _results import print_table, table, write_json
 
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     results = {}
@@ -94,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
              round(r["staleness_mean"], 2), round(r["reward_last"], 3)] for k, r in results.items()]
     print(f"Ray toy run, 1 rollout actor + 1 trainer actor, {args.cpus} CPUs, {args.steps - args.warmup} counted "
           f"steps (after {args.warmup} warm-up)")
-    widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
-    print(" | ".join(str(c).rjust(w) for c, w in zip(columns, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for row in rows:
-        print(" | ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+    print_table(columns, rows)
     if args.json:
         fast = max(results, key=lambda k: results[k]["steps_per_s"])
         headline = (f"k={fast}: {results[fast]['steps_per_s']:.2f} steps/s" +

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import print_table  # noqa: E402
 from bench_async import run_once  # noqa: E402  (sets the vLLM CPU environment first)
 
 
@@ -71,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             for p, r in results.items()]
     print(f"Ray toy run, max_staleness=1, answers up to {args.max_new_tokens} tokens, segments of {args.segment}, "
           f"{args.cpus} CPUs, {args.steps - args.warmup} counted steps (after {args.warmup} warm-up)")
-    widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
-    print(" | ".join(str(c).rjust(w) for c, w in zip(columns, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for row in rows:
-        print(" | ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+    print_table(columns, rows)
     return 0
 
 
