@@ -9,7 +9,7 @@ import json
 import pytest
 
 from mmrlhf.cli import main
-from mmrlhf.testing import doctor
+from mmrlhf.testing import doctor, doctor_bench
 
 
 @pytest.mark.skipif(doctor.cuda_device("auto"), reason="checks the CPU behaviour (a GPU runs sleep on)")
@@ -59,8 +59,8 @@ def test_gpu_without_an_accelerator_is_an_error_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_trainer_benchmark_row_runs_the_small_shape_on_the_cpu(tmp_path):
     opts = doctor.DoctorOptions(device="cpu", quick=True, workdir=str(tmp_path))
-    assert doctor.trainer_bench_args(opts)[:1] == ["--quick"]
-    [row] = doctor._bench_trainer(opts)
+    assert doctor_bench.trainer_bench_args(opts)[:1] == ["--quick"]
+    [row] = doctor_bench._bench_trainer(opts)
     assert row.status == "pass", row.reason
     assert "of a" in row.reason and "TFLOP/s matmul" in row.reason  # the headline: best row's share of a matmul
     table = row.details["tables"][0]

@@ -17,62 +17,22 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mmrlhf.testing.tiny_models import FAMILIES
+from mmrlhf.testing.doctor_bench import check_benchmarks
+from mmrlhf.testing.doctor_types import (  # noqa: F401 - the doctor's public names (cli, tests)
+    STATUSES,
+    CheckResult,
+    DoctorOptions,
+    cuda_device,
+    vllm_missing,
+)
 
-STATUSES = ("pass", "fail", "skip")
 # bf16 vs fp32 update check: the bf16 run must move at least this share of the weights the float32 run moves
 # (issue 24, item 2's acceptance; bf16 parameters stepped in place move < 1% at lr 1e-6).
 MOVED_RATIO_MIN = 0.9
-
-
-@dataclass(frozen=True)
-class DoctorOptions:
-    device: str = "auto"  # trainer device: auto | cpu | cuda[:i]
-    steps: int = 5  # toy-run length
-    quick: bool = False  # smaller sizes everywhere (the CPU test)
-    engine: str = "auto"  # toy runs' rollout engine: auto (vLLM when installed) | vllm | transformers
-    families: tuple[str, ...] = FAMILIES  # engine_logprobs rows: every family of the tiny-model factory
-    workdir: str = ""  # where runs write (a temporary folder when empty)
-
-
-@dataclass
-class CheckResult:
-    name: str
-    status: str  # pass | fail | skip
-    value: float | None = None  # the check's number (see ``unit``)
-    unit: str = ""
-    reason: str = ""
-    seconds: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
-
-
-# ---- what the machine has --------------------------------------------------------------------------------------
-def cuda_device(device: str) -> bool:
-    """Whether the checks run on a CUDA device."""
-    import torch
-
-    from mmrlhf.devices import resolve_device
-
-    return resolve_device(device).type == "cuda" and torch.cuda.is_available()
-
-
-def vllm_missing() -> str | None:
-    """Why the vLLM engine cannot be used here (None: it can)."""
-    try:
-        from mmrlhf.rollout.vllm_setup import import_vllm
-
-        import_vllm()
-    except Exception as exc:  # noqa: BLE001 - reported as the skip reason
-        return f"vLLM unavailable: {str(exc).splitlines()[0]}"
-    return None
 
 
 def check_environment(opts: DoctorOptions) -> list[CheckResult]:
@@ -415,59 +375,6 @@ def check_memory_plan(opts: DoctorOptions) -> list[CheckResult]:
                         f"(update/step), measured peak {measured / 2**30:.2f} GiB over 2 updates of {mb.rows} x "
                         f"{mb.row_tokens} tokens; must be within {PEAK_TOLERANCE:.0%}", time.perf_counter() - t0,
                         details={"planned_bytes": predicted, "measured_bytes": measured, "update_mib": parts})]
-
-
-# ---- benchmarks -------------------------------------------------------------------------------------------------
-def check_benchmarks(opts: DoctorOptions) -> list[CheckResult]:
-    """The benchmark scripts with a GPU side: ``bench_seeding.py`` (the sampler step with and without per-request
-    generators on each device; the vLLM seed modes when vLLM is present) and ``bench_trainer.py`` (the trainer's
-    forward + backward at a real model shape on a GPU; its small shape on the CPU)."""
-    return _bench_seeding(opts) + _bench_trainer(opts)
-
-
-def trainer_bench_args(opts: DoctorOptions) -> list[str]:
-    """``bench_trainer.py``'s arguments for this machine: the 7B shape where the GPU holds its float32 master
-    weights and gradients (>= 100 GiB), the 3B shape on smaller GPUs, the small shape on the CPU (``--quick``)."""
-    import torch
-
-    if opts.quick or not cuda_device(opts.device):
-        return ["--quick", "--groups", "img448", "--device", "cpu" if not cuda_device(opts.device) else opts.device]
-    gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-    shape = "qwen2_5_vl_7b" if gib >= 100 else "qwen2_5_vl_3b"
-    return ["--shape", shape, "--groups", "img448,img896,mixed", "--splits", "count,budget", "--checkpointing",
-            "off,on", "--repeats", "2", "--warmup", "1"]
-
-
-def _bench_trainer(opts: DoctorOptions) -> list[CheckResult]:
-    return [run_benchmark("bench/trainer", "bench_trainer.py", trainer_bench_args(opts), opts, timeout=900)]
-
-
-def _bench_seeding(opts: DoctorOptions) -> list[CheckResult]:
-    args = ["--rows", "64", "--vocab", "32768", "--iters", "3", "--prompts", "4", "--samples", "2",
-            "--new-tokens", "8", "--repeats", "1"] if opts.quick else []
-    parts = ["sampler"] if vllm_missing() else ["engine", "sampler"]
-    return [run_benchmark("bench/seeding", "bench_seeding.py", ["--part", *parts, *args], opts, timeout=600)]
-
-
-def run_benchmark(name: str, script_name: str, args: Sequence[str], opts: DoctorOptions, *,
-                  timeout: int) -> CheckResult:
-    """One benchmark script as a doctor row: run with ``args`` and ``--json``; its headline is the reason, its
-    tables the details; a non-zero exit or no JSON is a ``fail`` with the last lines of its stderr."""
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / script_name
-    if not script.exists():
-        return CheckResult(name, "skip", reason=f"{script} not found (not a source checkout)")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=opts.workdir or None) as out:
-        out_json = Path(out) / "result.json"
-        proc = subprocess.run([sys.executable, str(script), *args, "--json", str(out_json)],
-                              capture_output=True, text=True, timeout=timeout, cwd=str(root))
-        if proc.returncode != 0 or not out_json.exists():
-            return CheckResult(name, "fail", reason=f"rc {proc.returncode}: "
-                               + " | ".join(proc.stderr.strip().splitlines()[-3:]), seconds=time.perf_counter() - t0)
-        result = json.loads(out_json.read_text())
-    return CheckResult(name, "pass", reason=result["headline"], seconds=time.perf_counter() - t0,
-                       details={"tables": result["tables"]})
 
 
 CHECKS: dict[str, Callable[[DoctorOptions], list[CheckResult]]] = {
