@@ -3,7 +3,7 @@
 ``tiny_model_dir(family, size, seed)`` returns a saved model directory (config, safetensors weights, tokenizer,
 processor with image + video support, chat template) that loads in transformers and in vLLM, built without any
 network access. Directories are cached under ``$MMRLHF_CACHE_DIR/tiny-models`` (default ``~/.cache/mmrlhf``),
-keyed by family, size, seed, variant and a hash of this file, so the suite builds each model once per machine and
+keyed by family, size, seed, variant and a hash of the factory's files (``tiny_*.py``), so the suite builds each model once per machine and
 a change to the factory invalidates old builds.
 
 Variants (keywords of ``tiny_model_dir`` / ``build_tiny_model``):
@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
+from mmrlhf.testing.tiny_templates import CHAT_TEMPLATE, TOOLS_TEMPLATE, chat_template
 from mmrlhf.testing.tiny_tool_calls import user_call_tokens, variant_suffix
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
@@ -99,65 +100,6 @@ _SENTENCES = [
     "0 1 2 3 4 5 6 7 8 9 10 11 12 + - * / = ( ) [ ] { } . , : ; ! ? ' \"",
 ]
 
-# Chat template: Qwen-style turns; content may be a string or a list of parts ({"type": "image" | "video" |
-# "text", ...}); each image/video part becomes <|vision_start|><|image_pad|><|vision_end|> (the processor expands
-# the pad token to the image's merged-patch count). No default system prompt: tiny vocabularies stay short.
-# _MESSAGE_BODY is one message's opening and content, shared with the tool variant's template.
-_MESSAGE_BODY = (
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-)
-_GENERATION_PROMPT = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}" + _MESSAGE_BODY + "<|im_end|>\n{% endfor %}" + _GENERATION_PROMPT
-)
-
-
-# The tool variant's template: the plain one, plus ``tools=`` rendered as a short system turn (names only: tiny
-# contexts), assistant ``tool_calls`` as hermes tags, and ``tool`` messages grouped into one user turn of
-# <tool_response> blocks, images first, as mmrlhf.agents.template renders observations. A newline right after a
-# block tag is written as {{ '\\n' }}: HF renders templates with trim_blocks, which would eat a literal one.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nTools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n' }}<tool_response>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}"
-    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
-    "{% endif %}{{ '\\n' }}</tool_response>"
-    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% else %}" + _MESSAGE_BODY +
-    "{% for call in message.get('tool_calls') or [] %}<tool_call>{{ call['function'] | tojson }}</tool_call>"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}" + _GENERATION_PROMPT
-)
-
-# Qwen3.5's two modes, as its released template writes the assistant's opening: thinking (the default) opens a
-# ``<think>`` block for the model to close; ``enable_thinking=False`` writes an empty block, so the model answers
-# at once. Rewards read the final answer after the block (mmrlhf.rewards.rules.final_answer).
-_THINKING_PROMPT = ("{% if add_generation_prompt %}<|im_start|>assistant\n"
-                    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-                    "{% else %}<think>\n{% endif %}{% endif %}")
-
-
-def chat_template(family: str, tools: bool = False) -> str:
-    """The tiny model's chat template: the plain or tool-calling turns, with Qwen3.5's thinking opening where the
-    family has it."""
-    template = TOOLS_TEMPLATE if tools else CHAT_TEMPLATE
-    return template.replace(_GENERATION_PROMPT, _THINKING_PROMPT) if family in HYBRID else template
-
-
 @dataclass(frozen=True)
 class _Dims:
     hidden: int
@@ -187,9 +129,11 @@ RELEASED_GENERATION_DEFAULTS = {"repetition_penalty": 1.05, "temperature": 0.1, 
 
 
 def _factory_hash() -> str:
-    """This file's and the call-token module's bytes: a change to either builds anew."""
+    """The bytes of this file and of the factory's other modules (``tiny_*.py`` here: templates, call tokens): a
+    change to any of them builds anew."""
     here = Path(__file__)
-    return hashlib.sha256(here.read_bytes() + (here.parent / "tiny_tool_calls.py").read_bytes()).hexdigest()[:12]
+    parts = sorted(here.parent.glob("tiny_*.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in parts)).hexdigest()[:12]
 
 
 def cache_root() -> Path:
@@ -257,8 +201,8 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = _DIMS[size]
-    tokenizer = _build_tokenizer(dims.vocab, tools=tools, extra_calls=extra, template=chat_template(family, tools))
-    processor = _build_processor(family, tokenizer, chat_template(family, tools))
+    tokenizer = _build_tokenizer(dims.vocab, tools=tools, extra_calls=extra, template=chat_template(tools=tools, thinking=family in HYBRID))
+    processor = _build_processor(family, tokenizer, chat_template(tools=tools, thinking=family in HYBRID))
     config = _build_config(family, dims, tokenizer, tied=tied)
 
     model_cls = _model_class(family)
