@@ -31,10 +31,7 @@ class AgentKind:
         contexts = tool_contexts(call.batch, call.n, call.data_processor, call.adapter, **call.columns)
         with call.timer("generate"):
             result = self.loop.run(call.batch, call.n, call.sampling, contexts)
-        seconds = call.timer.seconds
-        tools = result.seconds.get("tools", 0.0)
-        seconds["generate"] -= tools
-        seconds["tools"] = seconds.get("tools", 0.0) + tools
+        call.timer.move(result.seconds.get("tools", 0.0), source="generate", target="tools")
         prompts = len({s.group for s in result.samples})
         return Generated(rows_from_trajectories(call.batch, result), prompts, result.skipped, result.generated_tokens,
                          result.metrics)
