@@ -141,9 +141,3 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     if x.shape[0] >= width:
         return x
     return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 1) + (0, width - x.shape[0]))
-
-
-def pad_positions(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, A_i, ...] -> [B, width, ...], zero / False padded on the right of the position dimension (per-token
-    tensors with trailing dimensions, e.g. a teacher's top-k [B, A, k], pad where [B, A] ones do)."""
-    return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, width - x.shape[1]))

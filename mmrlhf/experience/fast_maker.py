@@ -32,7 +32,6 @@ import torch
 from mmrlhf.algorithms.moe import step_routing_metrics
 from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
-from mmrlhf.experience.batching import pad_positions
 from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.kinds.base import RolloutCall, RolloutKind
@@ -45,6 +44,7 @@ from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
+from mmrlhf.models.batch import pad_positions
 from mmrlhf.models.placement import to_host
 from mmrlhf.parallel.aligned import run_aligned
 from mmrlhf.parallel.micro_batches import Layout, split_metrics

@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrlhf.experience.batching import pad_positions
 from mmrlhf.experience.costs import sample_costs
 from mmrlhf.experience.rollout import Rollout
+from mmrlhf.models.batch import pad_positions
 from mmrlhf.parallel.micro_batches import Budget, Layout, SplitPlan, plan_micro_batches
 
 

@@ -53,7 +53,7 @@ from mmrlhf.models import linear_attention
 from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.attention import (base_implementation, block_mask, install, install_vision,
                                      resolve_masked_attention, row_segments, rows_kernel)
-from mmrlhf.models.batch import GroupedSamples, SamplesVL, split_vision_inputs
+from mmrlhf.models.batch import GroupedSamples, SamplesVL, pad_positions, split_vision_inputs
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_sampled_log_probs
 from mmrlhf.models.placement import module_device, to_device
@@ -394,7 +394,7 @@ class ActorVL(nn.Module):
         def cat(tensors):  # [b_i, A_i, ...] ... -> [B, A, ...]
             if tensors[0] is None:
                 return None
-            return torch.cat([_pad_positions(t, a_max) for t in tensors], dim=0)
+            return torch.cat([pad_positions(t, a_max) for t in tensors], dim=0)
 
         return ActionLogProbs(
             cat([p.log_probs for p in parts]),
@@ -415,12 +415,6 @@ def _per_position(flat: torch.Tensor | None, action_mask: torch.Tensor) -> torch
     out = flat.new_zeros(*action_mask.shape, flat.shape[-1])  # [B, A, k]
     out[action_mask] = flat
     return out
-
-
-def _pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[b, A_i, ...] -> [b, width, ...], zero (False) on the right of the position dimension."""
-    pad = [0, 0] * (t.ndim - 2) + [0, width - t.shape[1]]
-    return nn.functional.pad(t, pad)
 
 
 def select_samples(

@@ -208,3 +208,9 @@ class GroupedSamples(TensorContainer):
     @property
     def num_rows(self) -> int:
         return int(self.sequences.shape[0])
+
+
+def pad_positions(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, A_i, ...] -> [B, width, ...], zero / False padded on the right of the position dimension (per-token
+    tensors with trailing dimensions, e.g. a teacher's top-k [B, A, k], pad where [B, A] ones do)."""
+    return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, width - x.shape[1]))

@@ -52,13 +52,9 @@ class VersionGate(Protocol):
 @dataclass
 class SegmentedResult(GenerationResult):
     """A :class:`GenerationResult` whose completions carry ``token_versions``, with the version each segment ran
-    under (``segment_versions[s]``: what a checkpoint records to regenerate it) and the segment count."""
+    under (``segment_versions[s]``: what a checkpoint records to regenerate it)."""
 
     segment_versions: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def segments(self) -> int:
-        return len(self.segment_versions)
 
 
 @dataclass
@@ -97,7 +93,7 @@ def generate_in_segments(engine: Any, requests: list[GenerationRequest], setting
     if getattr(engine, "routing_replay", "none") != "none":
         raise ValueError("rollout.partial with rollout.routing_replay: a continued answer's routing would cover its "
                          "last segment only; set one of them off")
-    check_continuable(requests, getattr(engine, "adapter").engine_prompt_ids, settings)
+    check_continuable(requests, engine.adapter.engine_prompt_ids, settings)
     versions = [boundary(0)]
     first = engine.generate(requests, _segment_settings(settings, 0, settings.n, segment_tokens, 0))
     seconds = first.seconds
