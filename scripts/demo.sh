@@ -8,7 +8,5 @@
 set -eo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
-# vLLM on CPU warns at every step that it cannot change the thread count: keep the output readable.
-export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-ERROR}"
 model="$(python -m mmrlhf.testing.tiny_models qwen2_vl tiny 0)"
 exec mmrlhf train examples/grpo_toy_shapes_cpu.yaml "model.pretrain=$model" trainer.overwrite_output_dir=true "$@"

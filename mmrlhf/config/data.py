@@ -58,8 +58,9 @@ class DataConfig(Section):
     """System message prepended to plain-text prompts when the chat template is applied (None: none)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the chat template, e.g. ``{enable_thinking: false}`` for Qwen3.5's non-thinking mode
-    (its template opens a ``<think>`` block by default; rewards read the answer after it). Unknown variables are
-    ignored by templates that do not use them."""
+    (its template opens a ``<think>`` block by default; rewards read the answer after it). A variable the model's
+    template does not read is left out for that model (said once at INFO level), so one recipe serves families whose
+    templates differ."""
 
     # ---- vision knobs (qwen-vl-utils semantics; a per-item dict may override min/max pixels) ---------------------
     image_min_pixels: Optional[int] = Field(default=None, gt=0)

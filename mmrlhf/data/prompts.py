@@ -7,10 +7,13 @@ image k of a record is the k-th image part: the processor then lines up images a
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Optional
 
 from mmrlhf.data.types import Prompt
+
+logger = logging.getLogger(__name__)
 
 
 def part_kind(part: Any) -> Optional[str]:
@@ -62,7 +65,8 @@ class PromptRenderer:
         self.image_placeholder = image_placeholder
         self.video_placeholder = video_placeholder
         self.system_prompt = system_prompt
-        self.template_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs (e.g. enable_thinking)
+        self.configured_kwargs = dict(template_kwargs or {})  # data.chat_template_kwargs (e.g. enable_thinking)
+        self._template_kwargs: Optional[dict[str, Any]] = None  # those the owner's template reads (first render)
         # Without a chat template, placeholders become the model's own vision sequence
         # (``<|vision_start|><|image_pad|><|vision_end|>``), which the processor then expands.
         self.image_sequence = image_sequence
@@ -91,6 +95,24 @@ class PromptRenderer:
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The configured template variables that the owner's chat template reads (:func:`template_variables`).
+
+        Why not all of them: a processor's ``apply_chat_template`` takes a variable its template does not read for
+        a processor argument and warns at every call (3,840 identical lines in a 200-step toy run whose recipe sets
+        ``enable_thinking`` for the families that read it); a tokenizer's passes it on unread. Either way the
+        variable does nothing, so it is left out, said once at INFO level."""
+        if self._template_kwargs is None:
+            declared = template_variables(getattr(self.owner, "chat_template", None))
+            self._template_kwargs = {k: v for k, v in self.configured_kwargs.items()
+                                     if declared is None or k in declared}
+            unread = sorted(set(self.configured_kwargs) - set(self._template_kwargs))
+            if unread:
+                logger.info("data.chat_template_kwargs: this model's chat template does not read %s; left out",
+                            ", ".join(unread))
+        return self._template_kwargs
 
     def render(self, prompt: Prompt) -> str:
         if self.apply_chat_template:
@@ -122,6 +144,25 @@ class PromptRenderer:
             messages = [{"role": "system", "content": system}, *messages]
         return self.owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                               **self.template_kwargs)
+
+
+def template_variables(chat_template: Any) -> Optional[frozenset[str]]:
+    """The variables a Jinja chat template reads from its caller (besides the messages); None when there is no
+    template string to inspect, or one this parser cannot read (a custom tag): the caller then passes every variable
+    on. A processor or tokenizer with several named templates renders the ``default`` one."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("default")
+    if not isinstance(chat_template, str):
+        return None
+    import jinja2
+    import jinja2.ext
+    import jinja2.meta
+
+    try:
+        ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(chat_template)
+    except jinja2.TemplateError:
+        return None
+    return frozenset(jinja2.meta.find_undeclared_variables(ast))
 
 
 def tools_system_text(tools: list[dict]) -> str:

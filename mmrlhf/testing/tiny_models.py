@@ -47,6 +47,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from mmrlhf.testing.tiny_templates import CHAT_TEMPLATE, TOOLS_TEMPLATE, chat_template
 from mmrlhf.testing.tiny_tool_calls import user_call_tokens, variant_suffix
+from mmrlhf.trainer.progress import no_library_bars
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
 SIZES = ("tiny", "small")
@@ -211,7 +212,8 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
         torch.manual_seed(seed)
         model = model_cls(config)
     model = model.to(torch.bfloat16).eval()
-    model.save_pretrained(out, safe_serialization=True)
+    with no_library_bars():  # the quick start's first command builds one: its bar is noise there
+        model.save_pretrained(out, safe_serialization=True)
     if family == "qwen3_vl_moe":
         _store_experts_transposed(out)
     processor.save_pretrained(out)
@@ -311,8 +313,10 @@ def _build_processor(family: str, tokenizer, chat_template: str = CHAT_TEMPLATE)
         min_pixels=lo, max_pixels=hi, size={"shortest_edge": lo, "longest_edge": hi}, **patch, **norm
     )
     if family in QWEN3_VISION:
+        # The per-frame pixel cap chosen explicitly (today's default behaviour, off): a checkpoint that leaves it
+        # unset makes transformers warn at the first video, which vLLM's start-up profiling always processes.
         video_processor = Qwen3VLVideoProcessor(size={"shortest_edge": lo, "longest_edge": video_hi},
-                                                do_sample_frames=False, **patch)
+                                                do_sample_frames=False, cap_pixels_per_frame=False, **patch)
     else:
         video_processor = Qwen2VLVideoProcessor(
             min_pixels=lo, max_pixels=video_hi, size={"shortest_edge": lo, "longest_edge": video_hi},

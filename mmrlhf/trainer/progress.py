@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Mapping
+from contextlib import contextmanager
+from typing import Iterator, Mapping
 
 # (metric, label, format) in display order; absent metrics are left out.
 FIELDS = (
@@ -68,3 +69,18 @@ class ProgressBar:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+@contextmanager
+def no_library_bars() -> Iterator[None]:
+    """transformers' own progress bars off for the duration (e.g. ``Writing model shards`` at every checkpoint): a
+    second bar drawn under the training bar breaks its line, and on a log file each becomes two lines per save."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mmrlhf.parallel.world import full
+from mmrlhf.trainer.progress import no_library_bars
 from mmrlhf.trainer.state import TrainerState, restore_rng, rng_state_json, rng_state_tensors
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,8 @@ def _write_policy(model: Any, processor: Any, folder: Path, *, main: bool) -> No
 
     if lora_model(model) is not None:  # LoRA trains in a world of one rank (sharded LoRA is refused)
         if main:
-            save_lora_checkpoint(model, folder)
+            with no_library_bars():
+                save_lora_checkpoint(model, folder)
             processor.save_pretrained(folder / "model")
         return
     gathered = {}
@@ -103,7 +105,8 @@ def _write_policy(model: Any, processor: Any, folder: Path, *, main: bool) -> No
         if main:
             gathered[name] = value.cpu().clone()
     if main:
-        model.save_pretrained(folder / "model", state_dict=gathered, safe_serialization=True)
+        with no_library_bars():
+            model.save_pretrained(folder / "model", state_dict=gathered, safe_serialization=True)
         processor.save_pretrained(folder / "model")
 
 
