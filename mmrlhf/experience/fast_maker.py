@@ -96,7 +96,7 @@ class FastExperienceMaker(ExperienceMaker):
         self.kl_controller = kl_controller
         self.kind: RolloutKind = kind if kind is not None else SingleTurn()
         self.reward_norm = RunningRewardNorm() if settings.reward_normalization else None
-        self._calls = 0  # generation calls so far (per-call sampling seeds)
+        self._calls = 0  # generation calls that drew from the run's seed stream (per-call sampling seeds)
         self.adapter = actor.adapter
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = stop_token_ids(actor.model, tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
@@ -159,7 +159,6 @@ class FastExperienceMaker(ExperienceMaker):
         timer = PhaseTimer()
         n = self.settings.n_samples_per_prompt if n is None else int(n)
         sampling = self._sampling_for_call(generate_kwargs, n)  # the ONE source of temperature / length this call
-        self._calls += 1
         with timer("prepare"):
             batch = self.data_processor.process_multimodal_batch(
                 list(prompts), images, references, n_samples_per_prompt=n, all_videos=videos, all_labels=labels,
@@ -247,10 +246,15 @@ class FastExperienceMaker(ExperienceMaker):
         if unknown:
             raise TypeError(f"unknown generation argument(s) {unknown}; valid: {sorted(names)}")
         call = dataclasses.replace(self.sampling, n=n, **overrides)
-        if "seed" not in overrides and call.seed is not None:
+        if "seed" in overrides:
+            # The caller's own stream (evaluation): the training stream stays where it was, so a run samples the
+            # same whatever its evaluation cadence.
+            return call
+        if call.seed is not None:
             # A fresh stream per call (see SamplingSettings.seed for the per-request / per-sample scheme),
             # reproducible across a resume through state_dict(); without it every step would replay the same noise.
             call = dataclasses.replace(call, seed=mix_seed(call.seed, self._calls))
+        self._calls += 1
         return call
 
     def _rewards(self, rows: Rollout) -> Any:

@@ -13,6 +13,10 @@ import torch
 
 from mmrlhf.data.stream import record_columns
 from mmrlhf.data.types import PromptRecord
+from mmrlhf.rollout.types import mix_seed
+
+# Mixed into the run's seed for evaluations: their samples never share a stream with a training call's.
+EVAL_STREAM = 0x6576616C  # "eval"
 
 
 class Evaluator:
@@ -20,17 +24,23 @@ class Evaluator:
 
     ``greedy``: temperature 0 (the policy's mode); otherwise the rollout temperature with ``n_samples`` responses per
     prompt and a fixed seed, so evaluations at different steps sample comparably.
+
+    Every evaluation names its seed (:data:`EVAL_STREAM` mixed into ``seed``; greedy ones too), so it never draws
+    from the run's per-call seed stream: a run's training samples are the same whatever ``trainer.eval_steps`` is.
     """
 
     def __init__(self, maker: Any, records: Sequence[PromptRecord], *, greedy: bool = True, n_samples: int = 1,
-                 seed: int = 0) -> None:
+                 seed: int | None = 0) -> None:
         if not records:
             raise ValueError("evaluation needs at least one prompt")
         self.maker, self.records = maker, list(records)
-        self.greedy, self.n_samples, self.seed = greedy, n_samples, seed
+        self.greedy, self.n_samples = greedy, n_samples
+        self.seed = None if seed is None else mix_seed(seed, EVAL_STREAM)
 
     def run(self) -> dict[str, float]:
-        overrides: dict[str, Any] = {"temperature": 0.0} if self.greedy else {"seed": self.seed}
+        overrides: dict[str, Any] = {"seed": self.seed}
+        if self.greedy:
+            overrides["temperature"] = 0.0
         rollout = self.maker.generate_rollout(**record_columns(self.records), n=1 if self.greedy else self.n_samples,
                                               **overrides)
         r = rollout.rewards
