@@ -120,7 +120,8 @@ class TrainerConfig(Section):
     wandb_mode: Literal["online", "offline", "disabled"] = "online"
     """W&B mode (``offline`` writes locally for a later ``wandb sync``)."""
     eval_steps: int = Field(default=0, ge=0)
-    """Evaluate on held-out prompts every this many steps (and at the end); 0 disables evaluation."""
+    """Evaluate on held-out prompts every this many steps (and at the end); 0 disables evaluation. Evaluations sample
+    from a seed of their own, so the cadence never changes what training samples."""
     eval_greedy: bool = True
     """Evaluate with greedy decoding (one response per prompt); False samples at the rollout temperature."""
     eval_samples_per_prompt: int = Field(default=1, ge=1)
