@@ -13,7 +13,8 @@ import torch
 from mmrlhf.agents.types import Trajectory
 from mmrlhf.experience.batching import TrainItem
 from mmrlhf.experience.rollout import ScoredRollout
-from mmrlhf.trainer.report import ReportSample, plot_curves, write_rollout_report
+from mmrlhf.trainer.curves import plot_curves
+from mmrlhf.trainer.report import ReportSample, write_rollout_report
 
 
 class StepReporter:

@@ -9,13 +9,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 from PIL import Image
 
 from mmrlhf.agents.types import ToolCall, Trajectory, TurnRecord
-from mmrlhf.trainer.report import _CSS, ReportSample, plot_curves, write_rollout_report
+from mmrlhf.trainer.curves import plot_curves
+from mmrlhf.trainer.report import _CSS, ReportSample, write_rollout_report
 
 RED, BLUE, GREEN = (255, 0, 0), (0, 0, 255), (0, 160, 0)
 
@@ -288,66 +288,6 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
         plot_curves([{"step": 0, "reward/mean": 5.0}, {"step": 1, "reward/mean": 1.0}], png_path)
     assert (html_path.read_bytes(), png_path.read_bytes()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.png", "r.html"]  # no temp files left
-
-
-# ---- curves ----------------------------------------------------------------------------------------------------
-
-TAB_BLUE = (0x1F, 0x77, 0xB4)  # matplotlib's first line colour
-
-
-def _blue_pixels_per_panel(png) -> list[int]:
-    """Line pixels in each cell of the 2 x 3 grid, row-major."""
-    im = Image.open(png).convert("RGB")
-    w, h = im.size
-    out = []
-    for r in range(2):
-        for c in range(3):
-            cell = im.crop((c * w // 3, r * h // 2, (c + 1) * w // 3, (r + 1) * h // 2))
-            out.append(sum(n for n, col in cell.getcolors(w * h) if col == TAB_BLUE))
-    return out
-
-
-def test_plot_curves_draws_logged_keys_and_says_not_logged_for_the_rest(tmp_path, monkeypatch):
-    from matplotlib.axes import Axes
-
-    texts: list[str] = []
-    real_text = Axes.text
-
-    def spy(self, x, y, s, *args, **kwargs):
-        texts.append(s)
-        return real_text(self, x, y, s, *args, **kwargs)
-
-    monkeypatch.setattr(Axes, "text", spy)
-    history = [{"step": s, "reward/mean": s / 10, "groups/with_variance_frac": 1 - s / 20} for s in range(20)]
-    out = plot_curves(history, tmp_path / "curves.png", title="run")
-    assert out == tmp_path / "curves.png"
-    reward, kl, length, entropy, groups, _spare = _blue_pixels_per_panel(out)
-    assert reward > 200 and groups > 200 and kl == length == entropy == 0
-    assert sorted(t.split("\n")[0] for t in texts if "not logged" in t) == [
-        "kl/mean", "policy/entropy", "response_length/mean"]
-
-
-def test_plot_curves_skips_non_finite_values_and_handles_empty_history(tmp_path):
-    history = [{"step": s, "kl/mean": v} for s, v in
-               enumerate([0.1, float("nan"), None, 0.2, float("inf"), 0.3])]
-    history += [{"step": 0, "policy/entropy": float("nan")}, {"step": 1, "policy/entropy": None}]
-    out = plot_curves(history, tmp_path / "c.png")
-    reward, kl, _length, entropy, _groups, _ = _blue_pixels_per_panel(out)
-    assert kl > 100 and reward == entropy == 0
-    assert Image.open(plot_curves([], tmp_path / "empty.png")).size == Image.open(out).size
-    with pytest.raises(TypeError, match="row 1.*'kl/mean'"):
-        plot_curves([{"step": 0, "kl/mean": 1.0}, {"step": 1, "kl/mean": "high"}], tmp_path / "x.png")
-
-
-def test_plot_curves_never_touches_pyplot_or_a_gui_backend(tmp_path):
-    code = ("import sys\nfrom mmrlhf.trainer.report import plot_curves\n"
-            f"plot_curves([{{'step': 0, 'reward/mean': 1.0}}], {str(tmp_path / 'c.png')!r})\n"
-            "assert 'matplotlib.pyplot' not in sys.modules\n")
-    env = {**os.environ, "MPLBACKEND": "TkAgg"}  # a GUI backend that cannot start here
-    env.pop("DISPLAY", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "c.png").exists()
 
 
 # ---- a real browser --------------------------------------------------------------------------------------------
