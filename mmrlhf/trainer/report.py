@@ -27,6 +27,9 @@ from PIL import Image
 from mmrlhf.agents.types import BUDGET_ENDINGS, Trajectory
 from mmrlhf.trainer.tracking import atomic_write
 
+# The largest side of an embedded image, in pixels: what the page shows (a producer shrinks report images to it
+# before they travel, mmrlhf.trainer.reporting.compact).
+MAX_IMAGE_SIDE = 384
 # Metrics shown first in the HTML header (any others given follow in name order).
 KEY_METRICS = ("reward/mean", "eval/reward/mean", "kl/mean", "response_length/mean", "policy/entropy",
                "groups/with_variance_frac")
@@ -192,7 +195,7 @@ def _context_html(prompt: str | None, uris: list[str] | None, label: str | None,
 
 
 def write_rollout_report(samples: Sequence[ReportSample], out_html: str | Path, *, step: int, title: str = "",
-                         metrics: Mapping[str, float] | None = None, max_image_side: int = 384) -> Path:
+                         metrics: Mapping[str, float] | None = None, max_image_side: int = MAX_IMAGE_SIDE) -> Path:
     """Write one self-contained HTML page of ``samples`` grouped by group id; returns its path.
 
     Within a group, the prompt, images, label and reference are shown once when every sample shares them (GRPO:

@@ -269,6 +269,41 @@ def test_step_reporter_fills_turns_from_a_multi_turn_rollout(tmp_path):
         StepReporter(tmp_path, _Tokenizer()).samples(short, [])
 
 
+def test_report_samples_travel_to_another_process_as_the_page_shows_them(tmp_path):
+    """What a Ray rollout actor sends on a report step: the samples built where the rollout is, made compact (images
+    no larger than the page draws them, a shared prompt image sent once, a trajectory without its free-form info),
+    pickled. The page written from them is the page written in place."""
+    import pickle
+
+    import torch
+
+    from mmrlhf.trainer.reporting import compact, report_samples
+
+    trajectories = [_zoom_then_fail(), _zoom_out_of_turns()]
+    for t in trajectories:
+        t.info["environment"] = {"state": list(range(1000))}  # not shown: stays behind
+    rollout, prompt_image = _scored(2, policy_masks=[[1, 0], [1, 0]], trajectories=trajectories)
+    big = Image.new("RGB", (900, 600), RED)  # a prompt image larger than the page shows
+    for row, t in zip(rollout.rows.images, trajectories):
+        row[:] = [big] + [im for turn in t.turns for im in turn.images]
+    rollout.rewards.notes["judge/text"] = ["yes <it is green>", None]
+    rollout.rewards.parts["judge/score"] = torch.tensor([1.0, float("nan")])
+    samples = report_samples(rollout, [], _Tokenizer(), groups=8)
+    travelled = pickle.loads(pickle.dumps(compact(samples)))
+
+    assert [s.notes for s in travelled] == [{"judge/text": "yes <it is green>"}, {}]
+    assert [s.parts for s in travelled] == [{"judge/score": 1.0}, {"judge/score": None}]
+    assert [len(s.trajectory.turns) for s in travelled] == [5, 3] and all(not s.trajectory.info for s in travelled)
+    assert travelled[0].images[0] is travelled[1].images[0]  # one prompt image for the group, sent once
+    assert travelled[0].images[0].size == (384, 256) and big.size == (900, 600)  # shrunk a copy, not the rollout's
+    tool_sizes = [im.size for s in travelled for t in s.trajectory.turns for im in t.images]
+    assert tool_sizes == [(50, 40), (384, 192), (30, 30)]
+    assert [t.info for t in trajectories] == [{"environment": {"state": list(range(1000))}}] * 2  # rollout untouched
+    here = write_rollout_report(samples, tmp_path / "here.html", step=4).read_text()
+    there = write_rollout_report(travelled, tmp_path / "there.html", step=4).read_text()
+    assert there == here and "yes &lt;it is green&gt;" in there and there.count('class="turn tool') == 3
+
+
 def _fail_replace(monkeypatch):
     def failing_replace(src, dst):
         raise OSError("disk full")
