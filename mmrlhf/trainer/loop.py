@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mmrlhf.experience.batching import TrainItem
-from mmrlhf.experience.rollout import ScoredRollout, merge_share_metrics
+from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.parallel.world import World
 from mmrlhf.trainer.checkpoint import CheckpointManager, save_collective
 from mmrlhf.trainer.interrupt import stop_on_interrupt
 from mmrlhf.trainer.policy_update import prepare_policy_targets
 from mmrlhf.trainer.progress import ProgressBar
-from mmrlhf.trainer.reporting import StepReporter
-from mmrlhf.trainer.rollouts import RolloutSource, timed
+from mmrlhf.trainer.reporting import StepReporter, is_report_step
+from mmrlhf.trainer.rollouts import RolloutSource, StepBatch, timed
 from mmrlhf.trainer.run_checkpoint import load_run_state, write_run_state
 from mmrlhf.trainer.state import TrainerState
 
@@ -65,8 +65,7 @@ class Trainer:
         self.p, self.s = parts, settings
         self.state = TrainerState()
         self.last_metrics: dict[str, float] = {}
-        self.last_rollout: ScoredRollout | None = None
-        self.last_items: list[TrainItem] = []
+        self.last_batch: StepBatch | None = None  # the last trained step's batch (its report is drawn from it)
         self.stop_requested = False  # set from outside (the Ray driver's Ctrl-C) to stop after the current step
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -95,7 +94,7 @@ class Trainer:
                 bar.update(metrics, self.state.last_eval)
                 if step % s.save_steps == 0 or last or stop.requested:
                     self.save()
-                if ((s.report_steps and step % s.report_steps == 0) or last or stop.requested) and self.main:
+                if (is_report_step(step, s.report_steps, s.max_steps) or stop.requested) and self.main:
                     self.report()
         self.interrupted = stop.requested and self.state.step < s.max_steps
         if self.interrupted:
@@ -151,7 +150,7 @@ class Trainer:
         self.state.samples_generated += int(generated)
         self.state.samples_trained += int(trained_all)
         metrics.update({f"time/{k}": v for k, v in seconds.items()})
-        self.last_rollout, self.last_items = batch.rollout, items
+        self.last_batch = batch
         return metrics
 
     # ---- phases ------------------------------------------------------------------------------------------------
@@ -161,7 +160,7 @@ class Trainer:
         return metrics
 
     def report(self) -> None:
-        self.p.reporter.write(self.state.step, self.p.tracker.history(), self.last_rollout, self.last_items,
+        self.p.reporter.write(self.state.step, self.p.tracker.history(), self.p.reporter.shown(self.last_batch),
                               self.last_metrics)
 
     # ---- checkpoints -------------------------------------------------------------------------------------------

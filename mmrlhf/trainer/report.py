@@ -1,4 +1,5 @@
-"""What a person looks at to judge an RL run: a PNG of the training curves and an HTML page of one step's rollouts.
+"""What a person looks at to judge an RL run: a PNG of the training curves (:mod:`mmrlhf.trainer.curves`) and an HTML
+page of one step's rollouts (here).
 
 Why both: the curves say *that* something changed (reward flat, KL climbing, responses growing, entropy
 collapsing, fewer and fewer GRPO groups with any reward variance, the early warning of a collapse); the rollout
@@ -17,7 +18,6 @@ import html
 import io
 import json
 import math
-import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -27,84 +27,12 @@ from PIL import Image
 from mmrlhf.agents.types import BUDGET_ENDINGS, Trajectory
 from mmrlhf.trainer.tracking import atomic_write
 
-# (panel title, keys plotted in it, y-axis label); the reward panel overlays the eval reward when it is logged.
-CURVE_PANELS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("reward", ("reward/mean", "eval/reward/mean"), "mean reward"),
-    ("KL to reference", ("kl/mean",), "KL"),
-    ("response length", ("response_length/mean",), "tokens"),
-    ("policy entropy", ("policy/entropy",), "nats / token"),
-    ("groups with reward variance", ("groups/with_variance_frac",), "share of groups"),
-)
+# The largest side of an embedded image, in pixels: what the page shows (a producer shrinks report images to it
+# before they travel, mmrlhf.trainer.reporting.compact).
+MAX_IMAGE_SIDE = 384
 # Metrics shown first in the HTML header (any others given follow in name order).
 KEY_METRICS = ("reward/mean", "eval/reward/mean", "kl/mean", "response_length/mean", "policy/entropy",
                "groups/with_variance_frac")
-
-
-def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float], int, bool]:
-    """``(steps, values, non_finite_count, present)`` of ``key``, sorted by step; None / NaN / inf are counted,
-    not plotted (``None`` is how ``metrics.jsonl`` stores a non-finite value)."""
-    points: list[tuple[int, float]] = []
-    bad, present = 0, False
-    for i, row in enumerate(history):
-        if key not in row:
-            continue
-        present = True
-        value = row[key]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            raise TypeError(f"history row {i}: {key!r} must be a number or None, got {value!r}")
-        if "step" not in row:
-            raise KeyError(f"history row {i} has {key!r} but no 'step'")
-        if value is None or not math.isfinite(float(value)):
-            bad += 1
-        else:
-            points.append((int(row["step"]), float(value)))
-    points.sort(key=lambda p: p[0])
-    return [p[0] for p in points], [p[1] for p in points], bad, present
-
-
-def plot_curves(history: Sequence[Mapping[str, Any]], out_png: str | Path, *, title: str = "") -> Path:
-    """Write a PNG with one panel per entry of :data:`CURVE_PANELS` against the step; returns its path.
-
-    A panel whose keys were never logged says "not logged"; non-finite values are skipped and counted in the
-    panel. Drawn with matplotlib's Agg canvas (no pyplot, no GUI, safe in a worker thread or on a headless node).
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(15, 8.5), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3).ravel()
-    for ax, (panel, keys, ylabel) in zip(axes, CURVE_PANELS):
-        ax.set_title(panel)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        notes, drawn = [], False
-        for key in keys:
-            steps, values, bad, present = _series(history, key)
-            if not present:
-                continue
-            if steps:
-                ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
-                drawn = True
-            if bad:
-                notes.append(f"{key}: {bad} non-finite value(s) skipped")
-        if panel == "groups with reward variance":
-            ax.set_ylim(-0.05, 1.05)
-        if drawn:
-            ax.legend(loc="best", fontsize=8)
-            ax.grid(alpha=0.3)
-        else:
-            logged = any(_series(history, k)[3] for k in keys)
-            ax.text(0.5, 0.5, f"{keys[0]}\n" + ("no finite values" if logged else "not logged"),
-                    ha="center", va="center", transform=ax.transAxes, color="0.4")
-        if notes:
-            ax.text(0.02, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, color="#b03a2e", va="bottom")
-    axes[-1].set_axis_off()
-    if title:
-        fig.suptitle(title)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return atomic_write(out_png, buf.getvalue())
 
 
 @dataclass
@@ -267,7 +195,7 @@ def _context_html(prompt: str | None, uris: list[str] | None, label: str | None,
 
 
 def write_rollout_report(samples: Sequence[ReportSample], out_html: str | Path, *, step: int, title: str = "",
-                         metrics: Mapping[str, float] | None = None, max_image_side: int = 384) -> Path:
+                         metrics: Mapping[str, float] | None = None, max_image_side: int = MAX_IMAGE_SIDE) -> Path:
     """Write one self-contained HTML page of ``samples`` grouped by group id; returns its path.
 
     Within a group, the prompt, images, label and reference are shown once when every sample shares them (GRPO:

@@ -52,7 +52,12 @@ class StepBatch:
     metrics: dict[str, float]  # rollout and experience metrics of this rank's share
     # what the old log-probs were computed under, and so the update's new ones (the rollout's, as generated)
     distribution: ScoringDistribution = field(default_factory=ScoringDistribution)
-    rollout: ScoredRollout | None = None  # this rank's rollout (the per-step report shows it)
+    # This rank's rollout, when it was made in this process: the loop builds the per-step report from it at report
+    # time (mmrlhf.trainer.reporting.report_samples).
+    rollout: ScoredRollout | None = None
+    # What the per-step report shows, built where the rollout was made and sent as plain data, when the rollout itself
+    # stays there (a Ray rollout actor, on report steps): list[ReportSample]. Wins over ``rollout``.
+    report: list[Any] | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # phase timings
 
 

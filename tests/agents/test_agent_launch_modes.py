@@ -1,12 +1,15 @@
 """Multi-turn tool rollouts in every launch mode, through the one training loop: the zoom toy recipe trains the
 same in one process, under torchrun with one rank and in the Ray mode (one rollout actor, one trainer actor);
 torchrun with two ranks, whose trajectories take different numbers of turns, finishes (the update pairs its
-collectives) and reports the agent metrics."""
+collectives) and reports the agent metrics. Every mode leaves the same kinds of output files (metrics, TensorBoard,
+curves, config, the rollout reports of a report step inside the run and of the last, checkpoints), and the Ray
+mode's report shows the trajectories' tool turns as the others' do."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +30,7 @@ def _overrides(out: Path) -> list[str]:
 
     return [f"model.pretrain={tiny_model_dir('qwen2_vl', tools=True)}", f"trainer.output_dir={out}",
             f"trainer.max_steps={STEPS}", "trainer.eval_steps=0", "trainer.progress_bar=false",
-            "trainer.tensorboard=false", "trainer.report_steps=0", "trainer.save_steps=1000",
+            "trainer.report_steps=2", "trainer.save_steps=2",  # a report and a checkpoint inside the run, and at its end
             "trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=128"]
 
 
@@ -81,3 +84,45 @@ def test_two_torchrun_ranks_with_different_turns_finish(runs):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(0.0 < r["agent/tool_use_rate"] < 1.0 for r in rows)  # ranks held trajectories of 1 and 2 turns
     assert all(r["samples"] == 128 for r in rows)  # both ranks' trajectories reached the step
+
+
+def output_kinds(out: Path) -> set[str]:
+    """The files a run left in ``out``, as kinds: every number (step, rank, shard) as ``N`` and a TensorBoard event
+    file (named by time, host and process) as ``events.out.tfevents.*``, so runs of different modes, hosts and times
+    compare."""
+    kinds = set()
+    for path in out.rglob("*"):
+        if path.is_file():
+            name = re.sub(r"events\.out\.tfevents\..*$", "events.out.tfevents.*", path.relative_to(out).as_posix())
+            kinds.add(re.sub(r"\d+", "N", name))
+    return kinds
+
+
+def test_every_launch_mode_writes_the_same_kinds_of_output(runs):
+    kinds = {mode: output_kinds(runs[mode]) for mode in ("single", "torchrun2", "ray")}
+    expected = {"metrics.jsonl", "config.yaml", "curves.png", "report.html", "reports/step-N.html",
+                "tensorboard/events.out.tfevents.*", "checkpoints/step-N/trainer_state.json",
+                "checkpoints/step-N/model/config.json"}
+    for mode, found in kinds.items():
+        assert expected <= found, (mode, sorted(expected - found))
+    assert kinds["torchrun2"] == kinds["single"], sorted(kinds["torchrun2"] ^ kinds["single"])
+    assert kinds["ray"] == kinds["single"], sorted(kinds["ray"] ^ kinds["single"])
+    for mode in ("single", "torchrun2", "ray"):  # the report step inside the run, and the last one
+        assert sorted(p.name for p in (runs[mode] / "reports").iterdir()) == ["step-00000002.html",
+                                                                              "step-00000003.html"], mode
+        assert sorted(p.name for p in (runs[mode] / "checkpoints").glob("step-*")) == ["step-00000002",
+                                                                                       "step-00000003"], mode
+
+
+def test_the_ray_report_shows_the_trajectories_tool_turns(runs):
+    pages = {mode: (runs[mode] / "report.html").read_text() for mode in ("single", "ray")}
+    for mode, page in pages.items():
+        assert "step 3</h1>" in page, mode
+        assert page.count('class="turn tool') > 0, mode  # observations, each a tool turn of a trajectory
+        assert "image_zoom(" in page, mode  # the calls, as the tool received them
+        images = len(re.findall(r'src="data:image/png;base64,', page))
+        assert images > page.count("<section"), mode  # tool images besides each group's prompt image
+    # one rollout actor and one trainer actor sample exactly what one process samples: the same cards
+    cards = {mode: re.findall(r'<ol class="turns">.*?</ol>', re.sub(r"\(\d+\.\d+ s\)", "", page), flags=re.S)
+             for mode, page in pages.items()}  # each tool turn's latency left out: a clock
+    assert cards["ray"] == cards["single"] and cards["single"]

@@ -4,6 +4,7 @@ the plain class the driver wraps with ``ray.remote`` (no Ray needed), over the t
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -55,8 +56,18 @@ def test_a_rollout_actor_produces_its_share_of_the_step_it_is_asked_for(tmp_path
 
     # positioned and seeded by step, not by what it generated before: a restarted actor regenerates a lost step
     other, _ = holder.generate(step=3, min_version=0)
-    again_meta, again = holder.generate(step=2, min_version=0)
+    again_meta, again = holder.generate(step=2, min_version=0, report=True)
     assert again_meta["stream"] == meta["stream"] != other["stream"]
     for a, b in zip(items, unpack_items(again["items"]), strict=True):
         assert a.prompt_ids == b.prompt_ids and a.response_ids == b.response_ids
         assert all(torch.equal(a.vision[k], b.vision[k]) for k in a.vision)
+    # a report step's payload carries what the trainer's report shows of the share (the rollout stays here): the
+    # first trainer.report_groups groups as plain samples, pickled like the rest; other steps carry none
+    assert payload["report"] is None and "report" not in again_meta  # the driver's metadata stays small
+    shown = pickle.loads(pickle.dumps(again["report"]))
+    groups = cfg.trainer.report_groups
+    assert len(shown) == min(groups, len(share)) * 2 and len({s.group for s in shown}) == min(groups, len(share))
+    texts = holder.tokenizer.batch_decode([it.response_ids for it in items[:len(shown)]], skip_special_tokens=True)
+    assert [s.response for s in shown] == texts
+    assert [s.reward for s in shown] == [float(it.info["reward"]) for it in items[:len(shown)]]
+    assert all(s.advantage is not None and len(s.images) == 1 for s in shown)

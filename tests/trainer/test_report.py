@@ -9,13 +9,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 from PIL import Image
 
 from mmrlhf.agents.types import ToolCall, Trajectory, TurnRecord
-from mmrlhf.trainer.report import _CSS, ReportSample, plot_curves, write_rollout_report
+from mmrlhf.trainer.curves import plot_curves
+from mmrlhf.trainer.report import _CSS, ReportSample, write_rollout_report
 
 RED, BLUE, GREEN = (255, 0, 0), (0, 0, 255), (0, 160, 0)
 
@@ -269,6 +269,41 @@ def test_step_reporter_fills_turns_from_a_multi_turn_rollout(tmp_path):
         StepReporter(tmp_path, _Tokenizer()).samples(short, [])
 
 
+def test_report_samples_travel_to_another_process_as_the_page_shows_them(tmp_path):
+    """What a Ray rollout actor sends on a report step: the samples built where the rollout is, made compact (images
+    no larger than the page draws them, a shared prompt image sent once, a trajectory without its free-form info),
+    pickled. The page written from them is the page written in place."""
+    import pickle
+
+    import torch
+
+    from mmrlhf.trainer.reporting import compact, report_samples
+
+    trajectories = [_zoom_then_fail(), _zoom_out_of_turns()]
+    for t in trajectories:
+        t.info["environment"] = {"state": list(range(1000))}  # not shown: stays behind
+    rollout, prompt_image = _scored(2, policy_masks=[[1, 0], [1, 0]], trajectories=trajectories)
+    big = Image.new("RGB", (900, 600), RED)  # a prompt image larger than the page shows
+    for row, t in zip(rollout.rows.images, trajectories):
+        row[:] = [big] + [im for turn in t.turns for im in turn.images]
+    rollout.rewards.notes["judge/text"] = ["yes <it is green>", None]
+    rollout.rewards.parts["judge/score"] = torch.tensor([1.0, float("nan")])
+    samples = report_samples(rollout, [], _Tokenizer(), groups=8)
+    travelled = pickle.loads(pickle.dumps(compact(samples)))
+
+    assert [s.notes for s in travelled] == [{"judge/text": "yes <it is green>"}, {}]
+    assert [s.parts for s in travelled] == [{"judge/score": 1.0}, {"judge/score": None}]
+    assert [len(s.trajectory.turns) for s in travelled] == [5, 3] and all(not s.trajectory.info for s in travelled)
+    assert travelled[0].images[0] is travelled[1].images[0]  # one prompt image for the group, sent once
+    assert travelled[0].images[0].size == (384, 256) and big.size == (900, 600)  # shrunk a copy, not the rollout's
+    tool_sizes = [im.size for s in travelled for t in s.trajectory.turns for im in t.images]
+    assert tool_sizes == [(50, 40), (384, 192), (30, 30)]
+    assert [t.info for t in trajectories] == [{"environment": {"state": list(range(1000))}}] * 2  # rollout untouched
+    here = write_rollout_report(samples, tmp_path / "here.html", step=4).read_text()
+    there = write_rollout_report(travelled, tmp_path / "there.html", step=4).read_text()
+    assert there == here and "yes &lt;it is green&gt;" in there and there.count('class="turn tool') == 3
+
+
 def _fail_replace(monkeypatch):
     def failing_replace(src, dst):
         raise OSError("disk full")
@@ -288,66 +323,6 @@ def test_writes_are_atomic(tmp_path, monkeypatch):
         plot_curves([{"step": 0, "reward/mean": 5.0}, {"step": 1, "reward/mean": 1.0}], png_path)
     assert (html_path.read_bytes(), png_path.read_bytes()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.png", "r.html"]  # no temp files left
-
-
-# ---- curves ----------------------------------------------------------------------------------------------------
-
-TAB_BLUE = (0x1F, 0x77, 0xB4)  # matplotlib's first line colour
-
-
-def _blue_pixels_per_panel(png) -> list[int]:
-    """Line pixels in each cell of the 2 x 3 grid, row-major."""
-    im = Image.open(png).convert("RGB")
-    w, h = im.size
-    out = []
-    for r in range(2):
-        for c in range(3):
-            cell = im.crop((c * w // 3, r * h // 2, (c + 1) * w // 3, (r + 1) * h // 2))
-            out.append(sum(n for n, col in cell.getcolors(w * h) if col == TAB_BLUE))
-    return out
-
-
-def test_plot_curves_draws_logged_keys_and_says_not_logged_for_the_rest(tmp_path, monkeypatch):
-    from matplotlib.axes import Axes
-
-    texts: list[str] = []
-    real_text = Axes.text
-
-    def spy(self, x, y, s, *args, **kwargs):
-        texts.append(s)
-        return real_text(self, x, y, s, *args, **kwargs)
-
-    monkeypatch.setattr(Axes, "text", spy)
-    history = [{"step": s, "reward/mean": s / 10, "groups/with_variance_frac": 1 - s / 20} for s in range(20)]
-    out = plot_curves(history, tmp_path / "curves.png", title="run")
-    assert out == tmp_path / "curves.png"
-    reward, kl, length, entropy, groups, _spare = _blue_pixels_per_panel(out)
-    assert reward > 200 and groups > 200 and kl == length == entropy == 0
-    assert sorted(t.split("\n")[0] for t in texts if "not logged" in t) == [
-        "kl/mean", "policy/entropy", "response_length/mean"]
-
-
-def test_plot_curves_skips_non_finite_values_and_handles_empty_history(tmp_path):
-    history = [{"step": s, "kl/mean": v} for s, v in
-               enumerate([0.1, float("nan"), None, 0.2, float("inf"), 0.3])]
-    history += [{"step": 0, "policy/entropy": float("nan")}, {"step": 1, "policy/entropy": None}]
-    out = plot_curves(history, tmp_path / "c.png")
-    reward, kl, _length, entropy, _groups, _ = _blue_pixels_per_panel(out)
-    assert kl > 100 and reward == entropy == 0
-    assert Image.open(plot_curves([], tmp_path / "empty.png")).size == Image.open(out).size
-    with pytest.raises(TypeError, match="row 1.*'kl/mean'"):
-        plot_curves([{"step": 0, "kl/mean": 1.0}, {"step": 1, "kl/mean": "high"}], tmp_path / "x.png")
-
-
-def test_plot_curves_never_touches_pyplot_or_a_gui_backend(tmp_path):
-    code = ("import sys\nfrom mmrlhf.trainer.report import plot_curves\n"
-            f"plot_curves([{{'step': 0, 'reward/mean': 1.0}}], {str(tmp_path / 'c.png')!r})\n"
-            "assert 'matplotlib.pyplot' not in sys.modules\n")
-    env = {**os.environ, "MPLBACKEND": "TkAgg"}  # a GUI backend that cannot start here
-    env.pop("DISPLAY", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "c.png").exists()
 
 
 # ---- a real browser --------------------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_reports_and_curves_show_the_last_rollout(tmp_path):
     html = (out / "report.html").read_text()
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)
     assert len(images) == 2  # one image per group (the prompt's), two groups
-    rollout = trainer.last_rollout
+    rollout = trainer.last_batch.rollout
     for b64 in images:
         img = Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
         assert img.getpixel((img.width // 2, img.height // 2)) != (255, 255, 255)  # a coloured square, not blank

@@ -73,7 +73,7 @@ class ExperienceMakerHolder:
         # (weights arrive by push). Its own world: the shaping's statistics are this share's, as they always were.
         made = local_rollouts(cfg, single(resolve_device(t.device)), critic, None, freeze, share=(index, count),
                               engine_sleeps=False)
-        self.producer, self.actor = made.source, made.actor
+        self.producer, self.actor, self.tokenizer = made.source, made.actor, made.tokenizer
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0
         self._lock = threading.Lock()  # held by a generation and by the application of an update
@@ -93,14 +93,17 @@ class ExperienceMakerHolder:
             self.maker.engine = SegmentedEngine(self.producer.engine, cfg.rollout.partial_segment_tokens, self)
 
     # ---- rollout ---------------------------------------------------------------------------------------------------
-    def generate(self, step: int, min_version: int, replay: dict[str, Any] | None = None
+    def generate(self, step: int, min_version: int, replay: dict[str, Any] | None = None, *, report: bool = False
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The train items of this actor's share of ``step``'s prompts, generated with policy version >=
         ``min_version`` (the staleness gate; the driver only asks once that version was pushed). Two objects (called
         with ``num_returns=2``): the small metadata the driver reads, and the same plus the items, which only the
         trainer reads. ``replay`` (``rollout.partial``, a resume): ``{"segments": [[version per segment] per engine
         call], "weights": {version: named tensors}, "kind": weight kind}``, the versions a checkpoint recorded for
-        this batch, applied at the same boundaries instead of the updates that arrive."""
+        this batch, applied at the same boundaries instead of the updates that arrive. ``report`` (a report step,
+        asked of one actor): the payload also carries what the trainer's step report shows of this share
+        (``report``: the first ``trainer.report_groups`` groups as plain report samples, images shrunk to the page's
+        size), since the rollout itself (rows, trajectories, judge notes) stays here."""
         from mmrlhf.experience.wire import pack_items
         from mmrlhf.launch.ray.ledger import StaleExperienceError
 
@@ -132,8 +135,14 @@ class ExperienceMakerHolder:
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
                 "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
+        shown = None
+        if report and batch.rollout is not None:
+            from mmrlhf.trainer.reporting import compact, report_samples
+
+            shown = compact(report_samples(batch.rollout, batch.items, self.tokenizer,
+                                           self.config.trainer.report_groups))
         # columnar: one flat tensor per field (pickling each item's tensors one by one cost more than generating)
-        return meta, {**meta, "items": pack_items(batch.items)}
+        return meta, {**meta, "items": pack_items(batch.items), "report": shown}
 
     def _seek(self, step: int) -> None:
         """The stream where step ``step``'s prompts begin."""

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from mmrlhf.launch.ray.holder import holder_name
 from mmrlhf.launch.ray.ledger import min_rollout_version
+from mmrlhf.trainer.reporting import is_report_step
 from mmrlhf.trainer.rollouts import RolloutSourceError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class ScheduleSettings:
     max_staleness: int
     on_rollout_failure: str  # "stop" | "restart"
     max_actor_restarts: int
+    report_steps: int = 0  # trainer.report_steps: the steps whose report samples rollout actor 0 sends
 
 
 class RolloutSchedule:
@@ -71,8 +73,11 @@ class RolloutSchedule:
         self.submitted = max(self.submitted, step)
 
     def _submit(self, step: int, share: int, replay: dict[str, Any] | None = None) -> None:
+        """One request; a report step's asks rollout actor 0 (the report's share, as rank 0's in torchrun) for the
+        samples the report shows, so a regenerated batch brings them too."""
         args = (step, min_rollout_version(step, self.s.max_staleness)) + (() if replay is None else (replay,))
-        meta, data = self.pool.handles[share].generate.options(num_returns=2).remote(*args)
+        report = share == 0 and is_report_step(step + 1, self.s.report_steps, self.s.max_steps)
+        meta, data = self.pool.handles[share].generate.options(num_returns=2).remote(*args, report=report)
         self.pending[(step, share)] = (meta, data)
 
     def await_share(self, step: int, share: int) -> dict[str, Any]:

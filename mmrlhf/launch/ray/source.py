@@ -47,6 +47,7 @@ class RaySettings:
     # and rollout.max_tokens_per_micro_batch (mmrlhf.parallel.micro_batches)
     scoring_micro_batch_size: int = 16
     scoring_max_tokens: int | str | None = None
+    report_steps: int = 0  # trainer.report_steps: rollout actor 0 sends those steps' report samples
 
 
 class RayRollouts:
@@ -56,7 +57,7 @@ class RayRollouts:
         self.weights = WeightDelivery(pool, world, DeliverySettings(s.max_staleness, s.bucket_bytes, s.weight_kind,
                                                                     s.push_weights))
         self.schedule = RolloutSchedule(pool, ScheduleSettings(s.max_steps, s.max_staleness, s.on_rollout_failure,
-                                                               s.max_actor_restarts), self.weights)
+                                                               s.max_actor_restarts, s.report_steps), self.weights)
         self.ledger, self.stats = ExperienceLedger(), StalenessStats()
         self.resume: dict[str, Any] | None = None
         self.stream_after: dict[int, dict[str, Any]] = {}  # step -> the prompt stream's state after its prompts
@@ -110,8 +111,8 @@ class RayRollouts:
         if self.s.max_staleness >= 1:  # the PPO ratio's old policy: the trainer's current version
             items = [it.with_token(action_log_probs=lp) for it, lp in zip(items, current)]
         metrics.update(mine["metrics"])
-        return StepBatch(items, metrics, distribution,
-                         seconds={"rollout": time.perf_counter() - t0})
+        return StepBatch(items, metrics, distribution, seconds={"rollout": time.perf_counter() - t0},
+                         report=mine.get("report"))
 
     def _parts(self, step: int) -> list[dict[str, Any]]:
         """Rank 0: step ``step``'s samples from every rollout actor, counted and dealt to the ranks."""
@@ -126,6 +127,7 @@ class RayRollouts:
         for s, p in zip(staleness, payloads):
             self.stats.add(s, p["samples"])
         parts[0]["metrics"] = self._step_metrics(step, metas, staleness, waited)
+        parts[0]["report"] = payloads[0].get("report")  # rollout actor 0's share, on report steps (rank 0 writes it)
         for part in parts:  # each rank's own count: the loop weighs its per-rank metrics by it, and sums it
             part["metrics"]["samples"] = float(len(part["items"]))
         return parts

@@ -48,7 +48,8 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                            bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,
                            weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights,
                            scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
-                           scoring_max_tokens=config.rollout.max_tokens_per_micro_batch)
+                           scoring_max_tokens=config.rollout.max_tokens_per_micro_batch,
+                           report_steps=t.report_steps)
     return Rollouts(actor, RayRollouts(pool, world, settings), processor, processor.tokenizer)
 
 
