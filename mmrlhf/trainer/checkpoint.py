@@ -5,6 +5,11 @@ A save writes everything into a private ``.tmp-...`` folder, syncs it to disk, r
 at any moment therefore leaves the previous checkpoint intact and ``latest`` pointing at it; the orphaned
 temporary folder is removed by the next save. ``keep_last`` prunes the oldest complete checkpoints after a save.
 
+Before the sync, the save records every file's size and checksum in the folder's ``manifest.json``
+(:mod:`~mmrlhf.trainer.checkpoint_manifest`); :meth:`CheckpointManager.resume_point` checks the latest checkpoint
+against it before a resume trusts it, and falls back to the newest intact one (setting the damaged ones aside as
+``step-NNNNNNNN.damaged``) or refuses by name.
+
 What goes inside is the trainer's business (see ``loop.Trainer.write_checkpoint``): the model in Hugging Face
 format (loadable by transformers and vLLM), optimiser and scheduler state (``torch.save`` of tensors and plain
 values, read back with ``weights_only=True``), RNG states and the trainer state as JSON.
@@ -20,6 +25,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from mmrlhf.trainer.checkpoint_manifest import MANIFEST, Verdict, verify_checkpoint, write_manifest
+
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -27,6 +34,14 @@ _NAME = re.compile(r"^step-(\d{8})$")
 
 class CheckpointSpaceError(OSError):
     """A checkpoint could not be written for lack of disk space (the message says how much is needed)."""
+
+
+class CheckpointDamagedError(ValueError):
+    """``--resume`` found no checkpoint it may trust (the message names each one checked and its damaged file)."""
+
+
+DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint set aside by a resume that fell back: step-NNNNNNNN.damaged
+DAMAGE_NOTE = "DAMAGED.txt"  # inside it: what was found, and when
 
 
 def _tree_bytes(path: Path | None) -> int:
@@ -82,7 +97,8 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            write(tmp)
+            write(tmp)  # every rank's files are in tmp when it returns (save_collective)
+            write_manifest(tmp)
             _fsync_tree(tmp)
         except BaseException as exc:
             written = _tree_bytes(tmp)
@@ -136,6 +152,62 @@ class CheckpointManager:
             logger.warning("%s names %r, which is missing; using the newest checkpoint instead", pointer, target.name)
         found = self.checkpoints()
         return found[-1] if found else None
+
+    def resume_point(self, *, strict: bool = False) -> Path:
+        """The checkpoint ``--resume`` continues from: :meth:`latest` when it is intact (its files match its
+        manifest). A damaged one is logged (folder, file, why); then, unless ``strict``, the older checkpoints are
+        checked newest first and the first intact one is used: the damaged newer ones are set aside (renamed
+        ``step-NNNNNNNN.damaged``, with a note of what was found; never deleted) and ``latest`` is repointed, so
+        that pruning and the next saves see only the checkpoints the run continues from. Raises
+        :class:`CheckpointDamagedError` naming every checkpoint checked and its first damaged file when none is
+        intact (or, ``strict``, when the latest is not), and ``FileNotFoundError`` when there is no checkpoint."""
+        latest = self.latest()
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.root} (nothing to resume)")
+        older = [p for p in reversed(self.checkpoints()) if self.step_of(p) < self.step_of(latest)]
+        damaged: list[Verdict] = []
+        for folder in [latest, *older]:
+            verdict = verify_checkpoint(folder)
+            if verdict.intact:
+                break
+            logger.warning("checkpoint %s is damaged: %s: %s", folder, verdict.file, verdict.reason)
+            damaged.append(verdict)
+            if strict:
+                raise CheckpointDamagedError(
+                    f"--resume: the latest checkpoint {folder} is damaged: {verdict.file}: {verdict.reason}; "
+                    "trainer.resume_strict=true does not fall back to an older checkpoint (restore the file, or "
+                    "set trainer.resume_strict=false to resume from the newest intact one)")
+        else:
+            raise CheckpointDamagedError(
+                f"--resume: no intact checkpoint under {self.root}: "
+                + "; ".join(d.describe() for d in damaged)
+                + " (restore the files from a copy, or start over from a policy with model.pretrain)")
+        if not verdict.verified:
+            logger.warning("checkpoint %s has no %s (written by an mmrlhf before checkpoints carried one): its "
+                           "files cannot be verified; resuming it as it is", folder, MANIFEST)
+        if damaged:
+            for bad in damaged:
+                self._set_aside(bad, folder)
+            self._point_latest(folder.name)
+            logger.warning("resuming from %s (step %d), the newest intact checkpoint, instead of the damaged %s",
+                           folder, self.step_of(folder), ", ".join(d.folder.name for d in damaged))
+        return folder
+
+    def _set_aside(self, verdict: Verdict, instead: Path) -> Path:
+        """Rename a damaged checkpoint out of the listing (``step-NNNNNNNN.damaged``, numbered if taken) and leave
+        a note in it: the run's later saves and pruning no longer see it; what to do with it is the user's call."""
+        target = verdict.folder.with_name(verdict.folder.name + DAMAGED_SUFFIX)
+        n = 1
+        while target.exists():
+            n += 1
+            target = verdict.folder.with_name(f"{verdict.folder.name}{DAMAGED_SUFFIX}-{n}")
+        os.rename(verdict.folder, target)
+        (target / DAMAGE_NOTE).write_text(
+            f"{verdict.folder.name} was found damaged by a --resume and set aside:\n  {verdict.file}: "
+            f"{verdict.reason}\nThe run resumed from {instead.name}. Nothing reads this folder any more: delete it "
+            "once you no longer need its files.\n")
+        logger.warning("set the damaged checkpoint aside as %s", target)
+        return target
 
     @staticmethod
     def step_of(path: str | Path) -> int:
