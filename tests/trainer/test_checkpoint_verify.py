@@ -17,6 +17,7 @@ import pytest
 from mmrlhf.trainer.checkpoint import CheckpointDamagedError, CheckpointManager, save_collective
 from mmrlhf.trainer.checkpoint_manifest import MANIFEST, STATE_KEY, checkpoint_files, verify_checkpoint, \
     write_manifest
+from trainer_helpers import flip_a_byte, truncate
 
 
 def _write(step: int, *, marker: bool = True):
@@ -37,16 +38,6 @@ def _saved(root: Path, steps=(2, 4), **kwargs) -> CheckpointManager:
     for step in steps:
         mgr.save(step, _write(step))
     return mgr
-
-
-def truncate(path: Path, keep: float = 0.5) -> None:
-    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
-
-
-def flip_a_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def _edit_manifest(folder: Path, change) -> None:
