@@ -25,7 +25,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from mmrlhf.trainer.checkpoint_manifest import MANIFEST, Verdict, verify_checkpoint, write_manifest
+from mmrlhf.trainer.checkpoint_manifest import MANIFEST, Checksums, Verdict, local_checksums, split_by_size, \
+    verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,9 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """Run ``write(folder)`` into a fresh temporary folder and publish it as the checkpoint of ``step``."""
+    def save(self, step: int, write: Callable[[Path], None], *, checksums: Checksums | None = None) -> Path:
+        """Run ``write(folder)`` into a fresh temporary folder, record its manifest (``checksums``: how the files'
+        checksums are computed, default in this process) and publish it as the checkpoint of ``step``."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_orphans()
         final = self.root / step_dir_name(step)
@@ -98,7 +100,7 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             write(tmp)  # every rank's files are in tmp when it returns (save_collective)
-            write_manifest(tmp)
+            write_manifest(tmp, checksums)
             _fsync_tree(tmp)
         except BaseException as exc:
             written = _tree_bytes(tmp)
@@ -183,7 +185,7 @@ class CheckpointManager:
                 + "; ".join(d.describe() for d in damaged)
                 + " (restore the files from a copy, or start over from a policy with model.pretrain)")
         if not verdict.verified:
-            logger.warning("checkpoint %s has no %s (written by an mmrlhf before checkpoints carried one): its "
+            logger.warning("checkpoint %s has no %s (written by a version before checkpoints carried one): its "
                            "files cannot be verified; resuming it as it is", folder, MANIFEST)
         if damaged:
             for bad in damaged:
@@ -283,18 +285,47 @@ def check_resume_mode(folder: Path, *, launch: str, world_size: int) -> None:
 
 def save_collective(world: Any, manager: CheckpointManager, step: int, write: Callable[[Path], None]) -> Path:
     """``manager.save(step, write)`` run by every rank: rank 0 owns the (temporary) folder and tells the others where
-    it is; ``write(folder)`` runs on every rank; the folder is renamed into place once all have returned. Returns
-    the final path. In a world of one rank it is ``manager.save`` itself."""
+    it is; ``write(folder)`` runs on every rank; once all have returned, every rank checksums its share of the files
+    (:func:`_hash_share`), rank 0 writes the one manifest and renames the folder into place. Returns the final path.
+    In a world of one rank it is ``manager.save`` itself."""
     if world.is_main:
         def write_all(tmp: Path) -> None:
             world.broadcast_object(str(tmp))
             write(tmp)
             world.barrier()
 
-        path = manager.save(step, write_all)
+        def shared(folder: Path, names: list[str]) -> dict[str, str]:
+            return _hash_share(world, folder, names)
+
+        path = manager.save(step, write_all, checksums=shared if world.world_size > 1 else None)
         world.broadcast_object(str(path))
         return path
     tmp = Path(world.broadcast_object(None))
     write(tmp)
     world.barrier()
+    if world.world_size > 1:
+        _hash_share(world, tmp, None)
     return Path(world.broadcast_object(None))
+
+
+def _hash_share(world: Any, folder: Path, names: list[str] | None) -> dict[str, str]:
+    """Every rank checksums its share of the checkpoint's files (rank 0 deals ``names`` by size): a save of many
+    ranks reads each file once, spread over the ranks' nodes, instead of rank 0 reading a sharded optimiser's every
+    byte. Rank 0 gets every checksum (the others an empty dict). A rank that cannot read its share answers with the
+    error (no rank is left waiting); rank 0 raises it."""
+    parts = None
+    if world.is_main:
+        names = names or []
+        parts = split_by_size(names, [(folder / n).stat().st_size for n in names], world.world_size)
+    mine = world.scatter_objects(parts)
+    try:
+        result: dict[str, str] | str = local_checksums(folder, mine)
+    except OSError as exc:
+        result = f"rank {world.rank}: {exc}"
+    gathered = world.gather_objects(result)
+    if not world.is_main:
+        return {}
+    errors = [g for g in gathered if isinstance(g, str)]
+    if errors:
+        raise OSError(f"checksumming the checkpoint's files in {folder} failed: " + "; ".join(errors))
+    return {name: digest for part in gathered for name, digest in part.items()}

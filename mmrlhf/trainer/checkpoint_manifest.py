@@ -9,9 +9,10 @@ a damaged checkpoint is named with its first damaged file and why, before anythi
 
 SHA-256 because OpenSSL computes it with the CPU's SHA instructions (x86 SHA-NI, ARMv8 crypto), which every
 current server CPU has: 1.46 GB/s a core measured here against 0.85 GB/s for BLAKE2b (docs/training.md). The files
-are hashed on several threads (hashlib releases the GIL), so a multi-file checkpoint costs about its largest
-file's time. The manifest carries a checksum of its own entries, so an edited or corrupted manifest is caught as
-surely as a truncated one.
+are hashed on several threads (hashlib releases the GIL), and a save of several ranks splits them over the ranks
+(:func:`~mmrlhf.trainer.checkpoint.save_collective`), so no one process reads a sharded optimiser's every byte. The
+manifest carries a checksum of its own entries, so an edited or corrupted manifest is caught as surely as a
+truncated one.
 
 A checkpoint without a manifest was written before manifests existed (accepted, unverified) unless its
 ``trainer_state.json`` says it has one (:data:`STATE_KEY`): then the manifest was lost, and the checkpoint is
@@ -28,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ ALGORITHM = "sha256"
 FORMAT = 1
 _CHUNK = 4 << 20  # read size while hashing: large enough that the hash, not the syscalls, sets the speed
 _THREADS = 8
+
+Checksums = Callable[[Path, list[str]], dict[str, str]]  # (folder, relative names) -> name -> hex checksum
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,10 @@ class Verdict:
         return self.file is None
 
     def describe(self) -> str:
-        """``step-00000004/model/model.safetensors: 812 bytes, the manifest records 1654904 (truncated)``."""
+        """``step-00000004/model/model.safetensors: 812 bytes, the manifest records 1654904 (truncated)``, or
+        ``step-00000004: intact`` (``intact, unverified: no manifest.json``)."""
+        if self.intact:
+            return f"{self.folder.name}: intact" + ("" if self.verified else f", unverified: no {MANIFEST}")
         return f"{self.folder.name}/{self.file}: {self.reason}"
 
 
@@ -76,13 +82,24 @@ def _entries_checksum(files: dict[str, Any]) -> str:
     return hashlib.new(ALGORITHM, canonical.encode()).hexdigest()
 
 
-def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
-    """Checksums of ``names`` (relative to ``folder``), on several threads."""
+def local_checksums(folder: Path, names: Sequence[str]) -> dict[str, str]:
+    """Checksums of ``names`` (relative to ``folder``), on several threads of this process."""
     if not names:
         return {}
     workers = max(1, min(len(names), os.cpu_count() or 1, _THREADS))
     with ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-hash") as pool:
         return dict(zip(names, pool.map(lambda name: file_checksum(folder / name), names)))
+
+
+def split_by_size(names: Sequence[str], sizes: Sequence[int], parts: int) -> list[list[str]]:
+    """``names`` dealt into ``parts`` lists of about equal bytes (largest first, each to the lightest list)."""
+    out: list[list[str]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for size, name in sorted(zip(sizes, names), key=lambda pair: (-pair[0], pair[1])):
+        lightest = load.index(min(load))
+        out[lightest].append(name)
+        load[lightest] += size
+    return out
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -96,15 +113,18 @@ def checkpoint_files(folder: Path) -> list[str]:
     return sorted(name for name in found if name != MANIFEST)
 
 
-def write_manifest(folder: str | Path) -> dict[str, Any]:
+def write_manifest(folder: str | Path, checksums: Checksums | None = None) -> dict[str, Any]:
     """Record every file under ``folder`` (size and checksum) in ``folder/manifest.json``; returns the manifest.
 
     Called by the save once every rank's files are in the (temporary) folder, before it is synced and renamed into
-    place. Also the way to re-seal a checkpoint after editing one of its files on purpose."""
+    place; ``checksums`` computes them (default: this process, :func:`local_checksums`; a save of several ranks
+    spreads the work over them). Also the way to re-seal a checkpoint after editing one of its files on purpose."""
     folder = Path(folder)
     t0 = time.perf_counter()
     names = checkpoint_files(folder)
-    sums = _checksums(folder, names)
+    sums = (checksums or local_checksums)(folder, names)
+    if sorted(sums) != names:
+        raise RuntimeError(f"checksums of {folder}: {len(sums)} files hashed, {len(names)} listed")
     files = {name: {"size": (folder / name).stat().st_size, ALGORITHM: sums[name]} for name in names}
     manifest = {"format": FORMAT, "algorithm": ALGORITHM, "files": files, "checksum": _entries_checksum(files)}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -132,7 +152,7 @@ def verify_checkpoint(folder: str | Path, *, checksums: bool = True) -> Verdict:
             how = "truncated" if have < want else "longer than written"
             return Verdict(folder, name, f"{have} bytes, the manifest records {want} ({how})")
     if checksums:
-        sums = _checksums(folder, sorted(files))
+        sums = local_checksums(folder, sorted(files))
         for name in sorted(files):
             if sums[name] != files[name][ALGORITHM]:
                 return Verdict(folder, name, f"its {ALGORITHM} differs from the manifest's (same size, other "

@@ -60,6 +60,7 @@ def test_the_save_records_every_file_and_an_intact_checkpoint_verifies(tmp_path)
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     verdict = verify_checkpoint(folder)
     assert verdict.intact and verdict.verified and verdict.file is None  # control: nothing is flagged
+    assert verdict.describe() == "step-00000004: intact"
     assert verify_checkpoint(mgr.checkpoints()[0]).intact
 
 
@@ -114,6 +115,7 @@ def test_a_checkpoint_from_before_manifests_is_accepted_unverified_with_one_warn
     (mgr.latest() / MANIFEST).unlink()  # what an older mmrlhf wrote: no manifest, no marker in the trainer state
     verdict = verify_checkpoint(mgr.latest())
     assert verdict.intact and not verdict.verified
+    assert verdict.describe() == "step-00000003: intact, unverified: no manifest.json"
     with caplog.at_level(logging.WARNING, logger="mmrlhf.trainer.checkpoint"):
         assert mgr.resume_point() == mgr.latest()
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -217,7 +219,7 @@ class _ThreadWorld:
 
     def __init__(self, rank: int, shared: dict, barrier: threading.Barrier) -> None:
         self.rank, self.shared, self._barrier = rank, shared, barrier
-        self.is_main = rank == 0
+        self.world_size, self.is_main = 2, rank == 0
 
     def broadcast_object(self, obj):
         if self.is_main:
@@ -227,14 +229,35 @@ class _ThreadWorld:
         self._barrier.wait()
         return out
 
+    def scatter_objects(self, parts):
+        return self.broadcast_object(parts)[self.rank]
+
+    def gather_objects(self, obj):
+        self.shared[f"gather-{self.rank}"] = obj
+        self._barrier.wait()
+        out = [self.shared[f"gather-{r}"] for r in (0, 1)]
+        self._barrier.wait()
+        return out
+
     def barrier(self) -> None:
         self._barrier.wait()
 
 
-def test_a_collective_save_records_every_ranks_files_once_all_exist(tmp_path):
-    """Rank 1 writes its shard late: the manifest (written once, by rank 0's save) still lists it."""
+def test_a_collective_save_records_every_ranks_files_once_all_exist_and_the_ranks_share_the_hashing(
+        tmp_path, monkeypatch):
+    """Rank 1 writes its shard late: the manifest (written once, by rank 0's save) still lists it; each rank
+    checksummed part of the files (dealt by size), and every checksum is right."""
+    import mmrlhf.trainer.checkpoint as checkpoint
+
     mgr = CheckpointManager(tmp_path / "ck")
-    shared, barrier, paths, errors = {}, threading.Barrier(2), {}, []
+    shared, barrier, paths, errors, hashed = {}, threading.Barrier(2), {}, [], {}
+    real = checkpoint.local_checksums
+
+    def recording(folder, names):
+        hashed[threading.current_thread().name] = sorted(names)
+        return real(folder, names)
+
+    monkeypatch.setattr(checkpoint, "local_checksums", recording)
 
     def write(world):
         def into(folder: Path) -> None:
@@ -242,6 +265,8 @@ def test_a_collective_save_records_every_ranks_files_once_all_exist(tmp_path):
                 time.sleep(0.3)
             (folder / "optimizer").mkdir(exist_ok=True)
             (folder / "optimizer" / f"__{world.rank}_0.distcp").write_bytes(b"s" * (1000 + world.rank))
+            if world.is_main:
+                (folder / "trainer_state.json").write_text("{}")
         return into
 
     def rank(r):
@@ -252,7 +277,7 @@ def test_a_collective_save_records_every_ranks_files_once_all_exist(tmp_path):
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
@@ -260,6 +285,47 @@ def test_a_collective_save_records_every_ranks_files_once_all_exist(tmp_path):
     assert not errors, errors
     assert paths[0] == paths[1] == tmp_path / "ck" / "step-00000007"
     manifest = json.loads((paths[0] / MANIFEST).read_text())
-    assert sorted(manifest["files"]) == ["optimizer/__0_0.distcp", "optimizer/__1_0.distcp"]
+    assert sorted(manifest["files"]) == ["optimizer/__0_0.distcp", "optimizer/__1_0.distcp", "trainer_state.json"]
     assert manifest["files"]["optimizer/__1_0.distcp"]["size"] == 1001
+    # the largest file to one rank, the next two to the other; every file hashed once
+    assert hashed == {"rank-0": ["optimizer/__1_0.distcp"], "rank-1": ["optimizer/__0_0.distcp", "trainer_state.json"]}
     assert verify_checkpoint(paths[0]).intact
+
+
+def test_a_rank_that_cannot_read_its_share_fails_the_save_on_rank_0_and_nothing_is_published(tmp_path, monkeypatch):
+    import mmrlhf.trainer.checkpoint as checkpoint
+
+    real = checkpoint.local_checksums
+
+    def failing_on_rank_1(folder, names):
+        if threading.current_thread().name == "rank-1":
+            raise OSError(5, "Input/output error")
+        return real(folder, names)
+
+    monkeypatch.setattr(checkpoint, "local_checksums", failing_on_rank_1)
+    mgr = CheckpointManager(tmp_path / "ck")
+    shared, barrier, errors = {}, threading.Barrier(2), {}
+
+    def rank(r):
+        world = _ThreadWorld(r, shared, barrier)
+        try:
+            save_collective(world, mgr, 1, lambda folder: (folder / f"rank{r}.bin").write_bytes(b"x" * (10 + r)))
+        except BaseException as exc:  # rank 0 raises; rank 1 then waits for a path that never comes (aborted here)
+            errors[r] = exc
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert isinstance(errors[0], OSError) and "failed: rank 1: [Errno 5] Input/output error" in str(errors[0])
+    assert mgr.checkpoints() == [] and list((tmp_path / "ck").iterdir()) == []  # the temporary folder went too
+
+
+def test_files_are_dealt_to_ranks_by_size():
+    from mmrlhf.trainer.checkpoint_manifest import split_by_size
+
+    parts = split_by_size(["a", "b", "c", "d", "e"], [10, 70, 30, 40, 5], 2)
+    assert parts == [["b", "a"], ["d", "c", "e"]]  # 80 and 75 bytes
+    assert split_by_size(["a"], [3], 3) == [["a"], [], []]
