@@ -172,13 +172,13 @@ class CheckpointManager:
             verdict = verify_checkpoint(folder)
             if verdict.intact:
                 break
-            logger.warning("checkpoint %s is damaged: %s: %s", folder, verdict.file, verdict.reason)
-            damaged.append(verdict)
             if strict:
                 raise CheckpointDamagedError(
                     f"--resume: the latest checkpoint {folder} is damaged: {verdict.file}: {verdict.reason}; "
                     "trainer.resume_strict=true does not fall back to an older checkpoint (restore the file, or "
                     "set trainer.resume_strict=false to resume from the newest intact one)")
+            logger.warning("checkpoint %s is damaged: %s: %s", folder, verdict.file, verdict.reason)
+            damaged.append(verdict)
         else:
             raise CheckpointDamagedError(
                 f"--resume: no intact checkpoint under {self.root}: "

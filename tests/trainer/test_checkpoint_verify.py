@@ -153,13 +153,14 @@ def test_several_damaged_checkpoints_are_passed_over_newest_first(tmp_path):
         "step-00000002", "step-00000004.damaged", "step-00000006.damaged"]
 
 
-def test_strict_refuses_a_damaged_latest_by_name_and_changes_nothing(tmp_path):
+def test_strict_refuses_a_damaged_latest_by_name_and_changes_nothing(tmp_path, caplog):
     root = tmp_path / "ck"
     mgr = _saved(root)
     truncate(root / "step-00000004/model/model.safetensors")
     before = sorted(p.name for p in root.iterdir())
-    with pytest.raises(CheckpointDamagedError) as err:
+    with pytest.raises(CheckpointDamagedError) as err, caplog.at_level(logging.WARNING):
         mgr.resume_point(strict=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the error alone says it, once
     text = str(err.value)
     assert f"the latest checkpoint {root / 'step-00000004'} is damaged: model/model.safetensors:" in text
     assert "trainer.resume_strict=true" in text and "\n" not in text
