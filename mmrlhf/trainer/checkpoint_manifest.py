@@ -7,9 +7,11 @@ checkpoint and fails deep inside safetensors or torch. So every save records ``m
 files exist (size and SHA-256 of each file, relative path -> entry) and a resume compares the folder with it first:
 a damaged checkpoint is named with its first damaged file and why, before anything loads.
 
-SHA-256 because OpenSSL computes it with the CPU's SHA instructions (x86 SHA-NI, ARMv8 crypto), which every
-current server CPU has: 1.46 GB/s a core measured here against 0.85 GB/s for BLAKE2b (docs/training.md). The files
-are hashed on several threads (hashlib releases the GIL), and a save of several ranks splits them over the ranks
+SHA-256 because OpenSSL computes it with the CPU's SHA instructions (x86 SHA-NI: AMD Zen, Intel since Ice Lake;
+ARMv8), which today's GPU nodes have: 1.46 GB/s a core measured here against 0.85 GB/s for BLAKE2b
+(docs/training.md); an older Xeon without them hashes at about half BLAKE2b's speed. The manifest names its
+algorithm, so another can follow without breaking older checkpoints. The files are hashed on several threads
+(hashlib releases the GIL), and a save of several ranks splits them over the ranks
 (:func:`~mmrlhf.trainer.checkpoint.save_collective`), so no one process reads a sharded optimiser's every byte. The
 manifest carries a checksum of its own entries, so an edited or corrupted manifest is caught as surely as a
 truncated one.
