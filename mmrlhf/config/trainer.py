@@ -107,6 +107,10 @@ class TrainerConfig(Section):
     """Checkpoint every this many steps (and at the end, and on Ctrl-C)."""
     keep_last: Optional[int] = Field(default=3, ge=1)
     """Checkpoints kept on disk (oldest removed first); None keeps all."""
+    resume_strict: bool = False
+    """``--resume`` when the latest checkpoint is damaged (a file missing, truncated or changed since the save,
+    checked against the checkpoint's ``manifest.json``): false falls back to the newest intact checkpoint (with a
+    warning naming the damaged file; the damaged one is set aside as ``step-N.damaged``), true refuses by name."""
     log_steps: int = Field(default=1, ge=1)
     """Write metrics (JSONL, TensorBoard, W&B) every this many steps; the progress bar shows every step."""
     tensorboard: bool = True

@@ -115,18 +115,18 @@ def _engine_dtype(config: MMRLHFConfig) -> str:
     return engine_dtype(config.rollout.dtype)
 
 
-def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool) -> Path | None:
-    """The checkpoint to resume from (None: a fresh run); refuses to mix a fresh run into an old one, and a second
-    live process writing into the same folder (:func:`~mmrlhf.trainer.output_lock.lock_output_dir`)."""
+def _prepare_output(out: Path, checkpoints: CheckpointManager, *, resume: bool, overwrite: bool,
+                    strict: bool = False) -> Path | None:
+    """The checkpoint to resume from (None: a fresh run), verified against its manifest (a damaged latest one falls
+    back to the newest intact one, or with ``strict`` is refused: :meth:`CheckpointManager.resume_point`); refuses to
+    mix a fresh run into an old one, and a second live process writing into the same folder
+    (:func:`~mmrlhf.trainer.output_lock.lock_output_dir`). Rank 0 alone, in every launch mode."""
     from mmrlhf.trainer.output_lock import lock_output_dir
 
     lock_output_dir(out)  # before anything is read or cleaned: the other run may be mid-save
     checkpoints.remove_orphans()  # a save that was killed (or ran out of disk) left a half-written folder
     if resume:
-        latest = checkpoints.latest()
-        if latest is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {checkpoints.root} (nothing to resume)")
-        return latest
+        return checkpoints.resume_point(strict=strict)
     if checkpoints.checkpoints() or (out / "metrics.jsonl").exists():
         if not overwrite:
             raise FileExistsError(
@@ -218,7 +218,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
     resume_from = refused = None
     if world.is_main:  # rank 0 alone cleans the folder; the others learn its choice, or its refusal, and stop too
         try:
-            resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir)
+            resume_from = _prepare_output(out, checkpoints, resume=resume, overwrite=t.overwrite_output_dir,
+                                          strict=t.resume_strict)
         except (OSError, ValueError) as exc:
             refused = exc
     resume_from, refused = world.broadcast_object((resume_from, refused))

@@ -5,6 +5,11 @@ A save writes everything into a private ``.tmp-...`` folder, syncs it to disk, r
 at any moment therefore leaves the previous checkpoint intact and ``latest`` pointing at it; the orphaned
 temporary folder is removed by the next save. ``keep_last`` prunes the oldest complete checkpoints after a save.
 
+Before the sync, the save records every file's size and checksum in the folder's ``manifest.json``
+(:mod:`~mmrlhf.trainer.checkpoint_manifest`); :meth:`CheckpointManager.resume_point` checks the latest checkpoint
+against it before a resume trusts it, and falls back to the newest intact one (setting the damaged ones aside as
+``step-NNNNNNNN.damaged``) or refuses by name.
+
 What goes inside is the trainer's business (see ``loop.Trainer.write_checkpoint``): the model in Hugging Face
 format (loadable by transformers and vLLM), optimiser and scheduler state (``torch.save`` of tensors and plain
 values, read back with ``weights_only=True``), RNG states and the trainer state as JSON.
@@ -20,6 +25,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+from mmrlhf.trainer.checkpoint_manifest import MANIFEST, Checksums, Verdict, local_checksums, split_by_size, \
+    verify_checkpoint, write_manifest
+
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
@@ -27,6 +35,14 @@ _NAME = re.compile(r"^step-(\d{8})$")
 
 class CheckpointSpaceError(OSError):
     """A checkpoint could not be written for lack of disk space (the message says how much is needed)."""
+
+
+class CheckpointDamagedError(ValueError):
+    """``--resume`` found no checkpoint it may trust (the message names each one checked and its damaged file)."""
+
+
+DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint set aside by a resume that fell back: step-NNNNNNNN.damaged
+DAMAGE_NOTE = "DAMAGED.txt"  # inside it: what was found, and when
 
 
 def _tree_bytes(path: Path | None) -> int:
@@ -73,8 +89,9 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, step: int, write: Callable[[Path], None]) -> Path:
-        """Run ``write(folder)`` into a fresh temporary folder and publish it as the checkpoint of ``step``."""
+    def save(self, step: int, write: Callable[[Path], None], *, checksums: Checksums | None = None) -> Path:
+        """Run ``write(folder)`` into a fresh temporary folder, record its manifest (``checksums``: how the files'
+        checksums are computed, default in this process) and publish it as the checkpoint of ``step``."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._remove_orphans()
         final = self.root / step_dir_name(step)
@@ -82,7 +99,8 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            write(tmp)
+            write(tmp)  # every rank's files are in tmp when it returns (save_collective)
+            write_manifest(tmp, checksums)
             _fsync_tree(tmp)
         except BaseException as exc:
             written = _tree_bytes(tmp)
@@ -136,6 +154,62 @@ class CheckpointManager:
             logger.warning("%s names %r, which is missing; using the newest checkpoint instead", pointer, target.name)
         found = self.checkpoints()
         return found[-1] if found else None
+
+    def resume_point(self, *, strict: bool = False) -> Path:
+        """The checkpoint ``--resume`` continues from: :meth:`latest` when it is intact (its files match its
+        manifest). A damaged one is logged (folder, file, why); then, unless ``strict``, the older checkpoints are
+        checked newest first and the first intact one is used: the damaged newer ones are set aside (renamed
+        ``step-NNNNNNNN.damaged``, with a note of what was found; never deleted) and ``latest`` is repointed, so
+        that pruning and the next saves see only the checkpoints the run continues from. Raises
+        :class:`CheckpointDamagedError` naming every checkpoint checked and its first damaged file when none is
+        intact (or, ``strict``, when the latest is not), and ``FileNotFoundError`` when there is no checkpoint."""
+        latest = self.latest()
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.root} (nothing to resume)")
+        older = [p for p in reversed(self.checkpoints()) if self.step_of(p) < self.step_of(latest)]
+        damaged: list[Verdict] = []
+        for folder in [latest, *older]:
+            verdict = verify_checkpoint(folder)
+            if verdict.intact:
+                break
+            if strict:
+                raise CheckpointDamagedError(
+                    f"--resume: the latest checkpoint {folder} is damaged: {verdict.file}: {verdict.reason}; "
+                    "trainer.resume_strict=true does not fall back to an older checkpoint (restore the file, or "
+                    "set trainer.resume_strict=false to resume from the newest intact one)")
+            logger.warning("checkpoint %s is damaged: %s: %s", folder, verdict.file, verdict.reason)
+            damaged.append(verdict)
+        else:
+            raise CheckpointDamagedError(
+                f"--resume: no intact checkpoint under {self.root}: "
+                + "; ".join(d.describe() for d in damaged)
+                + " (restore the files from a copy, or start over from a policy with model.pretrain)")
+        if not verdict.verified:
+            logger.warning("checkpoint %s has no %s (written by a version before checkpoints carried one): its "
+                           "files cannot be verified; resuming it as it is", folder, MANIFEST)
+        if damaged:
+            for bad in damaged:
+                self._set_aside(bad, folder)
+            self._point_latest(folder.name)
+            logger.warning("resuming from %s (step %d), the newest intact checkpoint, instead of the damaged %s",
+                           folder, self.step_of(folder), ", ".join(d.folder.name for d in damaged))
+        return folder
+
+    def _set_aside(self, verdict: Verdict, instead: Path) -> Path:
+        """Rename a damaged checkpoint out of the listing (``step-NNNNNNNN.damaged``, numbered if taken) and leave
+        a note in it: the run's later saves and pruning no longer see it; what to do with it is the user's call."""
+        target = verdict.folder.with_name(verdict.folder.name + DAMAGED_SUFFIX)
+        n = 1
+        while target.exists():
+            n += 1
+            target = verdict.folder.with_name(f"{verdict.folder.name}{DAMAGED_SUFFIX}-{n}")
+        os.rename(verdict.folder, target)
+        (target / DAMAGE_NOTE).write_text(
+            f"{verdict.folder.name} was found damaged by a --resume and set aside:\n  {verdict.file}: "
+            f"{verdict.reason}\nThe run resumed from {instead.name}. Nothing reads this folder any more: delete it "
+            "once you no longer need its files.\n")
+        logger.warning("set the damaged checkpoint aside as %s", target)
+        return target
 
     @staticmethod
     def step_of(path: str | Path) -> int:
@@ -211,18 +285,47 @@ def check_resume_mode(folder: Path, *, launch: str, world_size: int) -> None:
 
 def save_collective(world: Any, manager: CheckpointManager, step: int, write: Callable[[Path], None]) -> Path:
     """``manager.save(step, write)`` run by every rank: rank 0 owns the (temporary) folder and tells the others where
-    it is; ``write(folder)`` runs on every rank; the folder is renamed into place once all have returned. Returns
-    the final path. In a world of one rank it is ``manager.save`` itself."""
+    it is; ``write(folder)`` runs on every rank; once all have returned, every rank checksums its share of the files
+    (:func:`_hash_share`), rank 0 writes the one manifest and renames the folder into place. Returns the final path.
+    In a world of one rank it is ``manager.save`` itself."""
     if world.is_main:
         def write_all(tmp: Path) -> None:
             world.broadcast_object(str(tmp))
             write(tmp)
             world.barrier()
 
-        path = manager.save(step, write_all)
+        def shared(folder: Path, names: list[str]) -> dict[str, str]:
+            return _hash_share(world, folder, names)
+
+        path = manager.save(step, write_all, checksums=shared if world.world_size > 1 else None)
         world.broadcast_object(str(path))
         return path
     tmp = Path(world.broadcast_object(None))
     write(tmp)
     world.barrier()
+    if world.world_size > 1:
+        _hash_share(world, tmp, None)
     return Path(world.broadcast_object(None))
+
+
+def _hash_share(world: Any, folder: Path, names: list[str] | None) -> dict[str, str]:
+    """Every rank checksums its share of the checkpoint's files (rank 0 deals ``names`` by size): a save of many
+    ranks reads each file once, spread over the ranks' nodes, instead of rank 0 reading a sharded optimiser's every
+    byte. Rank 0 gets every checksum (the others an empty dict). A rank that cannot read its share answers with the
+    error (no rank is left waiting); rank 0 raises it."""
+    parts = None
+    if world.is_main:
+        names = names or []
+        parts = split_by_size(names, [(folder / n).stat().st_size for n in names], world.world_size)
+    mine = world.scatter_objects(parts)
+    try:
+        result: dict[str, str] | str = local_checksums(folder, mine)
+    except OSError as exc:
+        result = f"rank {world.rank}: {exc}"
+    gathered = world.gather_objects(result)
+    if not world.is_main:
+        return {}
+    errors = [g for g in gathered if isinstance(g, str)]
+    if errors:
+        raise OSError(f"checksumming the checkpoint's files in {folder} failed: " + "; ".join(errors))
+    return {name: digest for part in gathered for name, digest in part.items()}

@@ -11,7 +11,10 @@ Layout (inside a :class:`~mmrlhf.trainer.checkpoint.CheckpointManager` folder):
 - ``steppers.pt``: the schedulers and skip counters (plain values, read with ``weights_only=True``).
 - ``rng-rank<r>.pt`` / ``.json``: each rank's random states (restored when the number of ranks is the same).
 - ``trainer_state.json``: one schema (:data:`SCHEMA`) in every mode: the launch mode and ranks that wrote it, the
-  trainer's counters, the rollout source's position (data order, sampling counters) and the run's config.
+  trainer's counters, the rollout source's position (data order, sampling counters) and the run's config; and that
+  the save records a manifest (so a lost ``manifest.json`` reads as damage, not as an older checkpoint).
+- ``manifest.json``: every file's size and checksum, written by the save itself once all ranks' files exist
+  (:mod:`mmrlhf.trainer.checkpoint_manifest`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from mmrlhf.parallel.world import full
+from mmrlhf.trainer.checkpoint_manifest import MANIFEST, STATE_KEY
 from mmrlhf.trainer.progress import no_library_bars
 from mmrlhf.trainer.state import TrainerState, restore_rng, rng_state_json, rng_state_tensors
 
@@ -51,7 +55,7 @@ def write_run_state(trainer: Any, folder: Path) -> None:
         steppers["critic"] = _counters(p.critic.stepper)
     torch.save(steppers, folder / "steppers.pt")
     state = {"schema": SCHEMA, "launch": world.launch, "world_size": world.world_size,
-             "trainer": trainer.state.to_json(), "rollouts": rollouts, "config": trainer.s.config}
+             "trainer": trainer.state.to_json(), "rollouts": rollouts, "config": trainer.s.config, STATE_KEY: MANIFEST}
     (folder / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
 
 

@@ -216,6 +216,8 @@ def _stopped_at_two(single: Path, out: Path) -> Path:
     metrics rows."""
     import shutil
 
+    from mmrlhf.trainer.checkpoint_manifest import write_manifest
+
     folder = out / "checkpoints"
     folder.mkdir(parents=True)
     shutil.copytree(single / "checkpoints" / "step-00000002", folder / "step-00000002")
@@ -224,6 +226,7 @@ def _stopped_at_two(single: Path, out: Path) -> Path:
     state = json.loads(state_file.read_text())
     state["config"]["trainer"]["output_dir"] = str(out)
     state_file.write_text(json.dumps(state))
+    write_manifest(folder / "step-00000002")  # re-sealed after the edit, or the resume would find it damaged
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(single)[:2]))
     return out
 

@@ -49,6 +49,7 @@ def _rows(out: Path) -> list[dict]:
 
 def test_partial_rollouts_train_on_ray_and_a_resume_regenerates_the_batch_in_flight(cluster, tmp_path):
     from mmrlhf.launch.ray.driver import run_ray
+    from mmrlhf.trainer.checkpoint_manifest import write_manifest
 
     straight = tmp_path / "straight"
     assert run_ray(_config(straight)) == 0
@@ -79,6 +80,7 @@ def test_partial_rollouts_train_on_ray_and_a_resume_regenerates_the_batch_in_fli
     (resumed / "checkpoints" / "latest").write_text("step-00000002\n")
     state["config"]["trainer"]["output_dir"] = str(resumed)
     (resumed / "checkpoints" / "step-00000002" / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(resumed / "checkpoints" / "step-00000002")  # re-sealed after the edit, else it reads as damaged
     (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     assert run_ray(_config(resumed), resume=True) == 0
     again = _rows(resumed)

@@ -376,3 +376,49 @@ def test_vision_blocks_stay_in_the_root_unit(family):
     vision = {type(m).__name__ for m in tower.modules()} & every
     assert chosen and vision  # both kinds exist in every family
     assert set(chosen) == every - vision
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_damaged_rank_shard_falls_back_to_the_previous_checkpoint_or_is_refused_strictly(tmp_path, toy_model):
+    """Two ranks, checkpoints at steps 1 and 2; rank 1's optimiser shard of step 2 cut short. The manifest (written
+    once by rank 0 after both ranks wrote) lists both ranks' files; ``trainer.resume_strict=true`` refuses naming
+    the shard; without it the run warns, continues from step 1 (it trains and saves step 2 again) and finishes."""
+    from mmrlhf.trainer.checkpoint_manifest import MANIFEST, verify_checkpoint
+
+    out = tmp_path / "run"
+    common = [f"model.pretrain={toy_model}", f"trainer.output_dir={out}", "trainer.eval_steps=0",
+              "trainer.report_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
+              "trainer.save_steps=1", "trainer.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+              "trainer.train_batch_size=16", "trainer.micro_train_batch_size=8", "rollout.micro_rollout_batch_size=8"]
+    _torchrun("-m", "mmrlhf.cli", "train", str(TOY), *common, "trainer.max_steps=2", timeout=420)
+    step2 = out / "checkpoints" / "step-00000002"
+    listed = json.loads((step2 / MANIFEST).read_text())["files"]
+    assert {"optimizer/__0_0.distcp", "optimizer/__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"} <= set(listed)
+    shard = step2 / "optimizer" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    assert verify_checkpoint(step2).file == "optimizer/__1_0.distcp"
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "mmrlhf.cli",
+           "train", str(TOY), *common, "trainer.max_steps=3", "--resume"]
+    strict = subprocess.run([*cmd, "trainer.resume_strict=true"], env=_env(), capture_output=True, text=True,
+                            timeout=420, cwd=ROOT)
+    assert strict.returncode != 0, strict.stdout[-2000:]
+    assert f"error (rank 0): --resume: the latest checkpoint {step2} is damaged: optimizer/__1_0.distcp: " in \
+        strict.stderr, strict.stderr[-3000:]
+    # every rank stops with the misconfiguration code before reading a byte of the shard (the one traceback there is
+    # torchrun's agent reporting the exit code)
+    assert "exitcode  : 2" in strict.stderr and "PytorchStreamReader" not in strict.stderr
+    assert not (out / "checkpoints" / "step-00000002.damaged").exists()
+
+    resumed = _torchrun(*cmd[4:], timeout=420)
+    assert f"checkpoint {step2} is damaged: optimizer/__1_0.distcp: " in resumed.stderr, resumed.stderr[-3000:]
+    assert "done: step 3 on 2 ranks" in resumed.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    aside = out / "checkpoints" / "step-00000002.damaged"
+    assert "optimizer/__1_0.distcp" in (aside / "DAMAGED.txt").read_text()
+    # step 2 trained and saved again from step 1's state, and the optimiser's count went on from there
+    assert verify_checkpoint(step2).intact and verify_checkpoint(out / "checkpoints" / "step-00000003").intact
+    steppers = torch.load(out / "checkpoints" / "step-00000003" / "steppers.pt", weights_only=True)
+    assert steppers["policy"]["steps"] == 3

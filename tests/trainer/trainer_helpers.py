@@ -75,3 +75,15 @@ def flaky_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high)
 def nan_loss(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high):
     """Always NaN: a broken run."""
     return logprobs * float("nan"), {}
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    """Cut a file to ``keep`` of its bytes (what a preempted copy or a full disk leaves)."""
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+def flip_a_byte(path: Path) -> None:
+    """Change one byte in the middle of a file, keeping its size (what only a checksum sees)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
