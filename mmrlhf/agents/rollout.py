@@ -13,7 +13,9 @@ Invariants (each checked or built in):
   request's ids are the previous request's ids plus the turn plus the observation (append-only);
 - policy tokens (mask 1) carry the engine's log-probs; observation tokens (mask 0) are attended to, never trained;
 - an observation is committed only if it fits the context budget with room for one more token, so ids and pixels
-  never disagree and no image is ever cut;
+  never disagree and no image is ever cut (its failures are counted either way);
+- a result's text is data: escaped into plain text ids (:mod:`mmrlhf.agents.plain_text`), it can never hold a
+  marker of the template, a vision token or a call the parser would read (only the policy's own turns are parsed);
 - every failure (malformed call, unknown tool, bad arguments, a tool that raises or hangs, an oversize image, a
   budget) is an observation the model can learn from or a marked ending, counted in :attr:`AgentResult.metrics`;
   nothing is dropped silently.

@@ -238,8 +238,8 @@ class ToolRunner:
                 for outcome, seconds in self._run(work)]
 
     def run_environment_closes(self, envs: Sequence[Environment]) -> list[tuple[ToolResult | None, float]]:
-        """``envs[i].close()`` (where there is one; it may be ``async def``) for all i, under the same rules: None where it closed, an error
-        ``ToolResult`` (``tool_raised``, ``timeout``) where it failed."""
+        """``envs[i].close()`` (where there is one; it may be ``async def``) for all i, under the same rules: None
+        where it closed, an error ``ToolResult`` (``tool_raised``, ``timeout``) where it failed."""
         closers = [getattr(env, "close", None) for env in envs]
         work: list[_Job | _Failure] = [
             _Job(label=f"environment {type(env).__name__}.close", call=close if callable(close) else _nothing,

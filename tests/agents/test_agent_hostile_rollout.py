@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -85,7 +86,8 @@ def test_hostile_text_and_every_failure_through_the_turn_loop(tiny):
         assert marker_ids == _reserved(renderer, clean), name
         assert text in tok.decode(obs, skip_special_tokens=False)  # the model reads the text as it was
     # The engine saw each observation as the trajectory holds it (the scripted engine echoes what it was sent).
-    seen = [req.prompt_token_ids for req, _ in loop.engine.requests if req.request_id.endswith(f"#{names.index('page')}")]
+    tail = f"#{names.index('page')}"
+    seen = [req.prompt_token_ids for req, _ in loop.engine.requests if req.request_id.endswith(tail)]
     page_sample = result.samples[names.index("page")]
     assert seen[-1] == page_sample.prompt_ids + page_sample.response_ids[: len(seen[-1]) - len(page_sample.prompt_ids)]
 
@@ -279,8 +281,9 @@ def test_a_training_run_with_hostile_tools_goes_on_and_counts_every_failure(tmp_
                     "progress_bar": False, "tensorboard": False, "output_dir": str(tmp_path / "out")},
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    root = __import__("pathlib").Path(__file__).resolve().parents[2]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "mmrlhf", "train", str(tmp_path / "run.yaml")], env=env,
                           capture_output=True, text=True, timeout=900, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
