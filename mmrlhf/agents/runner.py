@@ -85,6 +85,20 @@ def _nothing_of(value: Any) -> None:
     return None
 
 
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """Run the tools' event loop until it is stopped. asyncio re-raises a task's KeyboardInterrupt or SystemExit
+    out of the loop itself; a call's own are caught in the call, but a task a tool started and left running may
+    still raise one: it is logged and the loop serves on (else every later async call would wait for its deadline
+    on a dead loop)."""
+    while True:
+        try:
+            loop.run_forever()
+            return
+        except BaseException as exc:  # this is the loop's own daemon thread: a user's Ctrl-C never arrives here
+            logger.warning("a task an async tool started raised %s; the tool event loop goes on", type(exc).__name__,
+                           exc_info=exc)
+
+
 async def _cancel_tasks() -> None:
     """Cancel every other task of the running loop and give them a moment to unwind."""
     tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
@@ -373,7 +387,7 @@ class ToolRunner:
         with self._loop_lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="mmrlhf-tool-loop", daemon=True)
+                thread = threading.Thread(target=_serve, args=(loop,), name="mmrlhf-tool-loop", daemon=True)
                 thread.start()
                 self._loop, self._loop_thread = loop, thread
             return self._loop

@@ -136,6 +136,31 @@ def test_every_failure_is_answered_once_with_its_kind_and_the_runner_goes_on(cap
     assert len(logged) == 2 * raising + 1 and all(r.exc_info for r in logged)  # each traceback logged once
 
 
+def test_a_task_an_async_tool_leaves_behind_cannot_stop_the_event_loop(caplog):
+    """asyncio re-raises a task's KeyboardInterrupt out of the loop itself: a task a tool started and left running
+    that raises one is logged, and the next async calls run at once on the same loop (not at their deadline)."""
+    class Leaves(Tool):
+        name = "leaves"
+
+        async def __call__(self, arguments, context):
+            async def later():
+                await asyncio.sleep(0.05)
+                raise KeyboardInterrupt
+
+            asyncio.get_running_loop().create_task(later())
+            return "left a task"
+
+    with ToolRunner({"leaves": Leaves(), **failing_tools()}, workers=1, timeout_s=3.0,
+                    max_image_pixels=100) as runner:
+        (first, _), = runner.run([(ToolCall("leaves", {}), CTX)])
+        time.sleep(0.3)  # the task raises meanwhile
+        start = time.monotonic()
+        out = runner.run([(ToolCall("a_zero", {}), CTX), (ToolCall("leaves", {}), CTX)])
+        assert time.monotonic() - start < 1.0
+    assert first.text == "left a task" and [r.error for r, _ in out] == ["tool_raised", None]
+    assert any("the tool event loop goes on" in r.getMessage() for r in caplog.records)
+
+
 def test_the_runners_own_deadline_cancellation_stays_a_timeout():
     class Slow(Tool):
         name = "slow"
