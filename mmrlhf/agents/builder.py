@@ -37,8 +37,7 @@ def build_agent(cfg: AgentConfig, *, engine: Any, tokenizer: Any, adapter: Any, 
         from mmrlhf.agents.environment import load_environment
 
         environment = load_environment(cfg.environment, dict(cfg.environment_options))
-    runner = ToolRunner(tools, workers=cfg.tool_workers, timeout_s=cfg.tool_timeout_s,
-                        max_image_pixels=cfg.max_image_pixels)
+    runner = ToolRunner.from_config(tools, cfg)
     return AgentLoop(engine, tokenizer, adapter, encode_images,
                      agent_limits(cfg, max_new_tokens=max_new_tokens, max_model_len=max_model_len), eos_ids, runner,
                      tools=tools if environment is None else None, environment=environment)

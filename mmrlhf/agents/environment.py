@@ -3,8 +3,9 @@
 One environment object serves one trajectory: the rollout makes it with the factory :func:`load_environment`
 returns, calls ``reset(record)`` once (its return value, if not None, is the first observation, shown before the
 first turn), then ``step(action_text)`` with the decoded text of each policy turn until a step says ``done`` or a
-budget ends the trajectory, then ``close()`` if the object has one. ``reset`` and ``step`` may be ``async def``;
-the runner (:meth:`mmrlhf.agents.runner.ToolRunner.run_environment_steps`) calls steps under the tool deadline.
+budget ends the trajectory, then ``close()`` if the object has one. ``reset``, ``step`` and ``close`` may be
+``async def``; the runner (:meth:`mmrlhf.agents.runner.ToolRunner.run_environment_steps`) calls each under the tool
+deadline, and whatever one raises (``BaseException`` included) is counted as that trajectory's failure.
 
 Example: :class:`mmrlhf.agents.example_env.GuessNumber` (``agent.environment:
 mmrlhf.agents.example_env:GuessNumber``).

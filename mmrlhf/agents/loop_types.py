@@ -78,6 +78,7 @@ class LoopStats:
     errors: dict[str, int] = field(default_factory=dict)
     calls_by_tool: dict[str, int] = field(default_factory=dict)
     empty: int = 0  # trajectories left out: ended before their first turn
+    escaped: int = 0  # shown results whose text held an added token's string (escaped: mmrlhf.agents.plain_text)
 
     def metrics(self, samples: list[AgentSample]) -> dict[str, float]:
         """Per-step agent metrics (docs/agents.md lists them): means per trajectory and counts."""
@@ -102,4 +103,5 @@ class LoopStats:
         for ending in ("answer", "done", "max_turns", "context", "length"):
             out[f"agent/ended/{ending}/count"] = float(sum(t.ended == ending for t in trajs))
         out["agent/ended/before_first_turn/count"] = float(self.empty)
+        out["agent/escaped_texts/count"] = float(self.escaped)
         return out

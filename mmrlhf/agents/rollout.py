@@ -13,7 +13,9 @@ Invariants (each checked or built in):
   request's ids are the previous request's ids plus the turn plus the observation (append-only);
 - policy tokens (mask 1) carry the engine's log-probs; observation tokens (mask 0) are attended to, never trained;
 - an observation is committed only if it fits the context budget with room for one more token, so ids and pixels
-  never disagree and no image is ever cut;
+  never disagree and no image is ever cut (its failures are counted either way);
+- a result's text is data: escaped into plain text ids (:mod:`mmrlhf.agents.plain_text`), it can never hold a
+  marker of the template, a vision token or a call the parser would read (only the policy's own turns are parsed);
 - every failure (malformed call, unknown tool, bad arguments, a tool that raises or hangs, an oversize image, a
   budget) is an observation the model can learn from or a marked ending, counted in :attr:`AgentResult.metrics`;
   nothing is dropped silently.
@@ -30,7 +32,6 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mmrlhf.agents.calls import parse_turn
-from mmrlhf.agents.environment import close_environment
 from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, ImageEncoder, LoopStats
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
@@ -147,9 +148,12 @@ class AgentLoop:
                            "step", len(empty), empty[0].sample_index, empty[0].ended)
         stats.empty = len(empty)
         samples = [self._finish(t) for t in live if t.group not in skipped and any(t.mask)]
-        for t in live:
-            if t.env is not None:
-                close_environment(t.env)
+        if self.environment is not None:  # closed under the tool deadline; a close that fails is counted
+            t_close = time.perf_counter()
+            closed = self.runner.run_environment_closes([t.env for t in live])
+            for failure in (f for f, _ in closed if f is not None):
+                stats.errors[failure.error] = stats.errors.get(failure.error, 0) + 1
+            seconds["tools"] += time.perf_counter() - t_close
         return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
 
     def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> _Live:
@@ -375,9 +379,15 @@ class AgentLoop:
         close = not opening and not (t.response and self.renderer.ends_turn(t.response[-1]))
         counts = [e.tokens for enc in encoded for e in enc]
         obs = self.renderer.tokens(results, counts, close_turn=close, environment=environment)
+        errors = [r.error for r in results if r.error is not None]
+        for e in errors:  # counted whether or not the observation fits: a failure is never lost
+            stats.errors[e] = stats.errors.get(e, 0) + 1
+        text = "\n".join(r.text for r in results if r.text)
         if len(t.ids) + len(obs) + 1 > self.limits.max_context_tokens:
             t.ended = "context"  # not committed: ids and pixels stay in agreement
+            t.turns.append(TurnRecord(role="tool", text=text, errors=errors, latency_s=latency))  # not shown
             return
+        stats.escaped += sum(self.renderer.escapes(r) for r in results)
         t.response.extend(obs)
         t.mask.extend([0] * len(obs))
         if t.logprobs is not None:
@@ -393,10 +403,7 @@ class AgentLoop:
                 grid = e.grid_thw.reshape(-1)
                 patch = self.adapter.patch_size
                 t.context.model_image_sizes.append((int(grid[2]) * patch, int(grid[1]) * patch))
-        errors = [r.error for r in results if r.error is not None]
-        for e in errors:
-            stats.errors[e] = stats.errors.get(e, 0) + 1
-        t.turns.append(TurnRecord(role="tool", text="\n".join(r.text for r in results if r.text),
+        t.turns.append(TurnRecord(role="tool", text=text,
                                   images=[im for enc in encoded for im in (e.image for e in enc)], errors=errors,
                                   latency_s=latency))
 

@@ -14,7 +14,16 @@ without a timeout) must not block the others or the step. So every call runs off
 - the threads are daemons (a hung call never blocks the interpreter's exit; the standard ThreadPoolExecutor joins
   its threads at exit, which is why it is not used here);
 - an exception becomes a ``tool_raised`` answer naming the tool and the exception (the traceback is logged at
-  WARNING via :mod:`logging`); an image over ``max_image_pixels`` (width x height) an ``image_too_large`` one.
+  WARNING via :mod:`logging`); an image over ``max_image_pixels`` (width x height) an ``image_too_large`` one, a
+  text over ``max_text_chars`` characters a ``text_too_long`` one (refused as a whole, as an oversize image: a cut
+  text could end inside a number or a sentence and the model could not tell; checked before any tokenising);
+- *any* exception a call raises is the call's failure, ``BaseException`` included: a tool's ``sys.exit``,
+  ``KeyboardInterrupt``, ``GeneratorExit`` or its own ``BaseException`` subclass never ends the rollout. This is
+  safe for a real Ctrl-C: Python runs signal handlers, so raises a user's ``KeyboardInterrupt``, in the main
+  thread only, and tools run in worker threads or on the event loop's thread, never in the main thread; the
+  main thread waits for the calls and a Ctrl-C there (or the trainer's stop handler,
+  :mod:`mmrlhf.trainer.interrupt`) acts as always. On the event loop, the cancellation the runner itself sends at a
+  deadline stays a cancellation (a ``timeout``); a ``CancelledError`` the tool raises on its own is its failure.
 
 Results come back in job order with the seconds each call ran. Calls of one trajectory share its ToolContext
 (``state`` included) and may run at the same time: tools that write ``state`` guard it themselves.
@@ -66,6 +75,28 @@ class _Job:
 
 def _short(text: str) -> str:
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+
+
+def _nothing() -> None:
+    return None
+
+
+def _nothing_of(value: Any) -> None:
+    return None
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """Run the tools' event loop until it is stopped. asyncio re-raises a task's KeyboardInterrupt or SystemExit
+    out of the loop itself; a call's own are caught in the call, but a task a tool started and left running may
+    still raise one: it is logged and the loop serves on (else every later async call would wait for its deadline
+    on a dead loop)."""
+    while True:
+        try:
+            loop.run_forever()
+            return
+        except BaseException as exc:  # this is the loop's own daemon thread: a user's Ctrl-C never arrives here
+            logger.warning("a task an async tool started raised %s; the tool event loop goes on", type(exc).__name__,
+                           exc_info=exc)
 
 
 async def _cancel_tasks() -> None:
@@ -139,19 +170,24 @@ class ToolRunner:
     """Runs batches of tool calls / environment steps concurrently under a per-call deadline (module docstring).
 
     ``tools``: the configured tools by name; ``workers``: threads for plain tools; ``timeout_s``: each call's
-    deadline; ``max_image_pixels``: the largest image (width x height) a call may return."""
+    deadline; ``max_image_pixels``: the largest image (width x height) a call may return; ``max_text_chars``: the
+    longest text (characters) a call may return."""
 
-    def __init__(self, tools: Mapping[str, Tool], *, workers: int, timeout_s: float, max_image_pixels: int) -> None:
+    def __init__(self, tools: Mapping[str, Tool], *, workers: int, timeout_s: float, max_image_pixels: int,
+                 max_text_chars: int = 32_768) -> None:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         if not isinstance(max_image_pixels, int) or max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be a positive int, got {max_image_pixels!r}")
+        if not isinstance(max_text_chars, int) or max_text_chars < 1:
+            raise ValueError(f"max_text_chars must be a positive int, got {max_text_chars!r}")
         self.tools = dict(tools)
         self.workers = workers
         self.timeout_s = float(timeout_s)
         self.max_image_pixels = max_image_pixels
+        self.max_text_chars = max_text_chars
         self._pool = _DaemonPool(workers, "mmrlhf-tool")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -160,9 +196,10 @@ class ToolRunner:
 
     @classmethod
     def from_config(cls, tools: Mapping[str, Tool], config: AgentConfig) -> "ToolRunner":
-        """A runner with ``agent.tool_workers``, ``agent.tool_timeout_s`` and ``agent.max_image_pixels``."""
+        """A runner with ``agent.tool_workers``, ``agent.tool_timeout_s``, ``agent.max_image_pixels`` and
+        ``agent.max_text_chars``."""
         return cls(tools, workers=config.tool_workers, timeout_s=config.tool_timeout_s,
-                   max_image_pixels=config.max_image_pixels)
+                   max_image_pixels=config.max_image_pixels, max_text_chars=config.max_text_chars)
 
     # ------------------------------------------------------------------------------------------------- public
 
@@ -214,6 +251,18 @@ class ToolRunner:
         return [(None if outcome is None else self._as_step_result(outcome), seconds)
                 for outcome, seconds in self._run(work)]
 
+    def run_environment_closes(self, envs: Sequence[Environment]) -> list[tuple[ToolResult | None, float]]:
+        """``envs[i].close()`` (where there is one; it may be ``async def``) for all i, under the same rules: None
+        where it closed, an error ``ToolResult`` (``tool_raised``, ``timeout``) where it failed."""
+        closers = [getattr(env, "close", None) for env in envs]
+        work: list[_Job | _Failure] = [
+            _Job(label=f"environment {type(env).__name__}.close", call=close if callable(close) else _nothing,
+                 is_async=inspect.iscoroutinefunction(close), finish=_nothing_of)
+            for env, close in zip(envs, closers)
+        ]
+        return [(None if outcome is None else self._as_tool_result(outcome), seconds)
+                for outcome, seconds in self._run(work)]
+
     def close(self) -> None:
         """Stop the worker threads and the event loop (abandoned calls keep their threads until they return)."""
         if self._closed:
@@ -243,7 +292,11 @@ class ToolRunner:
 
     # ---------------------------------------------------------------------------------------------- finishing
 
-    def _check_images(self, result: ToolResult, label: str) -> ToolResult | _Failure:
+    def _check_result(self, result: ToolResult, label: str) -> ToolResult | _Failure:
+        if len(result.text) > self.max_text_chars:
+            was = f" (its error: {result.error})" if result.error else ""
+            return _Failure("text_too_long", f"Error: {label} returned {len(result.text)} characters of text{was}, "
+                                             f"over the limit of {self.max_text_chars}.")
         for image in result.images:
             pixels = image.width * image.height
             if pixels > self.max_image_pixels:
@@ -252,13 +305,13 @@ class ToolRunner:
         return result
 
     def _tool_finisher(self, name: str) -> Callable[[Any], ToolResult | _Failure]:
-        return lambda value: self._check_images(as_result(value, name), name)
+        return lambda value: self._check_result(as_result(value, name), name)
 
     def _step_finisher(self, env_name: str) -> Callable[[Any], StepResult | _Failure]:
         def finish(value: Any) -> StepResult | _Failure:
             if not isinstance(value, StepResult):
                 raise TypeError(f"environment {env_name}.step returned a {type(value).__name__}, not a StepResult")
-            observation = self._check_images(as_result(value.observation, f"{env_name}.step"), env_name)
+            observation = self._check_result(as_result(value.observation, f"{env_name}.step"), env_name)
             if isinstance(observation, _Failure):
                 return observation
             return StepResult(observation=observation, done=value.done, info=value.info)
@@ -269,7 +322,7 @@ class ToolRunner:
         def finish(value: Any) -> StepResult | _Failure | None:
             if value is None:
                 return None
-            observation = self._check_images(as_result(value, f"{env_name}.reset"), env_name)
+            observation = self._check_result(as_result(value, f"{env_name}.reset"), env_name)
             return observation if isinstance(observation, _Failure) else StepResult(observation=observation)
 
         return finish
@@ -296,7 +349,9 @@ class ToolRunner:
 
     def _raised(self, job: _Job, exc: BaseException) -> _Failure:
         logger.warning("%s raised %s", job.label, type(exc).__name__, exc_info=exc)
-        return _Failure("tool_raised", _short(f"Error: {job.label} raised {type(exc).__name__}: {exc}"))
+        detail = str(exc)
+        return _Failure("tool_raised", _short(f"Error: {job.label} raised {type(exc).__name__}"
+                                              + (f": {detail}" if detail else ".")))
 
     def _execute(self, job: _Job) -> Any:
         """A plain job, in a worker thread: its outcome, never an exception."""
@@ -308,7 +363,7 @@ class ToolRunner:
                     value.close()
                 raise TypeError("a plain __call__ returned an awaitable; declare it 'async def'")
             return job.finish(value)
-        except (Exception, SystemExit) as exc:
+        except BaseException as exc:  # a worker thread: a user's Ctrl-C never lands here (module docstring)
             return self._raised(job, exc)
         finally:
             job.ended = time.monotonic()
@@ -318,7 +373,12 @@ class ToolRunner:
         job.started = time.monotonic()
         try:
             return job.finish(await job.call())
-        except (Exception, SystemExit) as exc:
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the runner's own cancellation (a deadline, closing)
+                raise
+            return self._raised(job, exc)
+        except BaseException as exc:  # the loop's thread: a user's Ctrl-C never lands here (module docstring)
             return self._raised(job, exc)
         finally:
             job.ended = time.monotonic()
@@ -327,7 +387,7 @@ class ToolRunner:
         with self._loop_lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                thread = threading.Thread(target=loop.run_forever, name="mmrlhf-tool-loop", daemon=True)
+                thread = threading.Thread(target=_serve, args=(loop,), name="mmrlhf-tool-loop", daemon=True)
                 thread.start()
                 self._loop, self._loop_thread = loop, thread
             return self._loop

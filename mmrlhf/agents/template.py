@@ -16,9 +16,12 @@ model's own chat template). Images come first inside their result, then its text
 a plain user turn (no ``<tool_response>`` wrapper). The ``\\n`` after ``<|im_end|>`` is the template's glue: it
 belongs to the observation, so the policy's turn ends at its stop token exactly as the engine sampled it.
 
-The observation text is tokenised as ONE string (special tokens split it, so a turn boundary never merges with
-what is around it), then each image's pad token is expanded to the image's token count. The tests compare the
-incremental tokens with one render of the whole conversation by the tiny tool model's chat template.
+The template's strings and the results' text are tokenised together (special tokens split them, so a turn
+boundary never merges with what is around it), then each image's pad token is expanded to the image's token count.
+The results' text comes from the world and is escaped (:mod:`mmrlhf.agents.plain_text`): whatever it holds, it
+becomes ordinary text ids, never a marker of the template, a vision token or any other added token of the
+tokenizer, and text without such strings gets exactly the ids one render of the conversation gives. The tests
+compare the incremental tokens with one render of the whole conversation by the tiny tool model's chat template.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from mmrlhf.agents.plain_text import PlainTextEncoder
 from mmrlhf.agents.types import ToolResult
 
 
@@ -58,25 +62,39 @@ class ObservationRenderer:
             [adapter.vision_start_token_id, adapter.image_token_id, adapter.vision_end_token_id])
         self.vision_block = start + pad + end
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.fmt.end_of_turn))
+        self.encoder = PlainTextEncoder(tokenizer)
+        for environment in (False, True):  # the template's markers split as the tokenizer splits them
+            pieces = self.pieces([ToolResult(text="ok", images=[None])], close_turn=True, environment=environment)
+            whole = tokenizer("".join(text for text, _ in pieces), add_special_tokens=False)["input_ids"]
+            if self.encoder.encode(pieces) != list(whole):
+                raise ValueError("the observation's template strings do not split into the tokenizer's own tokens "
+                                 "(an added token with strip or single-word rules?)")
+
+    def pieces(self, results: Sequence[ToolResult], *, close_turn: bool, environment: bool = False
+               ) -> list[tuple[str, bool]]:
+        """The observation as ``(text, from_the_world)`` pieces: the template's strings (one vision block,
+        unexpanded, per image) and each result's text, which is the world's."""
+        f = self.fmt
+        out: list[tuple[str, bool]] = [((f.end_of_turn if close_turn else "") +
+                                        (f.env_turn_start if environment else f.turn_start), False)]
+        for r in results:
+            frame = "" if environment else f.response_open
+            out += [(frame + self.vision_block * len(r.images), False), (r.text, True)]
+            if not environment:
+                out.append((f.response_close, False))
+        out.append((f.next_turn, False))
+        return [(text, external) for text, external in out if text]
 
     def text(self, results: Sequence[ToolResult], *, close_turn: bool, environment: bool = False) -> str:
         """The observation's text, one vision block (unexpanded) per image."""
-        f = self.fmt
-        head = f.end_of_turn if close_turn else ""
-        if environment:
-            body = "".join(self.vision_block * len(r.images) + r.text for r in results)
-            return head + f.env_turn_start + body + f.next_turn
-        body = "".join(f.response_open + self.vision_block * len(r.images) + r.text + f.response_close
-                       for r in results)
-        return head + f.turn_start + body + f.next_turn
+        return "".join(text for text, _ in self.pieces(results, close_turn=close_turn, environment=environment))
 
     def tokens(self, results: Sequence[ToolResult], image_tokens: Sequence[int], *, close_turn: bool,
                environment: bool = False) -> list[int]:
         """Observation ids with every image's pad expanded to its token count (``image_tokens``, one per image of
-        ``results`` in order). Raises when the tokenised text does not hold one pad per image (a template or
-        tokenizer that does not keep the vision block as its special tokens)."""
-        ids = self.tokenizer(self.text(results, close_turn=close_turn, environment=environment),
-                             add_special_tokens=False)["input_ids"]
+        ``results`` in order); the results' text escaped (no added token can come from it). Raises when the ids do
+        not hold one pad per image (a tokenizer that does not keep the vision block as its special tokens)."""
+        ids = self.encoder.encode(self.pieces(results, close_turn=close_turn, environment=environment))
         pad = self.adapter.image_token_id
         found = sum(1 for t in ids if t == pad)
         if found != len(image_tokens):
@@ -87,6 +105,10 @@ class ObservationRenderer:
         for t in ids:
             out.extend([pad] * int(next(counts)) if t == pad else [int(t)])
         return out
+
+    def escapes(self, result: ToolResult) -> bool:
+        """Whether ``result``'s text holds the string of an added token (escaped into plain text ids)."""
+        return self.encoder.holds_markers(result.text)
 
     def ends_turn(self, token_id: int) -> bool:
         """Whether the policy's last token already closed its turn (else the observation closes it)."""

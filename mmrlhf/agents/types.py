@@ -24,9 +24,10 @@ ERROR_KINDS = (
     "bad_json",  # the text between <tool_call> and </tool_call> is not a JSON object with "name" / "arguments"
     "unknown_tool",  # the name is not one of the configured tools
     "bad_arguments",  # the arguments fail the tool's JSON schema
-    "tool_raised",  # the tool raised an exception
+    "tool_raised",  # the tool raised (any BaseException: sys.exit and KeyboardInterrupt in a tool included)
     "timeout",  # the tool did not answer within agent.tool_timeout_s
     "image_too_large",  # an image the tool returned exceeds agent.max_image_pixels
+    "text_too_long",  # the text the tool returned exceeds agent.max_text_chars
     "too_many_images",  # the trajectory would exceed agent.max_images
     "too_many_calls",  # the trajectory would exceed agent.max_tool_calls
 )

@@ -49,6 +49,11 @@ class AgentConfig(Section):
     max_image_pixels: int = Field(default=16_777_216, gt=0)
     """Largest image (width x height, before the processor's resize) a tool may return; larger ones become an
     ``image_too_large`` error observation."""
+    max_text_chars: int = Field(default=32_768, gt=0)
+    """Longest text (characters) a tool call or an environment may return; a longer one becomes a ``text_too_long``
+    error observation (refused whole, never cut, as an oversize image). About 8k tokens of English at the default:
+    past it an observation takes most of a usual RL context anyway. Text within it may still not fit what is left
+    of ``max_context_tokens``: that ends the trajectory (``context``), its failures still counted."""
     tool_timeout_s: float = Field(default=30.0, gt=0.0)
     """Deadline of one tool call (or environment step); past it the call is answered with a ``timeout`` error."""
     tool_workers: int = Field(default=16, ge=1)

@@ -25,10 +25,10 @@ from mmrlhf.rewards.rules import extract_answer, extract_choice, is_think_answer
 CorrectFn = Union[str, Callable[[str, Any], bool]]
 MATCH_MODES = ("auto", "exact", "choice", "numeric")
 _PLAIN_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+")
-# Failures of calls that were parsed and ran (their tool raised, hung, or returned an image that was refused); the
-# other kinds (bad_json, unknown_tool, bad_arguments, too_many_calls) are refused while parsing and never become a
-# call in ``Trajectory.tool_calls`` (see mmrlhf.agents.calls and mmrlhf.agents.types.ERROR_KINDS).
-_RUN_FAILURES = ("tool_raised", "timeout", "image_too_large", "too_many_images")
+# Failures of calls that were parsed and ran (their tool raised, hung, or returned an image or a text that was
+# refused); the other kinds (bad_json, unknown_tool, bad_arguments, too_many_calls) are refused while parsing and
+# never become a call in ``Trajectory.tool_calls`` (see mmrlhf.agents.calls and mmrlhf.agents.types.ERROR_KINDS).
+_RUN_FAILURES = ("tool_raised", "timeout", "image_too_large", "text_too_long", "too_many_images")
 
 
 # ---- per-sample helpers ----------------------------------------------------------------------------------------

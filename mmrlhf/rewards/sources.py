@@ -110,7 +110,7 @@ def _remote_source(name: str, cfg: Any, executor: Executor | None = None) -> Rew
 @SOURCE_TYPES.register("judge")
 def _judge_source(name: str, cfg: Any, executor: Executor | None = None) -> RewardSource:
     from mmrlhf.rewards.judge.backends import EndpointJudge, VllmJudge
-    from mmrlhf.rewards.judge.rubric import load_rubric
+    from mmrlhf.rewards.judge.rubric import judge_special_tokens, load_rubric
     from mmrlhf.rewards.judge.source import JudgeSource
     from mmrlhf.rewards.remote import read_token
 
@@ -136,7 +136,7 @@ def _judge_source(name: str, cfg: Any, executor: Executor | None = None) -> Rewa
         judge_id += "#" + json.dumps(cfg.chat_template_kwargs, sort_keys=True, default=str)
     return JudgeSource(backend, name=name, judge_id=judge_id, rubric=load_rubric(cfg.rubric), scoring=cfg.scoring,
                        verdicts=cfg.verdicts, score_range=cfg.score_range, question_column=cfg.question_column,
-                       cache_size=cfg.cache_size, timeout_s=cfg.timeout_s)
+                       cache_size=cfg.cache_size, timeout_s=cfg.timeout_s, reserved=judge_special_tokens(cfg.model))
 
 
 def build_source(name: str, cfg: Any, *, executor: Executor | None = None) -> RewardSource:

@@ -3,6 +3,13 @@
 A reward server receives prompt and response strings and PIL images, not token ids: the server's model may use a
 different tokenizer than the policy. This wrapper turns each sample into ``prompt + response`` token ids and vision
 inputs with the model's processor, then scores through :class:`LocalRewardModel` (same batching and device moves).
+
+The response is data, never control: it arrives from the network (a policy's text) and is tokenised on its own with
+the tokenizer's special tokens split into plain text, so a response holding ``<|im_end|>`` or a vision block can
+neither forge a turn nor add an image placeholder with no image behind it (the processor used to refuse such a
+sample, failing the whole request). Only the prompt, the chat template's rendering of the dataset prompt, goes
+through the processor with its vision blocks. Tokenised apart, the response's ids never merge with the prompt's,
+as the policy's response tokens never do.
 """
 
 from __future__ import annotations
@@ -29,18 +36,18 @@ class TextRewardModel:
     def tokenize(self, batch: RewardBatch) -> RewardBatch:
         """A copy of ``batch`` with right-padded ``sequences`` / ``attention_mask`` and per-sample ``vision``."""
         rows, vision = [], []
+        tokenizer = getattr(self.processor, "tokenizer", self.processor)
         for i in range(len(batch)):
             images = (batch.images or [[]] * len(batch))[i] or None
             try:
-                enc = self.processor(
-                    text=[batch.prompts[i] + batch.responses[i]], images=images, return_tensors="pt"
-                )
+                enc = self.processor(text=[batch.prompts[i]], images=images, return_tensors="pt")
             except Exception as exc:  # noqa: BLE001 - re-raised with the sample named
                 raise RewardInputError(f"{batch.describe(i)}: the reward model's processor failed: {exc}") from exc
-            rows.append(enc["input_ids"][0])
+            response = tokenizer(batch.responses[i], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            rows.append(torch.cat([enc["input_ids"][0], torch.tensor(response, dtype=enc["input_ids"].dtype)]))
             vision.append({k: v for k, v in enc.items() if k in VISION_KEYS})
         width = max(len(r) for r in rows)
-        pad_id = getattr(getattr(self.processor, "tokenizer", self.processor), "pad_token_id", None) or 0
+        pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         sequences = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):

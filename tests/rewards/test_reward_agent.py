@@ -23,9 +23,9 @@ def trajectory(final: str, turns: list[list[str]] = (), ended: str = "answer") -
     """A trajectory with one assistant turn per entry of ``turns``, then the final turn ``final``. An entry lists
     the outcome of each tool block of that turn: ``"ok"`` (a call that returned a crop) or a failure kind. As the
     parser does, only "ok" and the failures of calls that ran (tool_raised, timeout, image_too_large,
-    too_many_images) are calls; a block refused while parsing (bad_json, unknown_tool, bad_arguments,
+    text_too_long, too_many_images) are calls; a block refused while parsing (bad_json, unknown_tool, bad_arguments,
     too_many_calls) is not."""
-    ran = ("ok", "tool_raised", "timeout", "image_too_large", "too_many_images")
+    ran = ("ok", "tool_raised", "timeout", "image_too_large", "text_too_long", "too_many_images")
     records: list[TurnRecord] = []
     for outcomes in turns:
         calls = [ZOOM for outcome in outcomes if outcome in ran]
@@ -73,6 +73,7 @@ def test_tool_errors_cost_the_format_term_and_the_optional_penalty():
     refused_then_ok = trajectory(RIGHT, [["bad_json", "bad_arguments", "ok"]])
     assert successful_tool_calls(partly_failed) == 1
     assert successful_tool_calls(all_failed) == 0
+    assert successful_tool_calls(trajectory(RIGHT, [["text_too_long"], ["ok"]])) == 1  # a refused text: it failed
     assert successful_tool_calls(refused_then_ok) == 1  # refused blocks never became calls: the good call counts
 
     out = score(deepeyes_reward, [RIGHT] * 3, ["B"] * 3, [partly_failed, all_failed, refused_then_ok])

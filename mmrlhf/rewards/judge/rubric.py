@@ -7,6 +7,17 @@ there). Images the template does not place are put before the text, as a VLM cha
 
 The message is OpenAI-shaped (``image_url`` parts carrying base64 PNG data URLs) because both backends take that
 shape: ``vllm serve`` and other endpoints through the HTTP API, and ``vllm.LLM.chat`` in process.
+
+The variables are data, never control (:func:`escape_text`). Every backend renders the message with the judge's
+chat template and tokenises the result with its special tokens recognised (a vLLM server, ``LLM.chat``), so a
+policy's answer holding ``<|im_end|>`` would end the judge's user turn and open a forged one, and vision tokens
+would add image placeholders with no image behind them; an answer holding this module's own image marker would
+place an image (or make the request fail, which with ``reward.on_failure: error`` stops the run). Token-level
+escaping is not available through a text API, so the strings are broken in the text: one space after their first
+character, which no tokenizer reads as the token and the judge still reads as the same, odd, text. Broken are: the
+image marker, the chat-control shape ``<|name|>`` (also with full-width bars) that the ChatML-style families share,
+and every special token of the judge's own tokenizer when it is known (``reserved``: the judge model is a local
+folder). The rubric itself is the user's and is not escaped.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from mmrlhf.rewards.rules import final_answer
 from mmrlhf.rewards.wire import encode_image
@@ -33,6 +44,9 @@ _MARKER = "<<judge-image-{}>>"
 _MARKER_RE = re.compile(r"<<judge-image-(\d+)>>")
 _VISION_SPAN = re.compile(r"<\|vision_start\|>.*?<\|vision_end\|>", re.S)
 _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+# What :func:`escape_text` breaks besides the judge's own special tokens: this module's image marker, and the
+# chat-control shape <|name|> (ASCII or full-width bars) of the ChatML-style families.
+_ALWAYS = (r"<<judge-image-\d+>>", r"<[|\uff5c][^<>|\uff5c\s]{1,64}[|\uff5c]>")
 
 
 @dataclass
@@ -79,12 +93,48 @@ def question_from_prompt(prompt: str) -> str:
     return _SPECIAL.sub("", _VISION_SPAN.sub("", text)).strip()
 
 
+def escaper(reserved: Sequence[str] = ()) -> re.Pattern:
+    """The pattern :func:`escape_text` breaks: the image marker, the chat-control shape, and ``reserved`` (the
+    judge tokenizer's special tokens; single characters cannot be broken and are left out)."""
+    words = sorted({w for w in reserved if len(w) > 1}, key=len, reverse=True)
+    return re.compile("|".join([*map(re.escape, words), *_ALWAYS]))
+
+
+def escape_text(value: Any, pattern: re.Pattern) -> Any:
+    """``value`` with every match of ``pattern`` (:func:`escaper`) broken by a space after its first character;
+    strings inside lists, tuples and dicts too (a reference may be one), anything else as it is."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: m.group(0)[0] + " " + m.group(0)[1:], value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(escape_text(v, pattern) for v in value)
+    if isinstance(value, dict):
+        return {escape_text(k, pattern): escape_text(v, pattern) for k, v in value.items()}
+    return value
+
+
+def judge_special_tokens(model: str) -> list[str]:
+    """The special tokens of the judge's tokenizer when ``model`` is a local folder holding one, else ``[]`` (an
+    endpoint's model name: only the shapes of :data:`_ALWAYS` are then escaped)."""
+    if not model or not Path(model).expanduser().is_dir():
+        return []
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(Path(model).expanduser()))
+    except (OSError, ValueError):  # a model folder without a tokenizer: the shapes still apply
+        return []
+    special = {t.content for t in getattr(tok, "added_tokens_decoder", {}).values() if t.special}
+    return sorted(special | set(tok.all_special_tokens))
+
+
 def render_request(template, *, question: str, reference: Any, response: str, prompt: str,
-                   images: list[Any]) -> JudgeRequest:
-    """The judge request for one sample (``template`` from :func:`compile_rubric`)."""
+                   images: list[Any], escape: re.Pattern | None = None) -> JudgeRequest:
+    """The judge request for one sample (``template`` from :func:`compile_rubric`); ``question``, ``reference``
+    and the answer are escaped with ``escape`` (default: :func:`escaper` without reserved tokens)."""
+    escape = escape or _DEFAULT_ESCAPE
     markers = [_MARKER.format(i) for i in range(len(images))]
-    text = template.render(question=question, reference=reference,
-                           answer=final_answer(response, prompt).strip(), images=markers)
+    text = template.render(question=escape_text(question, escape), reference=escape_text(reference, escape),
+                           answer=escape_text(final_answer(response, prompt).strip(), escape), images=markers)
     encoded = [encode_image(img) for img in images]
     digests = [hashlib.sha256(data.encode("ascii")).hexdigest()[:16] for data in encoded]
     placed: set[int] = set()
@@ -103,6 +153,9 @@ def render_request(template, *, question: str, reference: Any, response: str, pr
         content.append({"type": "text", "text": text[pos:]})
     unplaced = [_image_part(encoded[i]) for i in range(len(images)) if i not in placed]
     return JudgeRequest(content=unplaced + content, text=text, image_digests=digests)
+
+
+_DEFAULT_ESCAPE = escaper()
 
 
 def _image_part(png_b64: str) -> dict[str, Any]:

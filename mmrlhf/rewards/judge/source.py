@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from mmrlhf.rewards.judge.backends import JudgeReply
-from mmrlhf.rewards.judge.rubric import (JudgeRequest, compile_rubric, question_from_prompt, render_request,
-                                         rubric_digest)
+from mmrlhf.rewards.judge.rubric import (JudgeRequest, compile_rubric, escaper, question_from_prompt,
+                                         render_request, rubric_digest)
 from mmrlhf.rewards.judge.verdict import VerdictError, score_output
 from mmrlhf.rewards.types import RewardBatch, SourceScores
 
@@ -32,8 +32,12 @@ class JudgeSource:
 
     def __init__(self, backend: Any, *, name: str, judge_id: str, rubric: str, scoring: str = "verdict_prob",
                  verdicts: Mapping[str, float] | None = None, score_range: tuple[float, float] = (0.0, 10.0),
-                 question_column: str = "", cache_size: int = 4096, timeout_s: float | None = None) -> None:
+                 question_column: str = "", cache_size: int = 4096, timeout_s: float | None = None,
+                 reserved: Sequence[str] = ()) -> None:
+        """``reserved``: the judge tokenizer's special tokens, escaped in what the rubric's variables hold
+        (:func:`~mmrlhf.rewards.judge.rubric.escape_text`)."""
         self.backend = backend
+        self.escape = escaper(reserved)
         self.name = name
         self.judge_id = judge_id
         self.template = compile_rubric(rubric)
@@ -73,7 +77,7 @@ class JudgeSource:
             try:
                 request = render_request(self.template, question=self._question(batch, i),
                                          reference=batch.references[i], response=batch.responses[i],
-                                         prompt=batch.prompts[i],
+                                         prompt=batch.prompts[i], escape=self.escape,
                                          images=list(batch.images[i]) if batch.images is not None else [])
             except Exception as exc:  # a template error names the variable; the sample is named here
                 errors[i] = f"judge {self.name!r} on {batch.describe(i)}: cannot render the rubric: {exc}"
