@@ -7,6 +7,11 @@ there). Images the template does not place are put before the text, as a VLM cha
 
 The message is OpenAI-shaped (``image_url`` parts carrying base64 PNG data URLs) because both backends take that
 shape: ``vllm serve`` and other endpoints through the HTTP API, and ``vllm.LLM.chat`` in process.
+
+Encoding an image is most of the cost of a request (a 448 px PNG takes tens of ms), and the n samples of a GRPO
+group share their prompt's images (the same objects), so :class:`ImageParts` encodes each image object once per
+scoring call and hands every sample that shows it the same part (the endpoint client serialises a shared part once
+too). PNG at zlib level 1: as lossless as level 6, about twice as fast, about 10% more bytes.
 """
 
 from __future__ import annotations
@@ -79,14 +84,36 @@ def question_from_prompt(prompt: str) -> str:
     return _SPECIAL.sub("", _VISION_SPAN.sub("", text)).strip()
 
 
+class ImageParts:
+    """Each image's message part and digest, made once per image object for as long as this object lives (one
+    scoring call): a batch of 32 prompts x 8 samples with one image each encodes 32 PNGs, not 256. The image is
+    held, so its ``id`` cannot be reused by another object meanwhile."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Any, dict[str, Any], str]] = {}
+        self.encoded = 0
+        """How many images were encoded (the rest were shared)."""
+
+    def __call__(self, image: Any) -> tuple[dict[str, Any], str]:
+        """(the ``image_url`` part, the digest of its PNG) of ``image``."""
+        made = self._made.get(id(image))
+        if made is None:
+            data = encode_image(image, compress_level=1)
+            part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+            made = self._made[id(image)] = (image, part, hashlib.sha256(data.encode("ascii")).hexdigest()[:16])
+            self.encoded += 1
+        return made[1], made[2]
+
+
 def render_request(template, *, question: str, reference: Any, response: str, prompt: str,
-                   images: list[Any]) -> JudgeRequest:
-    """The judge request for one sample (``template`` from :func:`compile_rubric`)."""
+                   images: list[Any], parts: ImageParts | None = None) -> JudgeRequest:
+    """The judge request for one sample (``template`` from :func:`compile_rubric`); ``parts`` shares the encoded
+    images between the samples of one call (a fresh one per request when not given)."""
+    parts = parts or ImageParts()
     markers = [_MARKER.format(i) for i in range(len(images))]
     text = template.render(question=question, reference=reference,
                            answer=final_answer(response, prompt).strip(), images=markers)
-    encoded = [encode_image(img) for img in images]
-    digests = [hashlib.sha256(data.encode("ascii")).hexdigest()[:16] for data in encoded]
+    encoded = [parts(img) for img in images]
     placed: set[int] = set()
     content: list[dict[str, Any]] = []
     pos = 0
@@ -96,14 +123,10 @@ def render_request(template, *, question: str, reference: Any, response: str, pr
             raise ValueError(f"the rubric placed image {index} but the sample has {len(images)} image(s)")
         if text[pos:match.start()]:
             content.append({"type": "text", "text": text[pos:match.start()]})
-        content.append(_image_part(encoded[index]))
+        content.append(encoded[index][0])
         placed.add(index)
         pos = match.end()
     if text[pos:]:
         content.append({"type": "text", "text": text[pos:]})
-    unplaced = [_image_part(encoded[i]) for i in range(len(images)) if i not in placed]
-    return JudgeRequest(content=unplaced + content, text=text, image_digests=digests)
-
-
-def _image_part(png_b64: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}}
+    unplaced = [encoded[i][0] for i in range(len(images)) if i not in placed]
+    return JudgeRequest(content=unplaced + content, text=text, image_digests=[digest for _, digest in encoded])
