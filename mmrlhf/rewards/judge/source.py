@@ -1,7 +1,9 @@
 """The ``judge`` reward source: render each sample's rubric, ask the judge (cache first), score its output.
 
-Per sample it reports, besides the score, the parts ``latency_s`` (judge time of a request that was sent; absent
-on a cache hit), ``cache_hit`` and ``parse_failed`` (0 / 1), and for verdict scorings one ``verdict_<word>`` 0 / 1 part per verdict word (their means are the verdict distribution). A sample
+Per sample it reports, besides the score, the parts ``latency_s`` (the judge's time on a request that was sent,
+from the send to the answer) and ``queue_s`` (the time it waited to be sent; both absent on a cache hit: see
+:class:`~mmrlhf.rewards.judge.backends.JudgeReply`), ``cache_hit`` and ``parse_failed`` (0 / 1), and for verdict
+scorings one ``verdict_<word>`` 0 / 1 part per verdict word (their means are the verdict distribution). A sample
 whose rubric cannot be rendered, whose request fails for good, or whose output holds no verdict gets an error
 naming the source, the sample and what went wrong; the engine's ``reward.on_failure`` then stops the run or masks
 and counts the sample, as for every source. The judge's text per sample is its note ``text``
@@ -118,8 +120,8 @@ class JudgeSource:
                 fresh: set[int]) -> SourceScores:
         n = len(batch)
         scores: list[float | None] = [None] * n
-        parts: dict[str, list[float | None]] = {"latency_s": [None] * n, "cache_hit": [None] * n,
-                                                "parse_failed": [None] * n}
+        parts: dict[str, list[float | None]] = {"latency_s": [None] * n, "queue_s": [None] * n,
+                                                "cache_hit": [None] * n, "parse_failed": [None] * n}
         words = [w.lower() for w in self.verdicts] if self.scoring != "number" else []
         for word in words:
             parts[f"verdict_{word}"] = [None] * n
@@ -131,7 +133,7 @@ class JudgeSource:
             self.last_outputs[batch.index[i]] = reply.text
             parts["cache_hit"][i] = 0.0 if i in fresh else 1.0
             if i in fresh:
-                parts["latency_s"][i] = reply.latency_s
+                parts["latency_s"][i], parts["queue_s"][i] = reply.latency_s, reply.queue_s
             try:
                 scores[i], verdict = score_output(self.scoring, reply.text, reply.top_logprobs, self.verdicts,
                                                   self.score_range)
