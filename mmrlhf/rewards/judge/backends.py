@@ -59,10 +59,10 @@ class JudgeReply:
 
 @dataclass
 class _Job:
-    """One request on its way through :meth:`EndpointJudge.run`: its body and what it has cost so far."""
+    """One request on its way through :meth:`EndpointJudge.run`, and what it has cost so far."""
 
     index: int
-    body: bytes
+    request: JudgeRequest
     queued_at: float = 0.0
     tries: int = 0
     queue_s: float = 0.0
@@ -75,8 +75,9 @@ class EndpointJudge:
 
     A call runs ``max_concurrency`` workers over one queue of requests and one HTTP client, so each worker keeps
     its connection alive for the whole call and nothing waits on a lock per request. A request to retry leaves its
-    worker during its backoff and then queues again (a backing-off request never holds a slot). Bodies are JSON
-    bytes made once per request, each shared image part serialised once per call (:meth:`encode_body`).
+    worker during its backoff and then queues again (a backing-off request never holds a slot). A body is made as
+    it is sent, from parts serialised once per call (:meth:`encode_body`): only the bodies in flight are held,
+    not a batch's worth of copies of its images.
     """
 
     def __init__(self, base_url: str, model: str, *, max_tokens: int, top_logprobs: int, api_key: str | None = None,
@@ -132,8 +133,7 @@ class EndpointJudge:
         if not requests:
             return []
         fragments: dict[int, bytes] = {}  # the requests hold their parts for the whole call: ids stay unique
-        jobs = [_Job(i, self.encode_body(r, fragments)) for i, r in enumerate(requests)]
-        del fragments
+        jobs = [_Job(i, r) for i, r in enumerate(requests)]
         results: list[JudgeReply | Exception | None] = [None] * len(jobs)
         queue: asyncio.Queue[_Job | None] = asyncio.Queue()
         workers = min(self.max_concurrency, len(jobs))
@@ -153,7 +153,7 @@ class EndpointJudge:
             while (job := await queue.get()) is not None:
                 job.queue_s += time.monotonic() - job.queued_at
                 try:
-                    outcome = await self._attempt(client, job)
+                    outcome = await self._attempt(client, job, fragments)
                 except Exception as exc:  # noqa: BLE001 - anything unforeseen fails this request alone
                     outcome = exc
                 if isinstance(outcome, float):
@@ -187,16 +187,17 @@ class EndpointJudge:
         assert all(r is not None for r in results), "a judge request was neither answered nor failed"
         return results  # type: ignore[return-value]
 
-    async def _attempt(self, client: Any, job: _Job) -> JudgeReply | Exception | float:
+    async def _attempt(self, client: Any, job: _Job, fragments: dict[int, bytes]) -> JudgeReply | Exception | float:
         """One try of ``job``: its reply, its final error, or the seconds to wait before trying again."""
         import httpx
 
         self.requests_sent += 1
         job.tries += 1
         asked = None
+        body = self.encode_body(job.request, fragments)
         sent = time.monotonic()
         try:
-            response = await client.post(self.url, content=job.body)
+            response = await client.post(self.url, content=body)
         except httpx.TransportError as exc:
             job.latency_s += time.monotonic() - sent
             job.problem = f"{type(exc).__name__}: {exc or 'no detail'}"
