@@ -212,7 +212,7 @@ class EndpointJudge:
         if job.tries > self.max_retries:
             return JudgeCallError(f"judge endpoint {self.url} failed after {job.tries} attempts: {job.problem}")
         delay = min(self.backoff_max_s, self.backoff_s * 2 ** (job.tries - 1))
-        return max(delay / 2 + self._rng.uniform(0, delay / 2), asked or 0.0)
+        return float(max(delay / 2 + self._rng.uniform(0, delay / 2), asked or 0.0))
 
 
 def parse_chat_completion(answer: dict[str, Any], url: str) -> JudgeReply:
