@@ -149,10 +149,11 @@ def decode_image(data: str, limits: ServerLimits, where: str) -> Any:
         raise WireError(422, f"{where}: cannot decode image ({type(exc).__name__}: {exc})") from None
 
 
-def encode_image(image: Any) -> str:
-    """Base64 PNG of a PIL image (lossless, so a remote model sees what a local one would)."""
+def encode_image(image: Any, compress_level: int = 6) -> str:
+    """Base64 PNG of a PIL image (lossless, so a remote model sees what a local one would). ``compress_level``
+    (zlib's 0-9) trades bytes for time only: 1 is about twice as fast as 6 for about 10% more bytes."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    image.save(buffer, format="PNG", compress_level=compress_level)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 

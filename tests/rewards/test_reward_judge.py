@@ -154,6 +154,26 @@ def test_source_scores_caches_dedupes_and_reports_parts():
     assert other_image.scores == pytest.approx([0.9]) and len(judge.asked) == 3
 
 
+def test_each_image_is_encoded_once_per_scoring_call(monkeypatch):
+    """The samples of a group share their prompt's image objects: one PNG each, one part object for the group."""
+    from mmrlhf.rewards.judge import rubric
+
+    encoded: list[int] = []
+    real = rubric.encode_image
+    monkeypatch.setattr(rubric, "encode_image", lambda image, **kw: encoded.append(id(image)) or real(image, **kw))
+    copy = RED.copy()  # the same pixels in another object: encoded again, with the same digest
+    judge = ScriptedJudge(_yes_if_red)
+    source = JudgeSource(judge, name="judge", judge_id="j", rubric=DEFAULT_RUBRIC)
+    asked = []
+    judge.run = lambda requests, run=judge.run: asked.extend(requests) or run(requests)
+    data = batch([f"red {i}" for i in range(9)], images=[[RED]] * 8 + [[copy]])
+    out = asyncio.run(source.score(data))
+    assert out.errors == [None] * 9 and len(asked) == 9
+    assert encoded == [id(RED), id(copy)]  # 2 encodes for 9 samples, not 9
+    assert all(r.content[0] is asked[0].content[0] for r in asked[:8])
+    assert asked[8].image_digests == asked[0].image_digests  # same pixels, same part of the cache key
+
+
 def test_source_failures_name_the_sample_and_follow_the_failure_policy():
     source = JudgeSource(ScriptedJudge(_yes_if_red), name="judge", judge_id="scripted", rubric=DEFAULT_RUBRIC)
     data = batch(["red", "garbage", "boom"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any, Awaitable, Callable
 
 from mmrlhf.rewards.judge.backends import JudgeCallError, JudgeReply, VllmJudge
@@ -181,12 +182,21 @@ class RayActorJudge:
         return self._handle
 
     async def run(self, requests: list[JudgeRequest]) -> list[JudgeReply | Exception]:
+        """The actor's replies; each one's ``queue_s`` is the round trip less its generate (finding or creating the
+        actor, the trip both ways, waiting in the actor behind other callers' generates): durations measured in
+        this process, so no clock is compared across machines."""
+        start = time.monotonic()
         try:
             handle = await asyncio.to_thread(self.handle)  # creating it may wait for resources
-            return await handle.run.remote(requests)
+            replies = await handle.run.remote(requests)
         except Exception as exc:  # noqa: BLE001 - the actor died or refused: each request fails, naming it
             from mmrlhf.parallel.ray_actors import describe_actor_error
 
             error = JudgeCallError(f"judge actor {self.actor_name}: {type(exc).__name__}: "
                                    f"{describe_actor_error(exc)}")
             return [error] * len(requests)
+        elapsed = time.monotonic() - start
+        for reply in replies:
+            if isinstance(reply, JudgeReply):
+                reply.queue_s = max(0.0, elapsed - reply.latency_s)
+        return replies

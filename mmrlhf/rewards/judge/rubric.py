@@ -18,6 +18,11 @@ character, which no tokenizer reads as the token and the judge still reads as th
 image marker, the chat-control shape ``<|name|>`` (also with full-width bars) that the ChatML-style families share,
 and every special token of the judge's own tokenizer when it is known (``reserved``: the judge model is a local
 folder). The rubric itself is the user's and is not escaped.
+
+Encoding an image is most of the cost of a request (a 448 px PNG takes tens of ms), and the n samples of a GRPO
+group share their prompt's images (the same objects), so :class:`ImageParts` encodes each image object once per
+scoring call and hands every sample that shows it the same part (the endpoint client serialises a shared part once
+too). PNG at zlib level 1: as lossless as level 6, about twice as fast, about 10% more bytes.
 """
 
 from __future__ import annotations
@@ -127,16 +132,39 @@ def judge_special_tokens(model: str) -> list[str]:
     return sorted(special | set(tok.all_special_tokens))
 
 
+class ImageParts:
+    """Each image's message part and digest, made once per image object for as long as this object lives (one
+    scoring call): a batch of 32 prompts x 8 samples with one image each encodes 32 PNGs, not 256. The image is
+    held, so its ``id`` cannot be reused by another object meanwhile."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[Any, dict[str, Any], str]] = {}
+        self.encoded = 0
+        """How many images were encoded (the rest were shared)."""
+
+    def __call__(self, image: Any) -> tuple[dict[str, Any], str]:
+        """(the ``image_url`` part, the digest of its PNG) of ``image``."""
+        made = self._made.get(id(image))
+        if made is None:
+            data = encode_image(image, compress_level=1)
+            part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+            made = self._made[id(image)] = (image, part, hashlib.sha256(data.encode("ascii")).hexdigest()[:16])
+            self.encoded += 1
+        return made[1], made[2]
+
+
 def render_request(template, *, question: str, reference: Any, response: str, prompt: str,
-                   images: list[Any], escape: re.Pattern | None = None) -> JudgeRequest:
+                   images: list[Any], escape: re.Pattern | None = None,
+                   parts: ImageParts | None = None) -> JudgeRequest:
     """The judge request for one sample (``template`` from :func:`compile_rubric`); ``question``, ``reference``
-    and the answer are escaped with ``escape`` (default: :func:`escaper` without reserved tokens)."""
+    and the answer are escaped with ``escape`` (default: :func:`escaper` without reserved tokens); ``parts``
+    shares the encoded images between the samples of one call (a fresh one per request when not given)."""
     escape = escape or _DEFAULT_ESCAPE
+    parts = parts or ImageParts()
     markers = [_MARKER.format(i) for i in range(len(images))]
     text = template.render(question=escape_text(question, escape), reference=escape_text(reference, escape),
                            answer=escape_text(final_answer(response, prompt).strip(), escape), images=markers)
-    encoded = [encode_image(img) for img in images]
-    digests = [hashlib.sha256(data.encode("ascii")).hexdigest()[:16] for data in encoded]
+    encoded = [parts(img) for img in images]
     placed: set[int] = set()
     content: list[dict[str, Any]] = []
     pos = 0
@@ -146,17 +174,13 @@ def render_request(template, *, question: str, reference: Any, response: str, pr
             raise ValueError(f"the rubric placed image {index} but the sample has {len(images)} image(s)")
         if text[pos:match.start()]:
             content.append({"type": "text", "text": text[pos:match.start()]})
-        content.append(_image_part(encoded[index]))
+        content.append(encoded[index][0])
         placed.add(index)
         pos = match.end()
     if text[pos:]:
         content.append({"type": "text", "text": text[pos:]})
-    unplaced = [_image_part(encoded[i]) for i in range(len(images)) if i not in placed]
-    return JudgeRequest(content=unplaced + content, text=text, image_digests=digests)
+    unplaced = [encoded[i][0] for i in range(len(images)) if i not in placed]
+    return JudgeRequest(content=unplaced + content, text=text, image_digests=[digest for _, digest in encoded])
 
 
 _DEFAULT_ESCAPE = escaper()
-
-
-def _image_part(png_b64: str) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64}"}}

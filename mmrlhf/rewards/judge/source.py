@@ -1,28 +1,41 @@
 """The ``judge`` reward source: render each sample's rubric, ask the judge (cache first), score its output.
 
-Per sample it reports, besides the score, the parts ``latency_s`` (judge time of a request that was sent; absent
-on a cache hit), ``cache_hit`` and ``parse_failed`` (0 / 1), and for verdict scorings one ``verdict_<word>`` 0 / 1
-part per verdict word (their means are the verdict distribution). A sample whose rubric cannot be rendered, whose
-request fails for good, or whose output holds no verdict gets an error naming the source, the sample and what
-went wrong; the engine's ``reward.on_failure`` then stops the run or masks and counts the sample, as for every
-source. The judge's text per sample is its note ``text`` (``RewardResult.notes["<source>/text"]``, shown in the
-rollout report) and, for the last call, ``last_outputs`` (sample index -> text).
+Per sample it reports, besides the score, the parts ``latency_s`` (the judge's time on a request that was sent,
+from the send to the answer) and ``queue_s`` (the time it waited to be sent; both absent on a cache hit: see
+:class:`~mmrlhf.rewards.judge.backends.JudgeReply`), ``cache_hit`` and ``parse_failed`` (0 / 1), and for verdict
+scorings one ``verdict_<word>`` 0 / 1 part per verdict word (their means are the verdict distribution). A sample
+whose rubric cannot be rendered, whose request fails for good, or whose output holds no verdict gets an error
+naming the source, the sample and what went wrong; the engine's ``reward.on_failure`` then stops the run or masks
+and counts the sample, as for every source. The judge's text per sample is its note ``text``
+(``RewardResult.notes["<source>/text"]``, shown in the rollout report) and, for the last call, ``last_outputs``
+(sample index -> text).
 
 The cache is keyed by (judge, rubric, scoring, rendered text, image digests): the rendered text holds the
 question, reference and final answer, so two samples share an entry exactly when the judge would see the same
 input. Temperature is 0, so a cached reply is the reply the judge would give again.
+
+Rendering (Jinja, and the PNG encoding of each image, once per image object of the call) runs in a worker thread:
+encoding a batch's images takes long enough to stall the other sources' requests if it ran on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
 
 from mmrlhf.rewards.judge.backends import JudgeReply
-from mmrlhf.rewards.judge.rubric import (JudgeRequest, compile_rubric, escaper, question_from_prompt,
-                                         render_request, rubric_digest)
+from mmrlhf.rewards.judge.rubric import (
+    ImageParts,
+    JudgeRequest,
+    compile_rubric,
+    escaper,
+    question_from_prompt,
+    render_request,
+    rubric_digest,
+)
 from mmrlhf.rewards.judge.verdict import VerdictError, score_output
 from mmrlhf.rewards.types import RewardBatch, SourceScores
 
@@ -64,6 +77,20 @@ class JudgeSource:
             return str(batch.extra[self.question_column][i])
         return question_from_prompt(batch.prompts[i])
 
+    def _render(self, batch: RewardBatch) -> list[JudgeRequest | str]:
+        """Each sample's request, or the error that it cannot be rendered (in a worker thread: see the module)."""
+        parts = ImageParts()
+        rendered: list[JudgeRequest | str] = []
+        for i in range(len(batch)):
+            try:
+                rendered.append(render_request(self.template, question=self._question(batch, i),
+                                               reference=batch.references[i], response=batch.responses[i],
+                                               prompt=batch.prompts[i], escape=self.escape, parts=parts,
+                                               images=list(batch.images[i]) if batch.images is not None else []))
+            except Exception as exc:  # a template error names the variable; the sample is named here
+                rendered.append(f"judge {self.name!r} on {batch.describe(i)}: cannot render the rubric: {exc}")
+        return rendered
+
     async def score(self, batch: RewardBatch) -> SourceScores:
         n = len(batch)
         if n == 0:
@@ -73,14 +100,9 @@ class JudgeSource:
         keys: list[str | None] = [None] * n
         to_send: dict[str, list[int]] = {}
         requests: dict[str, JudgeRequest] = {}
-        for i in range(n):
-            try:
-                request = render_request(self.template, question=self._question(batch, i),
-                                         reference=batch.references[i], response=batch.responses[i],
-                                         prompt=batch.prompts[i], escape=self.escape,
-                                         images=list(batch.images[i]) if batch.images is not None else [])
-            except Exception as exc:  # a template error names the variable; the sample is named here
-                errors[i] = f"judge {self.name!r} on {batch.describe(i)}: cannot render the rubric: {exc}"
+        for i, request in enumerate(await asyncio.to_thread(self._render, batch)):
+            if isinstance(request, str):
+                errors[i] = request
                 continue
             keys[i] = key = self.cache_key(request)
             if key in self._cache:
@@ -109,8 +131,8 @@ class JudgeSource:
                 fresh: set[int]) -> SourceScores:
         n = len(batch)
         scores: list[float | None] = [None] * n
-        parts: dict[str, list[float | None]] = {"latency_s": [None] * n, "cache_hit": [None] * n,
-                                                "parse_failed": [None] * n}
+        parts: dict[str, list[float | None]] = {"latency_s": [None] * n, "queue_s": [None] * n,
+                                                "cache_hit": [None] * n, "parse_failed": [None] * n}
         words = [w.lower() for w in self.verdicts] if self.scoring != "number" else []
         for word in words:
             parts[f"verdict_{word}"] = [None] * n
@@ -122,7 +144,7 @@ class JudgeSource:
             self.last_outputs[batch.index[i]] = reply.text
             parts["cache_hit"][i] = 0.0 if i in fresh else 1.0
             if i in fresh:
-                parts["latency_s"][i] = reply.latency_s
+                parts["latency_s"][i], parts["queue_s"][i] = reply.latency_s, reply.queue_s
             try:
                 scores[i], verdict = score_output(self.scoring, reply.text, reply.top_logprobs, self.verdicts,
                                                   self.score_range)
