@@ -27,6 +27,9 @@ from mmrlhf.testing.tiny_models import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# The environment a user's shell would give: as it was when the suite was collected, before any test's in-process
+# engine added its own variables (vLLM sets VLLM_DIST_IDENT, which a new process's vLLM then warns about).
+USER_ENV = dict(os.environ)
 
 
 
@@ -34,7 +37,7 @@ def run_in_terminal(argv: list[str], *, timeout: float = 600) -> tuple[int, str]
     """``argv`` with stdout and stderr on a pseudo-terminal of 160 columns; (exit code, everything printed)."""
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**USER_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), USER_ENV.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=child, stderr=child, cwd=ROOT, env=env,
                             close_fds=True)
     os.close(child)
