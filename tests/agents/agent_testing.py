@@ -4,6 +4,7 @@ and observations with their own images, built with the same pieces the turn loop
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from PIL import Image
 
 from mmrlhf.agents.template import ObservationRenderer
+from mmrlhf.agents.tools import Tool
 from mmrlhf.agents.types import StepResult, ToolResult
 from mmrlhf.testing.tiny_models import TOY_CALLS
 
@@ -111,3 +113,16 @@ class Colours:
         if self.taken > self.steps:
             return StepResult(ToolResult(text="bye"), done=True, info={"solved": True})
         return StepResult(ToolResult(text=f"step {self.taken}", images=[Image.new("RGB", (56, 84), (0, 0, 255))]))
+
+
+class Hang(Tool):
+    """Blocks until released (or 5 s): a tool that never answers in time."""
+
+    name = "hang"
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def __call__(self, arguments, context):
+        self.release.wait(5.0)
+        return "late"

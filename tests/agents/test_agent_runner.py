@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from agent_testing import Hang
 from PIL import Image
 
 from mmrlhf.agents.example_env import GuessNumber
@@ -27,19 +28,6 @@ class Sleep(Tool):
     def __call__(self, arguments, context):
         time.sleep(arguments.get("s", 0.3))
         return f"slept {arguments.get('s', 0.3)}"
-
-
-class Hang(Tool):
-    """Blocks until released (or 5 s): a tool that never answers in time."""
-
-    name = "hang"
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def __call__(self, arguments, context):
-        self.release.wait(5.0)
-        return "late"
 
 
 class Boom(Tool):

@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from agent_testing import Hang
 
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.tools import Tool
@@ -171,17 +172,6 @@ def test_the_runners_own_deadline_cancellation_stays_a_timeout():
     with ToolRunner({"slow": Slow()}, workers=1, timeout_s=0.2, max_image_pixels=100) as runner:
         (result, _), = runner.run([(ToolCall("slow", {}), CTX)])
     assert result.error == "timeout"
-
-
-class Hang(Tool):
-    name = "hang"
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def __call__(self, arguments, context):
-        self.release.wait(5.0)
-        return "late"
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")

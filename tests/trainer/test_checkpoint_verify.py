@@ -244,6 +244,26 @@ class _ThreadWorld:
         self._barrier.wait()
 
 
+def _as_two_ranks(rank, barrier: threading.Barrier) -> dict[int, BaseException]:
+    """``rank(r)`` on threads ``rank-0`` and ``rank-1``; what each raised (a thread's exception would otherwise
+    vanish; the barrier is aborted so the other rank stops waiting)."""
+    errors: dict[int, BaseException] = {}
+
+    def guarded(r):
+        try:
+            rank(r)
+        except BaseException as exc:
+            errors[r] = exc
+            barrier.abort()
+
+    threads = [threading.Thread(target=guarded, args=(r,), name=f"rank-{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
 def test_a_collective_save_records_every_ranks_files_once_all_exist_and_the_ranks_share_the_hashing(
         tmp_path, monkeypatch):
     """Rank 1 writes its shard late: the manifest (written once, by rank 0's save) still lists it; each rank
@@ -251,7 +271,7 @@ def test_a_collective_save_records_every_ranks_files_once_all_exist_and_the_rank
     import mmrlhf.trainer.checkpoint as checkpoint
 
     mgr = CheckpointManager(tmp_path / "ck")
-    shared, barrier, paths, errors, hashed = {}, threading.Barrier(2), {}, [], {}
+    shared, barrier, paths, hashed = {}, threading.Barrier(2), {}, {}
     real = checkpoint.local_checksums
 
     def recording(folder, names):
@@ -271,18 +291,10 @@ def test_a_collective_save_records_every_ranks_files_once_all_exist_and_the_rank
         return into
 
     def rank(r):
-        try:
-            world = _ThreadWorld(r, shared, barrier)
-            paths[r] = save_collective(world, mgr, 7, write(world))
-        except BaseException as exc:  # reported below: a thread's exception would otherwise vanish
-            errors.append(exc)
-            barrier.abort()
+        world = _ThreadWorld(r, shared, barrier)
+        paths[r] = save_collective(world, mgr, 7, write(world))
 
-    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    errors = _as_two_ranks(rank, barrier)
     assert not errors, errors
     assert paths[0] == paths[1] == tmp_path / "ck" / "step-00000007"
     manifest = json.loads((paths[0] / MANIFEST).read_text())
@@ -305,21 +317,12 @@ def test_a_rank_that_cannot_read_its_share_fails_the_save_on_rank_0_and_nothing_
 
     monkeypatch.setattr(checkpoint, "local_checksums", failing_on_rank_1)
     mgr = CheckpointManager(tmp_path / "ck")
-    shared, barrier, errors = {}, threading.Barrier(2), {}
+    shared, barrier = {}, threading.Barrier(2)
 
-    def rank(r):
-        world = _ThreadWorld(r, shared, barrier)
-        try:
-            save_collective(world, mgr, 1, lambda folder: (folder / f"rank{r}.bin").write_bytes(b"x" * (10 + r)))
-        except BaseException as exc:  # rank 0 raises; rank 1 then waits for a path that never comes (aborted here)
-            errors[r] = exc
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    # rank 0 raises; rank 1 then waits for a path that never comes (aborted by the harness)
+    errors = _as_two_ranks(lambda r: save_collective(
+        _ThreadWorld(r, shared, barrier), mgr, 1,
+        lambda folder: (folder / f"rank{r}.bin").write_bytes(b"x" * (10 + r))), barrier)
     assert isinstance(errors[0], OSError) and "failed: rank 1: [Errno 5] Input/output error" in str(errors[0])
     assert mgr.checkpoints() == [] and list((tmp_path / "ck").iterdir()) == []  # the temporary folder went too
 
