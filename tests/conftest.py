@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import pytest
 
@@ -34,3 +36,25 @@ def tiny_qwen2_5_vl():
     from mmrlhf.testing.tiny_models import tiny_model_dir
 
     return tiny_model_dir("qwen2_5_vl", "tiny", 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    if call.when == "call" and outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _collect_a_failed_tests_engines(request: pytest.FixtureRequest):
+    """A failed test's traceback keeps its objects alive, an in-process vLLM engine among them; collected later, in
+    the middle of another test, that engine's shutdown tears down vLLM's process-wide parallel groups under the
+    other test's live engine ("pipeline model parallel group is not initialized"): one failure would be reported
+    as two. Collect them when the failure is reported, while no other engine runs."""
+    yield
+    if request.node.stash.get(_FAILED, False) and "vllm" in sys.modules:
+        sys.last_traceback = sys.last_value = sys.last_type = None
+        gc.collect()

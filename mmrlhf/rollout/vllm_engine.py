@@ -28,6 +28,7 @@ from mmrlhf.rollout.vllm_setup import (
     import_vllm,
     make_llm,
     platform_device_type,
+    settle_cpu_threads,
 )
 from mmrlhf.rollout.vllm_weight_transport import bucket_loader, choose_transport, pack_bucket
 
@@ -234,6 +235,7 @@ class VLLMEngine(RolloutEngine):
             return []
         inputs = [self._vllm_input(requests[i]) for i in keep]
         params = [self._sampling_params(settings, i) for i in keep]
+        settle_cpu_threads()  # callers may be on any thread (an agent's rollout, a reward's executor)
         try:
             raw = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._lora_request)
         except _validation_errors() as exc:

@@ -53,6 +53,15 @@ KNOWN_NOISE: tuple[tuple[str, str, str], ...] = (
      "vLLM's CPU worker skips thread-count changes by design and says so twice per request"),
 )
 
+# Notices that only a model trained on the CPU may drop: (logger, start of the message, why). On an accelerator
+# they are advice a user can act on, and they show there.
+KNOWN_CPU_NOISE: tuple[tuple[str, str, str], ...] = (
+    ("transformers.integrations.hub_kernels", "`causal_conv1d_fn` is falling back to its reference PyTorch",
+     "causal-conv1d is a CUDA kernel: the CPU has no faster path to install (linear-attention families)"),
+    ("transformers.integrations.hub_kernels", "`chunk_gated_delta_rule` is falling back to its reference PyTorch",
+     "flash-linear-attention is a GPU (Triton) kernel: same, nothing to install on the CPU"),
+)
+
 # Lines written to file descriptor 2 by compiled code while the CPU engine is built (see the module docstring).
 KNOWN_STDERR_NOISE: tuple[bytes, ...] = (b"Warning: NUMA binding: Using MEMBIND policy",)
 
@@ -78,19 +87,29 @@ def _all_notices() -> bool:
     return os.environ.get("MMRLHF_ALL_NOTICES", "") not in ("", "0")
 
 
+def _attach(table: Sequence[tuple[str, str, str]]) -> None:
+    by_logger: dict[str, list[str]] = {}
+    for name, start, _why in table:
+        by_logger.setdefault(name, []).append(start)
+    for name, starts in by_logger.items():
+        log = logging.getLogger(name)  # the same object the library's module gets later
+        if not any(isinstance(f, DropKnown) and f.starts == tuple(starts) for f in log.filters):
+            log.addFilter(DropKnown(starts))
+
+
 def install() -> None:
     """Attach the filters (idempotent). Call before ``import vllm``: some notices are printed by the import."""
     if _all_notices():
         return
-    by_logger: dict[str, list[str]] = {}
-    for name, start, _why in KNOWN_NOISE:
-        by_logger.setdefault(name, []).append(start)
-    for name, starts in by_logger.items():
-        log = logging.getLogger(name)  # the same object the library's module gets later
-        if not any(isinstance(f, DropKnown) for f in log.filters):
-            log.addFilter(DropKnown(starts))
+    _attach(KNOWN_NOISE)
     for message, category, module in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+def install_cpu_training() -> None:
+    """Drop :data:`KNOWN_CPU_NOISE` too (idempotent): the trainer calls it when its models live on the CPU."""
+    if not _all_notices():
+        _attach(KNOWN_CPU_NOISE)
 
 
 def _forward(src: int, dst: int, drop: Sequence[bytes]) -> None:

@@ -252,6 +252,19 @@ def platform_device_type() -> str:
     return "cpu" if is_cpu_platform() else resolve_device("auto").type
 
 
+def settle_cpu_threads() -> None:
+    """Give the calling thread torch's own OpenMP thread count before it calls an in-process engine.
+
+    Why: vLLM's CPU attention sizes its per-step metadata with the calling thread's OpenMP count, before any torch
+    operator has run in that step, and then runs its kernel after torch has lazily set the thread's count to
+    torch's process-wide setting. A thread that has not run a torch operator yet (a fresh ``asyncio.to_thread``
+    worker, say) still holds OpenMP's default (the core count), so in a process where ``torch.set_num_threads`` was
+    called (a Ray actor sizing itself, a test) the two disagree and vLLM aborts the step ("Check failed:
+    input->metadata->thread_num == thread_num (2 vs. 1)"). ``torch.get_num_threads`` performs that lazy setting
+    now. Cheap (no allocation); harmless where the counts already agree or on an accelerator."""
+    torch.get_num_threads()
+
+
 def make_llm(model_path: str, **settings: Any) -> Any:
     """An in-process ``vllm.LLM`` for ``model_path``; ``settings`` are :func:`engine_kwargs`' keyword arguments
     (``dtype``, ``max_model_len``, ``seed``, ``tensor_parallel_size``, ...), with this machine's device kind and

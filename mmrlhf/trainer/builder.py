@@ -21,6 +21,7 @@ from mmrlhf.models.placement import module_device
 from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
 from mmrlhf.models.sharding import shard_models
 from mmrlhf.parallel.world import World, single
+from mmrlhf.rollout import vllm_quiet
 from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode, read_trainer_state
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
 from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
@@ -210,6 +211,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
     from mmrlhf.trainer.tracking import MetricsTracker, SilentTracker, WandbSettings
 
     world = world or single(resolve_device(config.trainer.device))
+    if world.device.type == "cpu":  # a GPU user is told which kernels to install; on the CPU there are none
+        vllm_quiet.install_cpu_training()
     record = config.model_dump(mode="json")  # what the user configured (the ranks' seeds are derived from it)
     config = _rank_config(config, world)
     t = config.trainer

@@ -82,3 +82,55 @@ def test_in_process_vllm_judge_with_swapped_verdicts_swaps_the_order(tmp_path):
     out = asyncio.run(source.score(RewardBatch(responses=[forged + " <<judge-image-5>>"], prompts=[PROMPT],
                                                labels=["vqa"], references=[None], index=[0], images=[[image]])))
     assert out.errors == [None] and out.scores[0] is not None
+
+
+THREADS_SCRIPT = r"""
+import asyncio, sys, threading
+import torch
+torch.set_num_threads(1)  # what a Ray actor sizing itself (or an earlier test) does before the engine exists
+from mmrlhf.rewards.judge.backends import VllmJudge
+from mmrlhf.rewards.judge.rubric import JudgeRequest
+from mmrlhf.testing.tiny_models import tiny_model_dir
+from vllm import SamplingParams
+
+judge = VllmJudge(str(tiny_model_dir("qwen2_vl")), max_tokens=2, top_logprobs=0,
+                  engine_options={"max_model_len": 1024, "dtype": "float32"})
+request = JudgeRequest(content=[{"type": "text", "text": "Is the sky blue?"}], text="Is the sky blue?")
+for call in range(3):  # each asyncio.run has its own executor: every call comes from a thread new to OpenMP
+    reply = asyncio.run(judge.run([request]))[0]
+    print("call", call, threading.active_count(), repr(reply.text), flush=True)
+# the control: the same engine called from a fresh thread without settling its thread count
+outcome = {}
+def bare():
+    try:
+        judge._llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=2), use_tqdm=False)
+        outcome["ok"] = True
+    except Exception as exc:
+        outcome["error"] = str(exc)
+worker = threading.Thread(target=bare)
+worker.start(); worker.join()
+print("control", outcome, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_in_process_judge_answers_from_any_thread_after_torch_set_its_thread_count(tmp_path):
+    """vLLM's CPU attention aborts a step when the calling thread's OpenMP count differs from torch's setting
+    (``mmrlhf.rollout.vllm_setup.settle_cpu_threads``); each judge call comes from a new executor thread. In a
+    process whose torch thread count was set before the engine, three calls answer; the control (the engine called
+    from a new thread without the settling) hits vLLM's check, so the condition really held."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VLLM_DIST_IDENT", None)
+    done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, (out + done.stderr)[-3000:]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("call")] == ["0", "1", "2"], out
+    control = next(line for line in out.splitlines() if line.startswith("control"))
+    assert "thread_num" in control and "ok" not in control, control

@@ -44,6 +44,34 @@ def test_known_notices_are_dropped_and_others_kept():
     assert keep.messages == ["Enforce eager set, disabling torch.compile"]
 
 
+def test_kernel_advice_is_dropped_only_for_a_model_trained_on_the_cpu():
+    """transformers' "install causal-conv1d / flash-linear-attention" notices are advice on a GPU (they show) and
+    noise on the CPU, where those CUDA kernels cannot be installed (the trainer drops them there)."""
+    hub = logging.getLogger("transformers.integrations.hub_kernels")
+    saved = list(hub.filters)
+    for f in saved:
+        hub.removeFilter(f)
+    keep = _Keep()
+    hub.addHandler(keep)
+    advice = ("`causal_conv1d_fn` is falling back to its reference PyTorch implementation because `causal_conv1d` "
+              "is not installed. This is correct but much slower; install `causal_conv1d` for the optimized kernel.")
+    try:
+        vllm_quiet.install()  # the engine's table alone: the advice still shows
+        hub.warning(advice)
+        vllm_quiet.install_cpu_training()
+        vllm_quiet.install_cpu_training()
+        assert sum(isinstance(f, vllm_quiet.DropKnown) for f in hub.filters) == 1
+        hub.warning(advice)
+        hub.warning("`some_new_kernel` is falling back to its reference PyTorch implementation")  # not listed
+    finally:
+        hub.removeHandler(keep)
+        for f in list(hub.filters):
+            hub.removeFilter(f)
+        for f in saved:
+            hub.addFilter(f)
+    assert keep.messages == [advice, "`some_new_kernel` is falling back to its reference PyTorch implementation"]
+
+
 def test_the_listed_future_warning_is_ignored_only_from_its_module():
     vllm_quiet.install()
     with warnings.catch_warnings(record=True) as caught:

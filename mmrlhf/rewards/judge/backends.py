@@ -269,6 +269,9 @@ class VllmJudge:
         engine's build on first use, its wake-up) their ``queue_s``."""
         from vllm import SamplingParams
 
+        from mmrlhf.rollout.vllm_setup import settle_cpu_threads
+
+        settle_cpu_threads()  # this call's thread is whichever the event loop's executor gave
         llm = self._engine()
         sleeps = self.sleep and _sleeps(llm)
         if sleeps:
