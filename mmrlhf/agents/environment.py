@@ -74,6 +74,23 @@ def load_environment(spec: str, options: dict[str, Any] | None = None) -> Callab
     return make
 
 
+class FailedEnvironment:
+    """Stands in for the environment of one trajectory whose factory raised (a sandbox that did not start, a lost
+    connection, a ``sys.exit`` in a constructor): its reset gives the failure as the first observation, counted as
+    ``tool_raised`` like a reset that raises, and its first step ends the episode. One trajectory's failed start
+    never ends the step. (A factory that makes something without ``reset`` / ``step`` is a spec error instead,
+    raised: it would fail every trajectory alike.)"""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def reset(self, record: dict[str, Any]) -> ToolResult:
+        return ToolResult(text=self.message, error="tool_raised")
+
+    def step(self, action_text: str) -> StepResult:
+        return StepResult(observation=ToolResult(text=""), done=True)
+
+
 def close_environment(env: Any) -> None:
     """``env.close()`` when the environment has one (closing is optional)."""
     close = getattr(env, "close", None)

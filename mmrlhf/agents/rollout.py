@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from mmrlhf.agents.calls import parse_turn
+from mmrlhf.agents.environment import EnvironmentSpecError, FailedEnvironment
 from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, ImageEncoder, LoopStats
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
@@ -161,7 +162,22 @@ class AgentLoop:
                                   model_image_sizes=list(context.model_image_sizes), state={}, trajectory_index=k)
         return _Live(sample_index=k, group=k // n, prompt_ids=list(batch.all_prompt_token_ids[k]),
                      vision=dict(batch.all_vision_inputs[k]), images=list(batch.all_images[k]), context=ctx,
-                     env=self.environment() if self.environment is not None else None)
+                     env=self._new_environment(k))
+
+    def _new_environment(self, k: int) -> Any:
+        """Trajectory ``k``'s environment; a factory that raises gives a :class:`FailedEnvironment` (logged, counted
+        as the trajectory's ``tool_raised``). Ctrl-C (this is the rollout's thread) and a spec error still raise."""
+        if self.environment is None:
+            return None
+        try:
+            return self.environment()
+        except (KeyboardInterrupt, EnvironmentSpecError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - user code; SystemExit included: counted, never the run's end
+            logger.warning("trajectory %d: the environment factory raised %s", k, type(exc).__name__, exc_info=exc)
+            detail = f": {exc}" if str(exc) else ""
+            return FailedEnvironment(f"Error: the environment could not be created ({type(exc).__name__}"
+                                     f"{detail})"[:500])
 
     def _request(self, t: _Live) -> GenerationRequest:
         """The trajectory so far as a request: its ids (the engine takes them as they are: never re-tokenised)

@@ -251,6 +251,47 @@ def test_an_environment_answers_every_turn_with_images(tiny):
         assert s.trajectory.num_turns == 3
 
 
+def test_an_environment_factory_that_raises_fails_its_trajectory_only(tiny):
+    """The factory is user code run once per trajectory: one that raises (a sandbox that did not start; here
+    ``sys.exit`` for the second trajectory) gives that trajectory its failure as the first observation, counted as
+    ``tool_raised``, and ends it at its first step; the other trajectory runs its episode. A factory making
+    something that is not an environment (a spec error, the same for every trajectory) still stops the step."""
+    import sys
+
+    from mmrlhf.agents.environment import EnvironmentSpecError
+
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    turn = _ids(tok, "blue", "<|im_end|>")
+    image = Image.new("RGB", (112, 112), (200, 40, 40))
+    batch = _batch(data, 2, image)
+    made = []
+
+    def factory():
+        made.append(1)
+        if len(made) == 2:
+            sys.exit("sandbox pool exhausted")
+        return Colours()
+
+    loop = _loop(tiny, ScriptedEngine({0: [turn] * 4, 1: [turn] * 4}), environment=factory,
+                 limits=AgentLimits(max_turns=4, max_new_tokens_per_turn=8))
+    result = loop.run(batch, 2, SamplingSettings(n=2, max_new_tokens=8), [_context(batch, image)])
+    good, failed = result.samples
+    assert good.trajectory.ended == "done" and good.trajectory.info == {"solved": True} and not good.trajectory.errors
+    assert failed.trajectory.ended == "done" and failed.trajectory.errors == ["tool_raised"]
+    assert failed.trajectory.num_turns == 1  # its first turn answered the error; the stand-in's step ended it
+    first = next(t for t in failed.trajectory.turns if t.role == "tool")
+    assert "could not be created (SystemExit: sandbox pool exhausted)" in first.text
+    assert result.metrics["agent/errors/tool_raised/count"] == 1.0
+
+    def not_an_environment():
+        raise EnvironmentSpecError("environment 'x:Y' made a dict without reset() / step()")
+
+    loop = _loop(tiny, ScriptedEngine({0: [turn], 1: [turn]}), environment=not_an_environment)
+    with pytest.raises(EnvironmentSpecError, match="without reset"):
+        loop.run(batch, 2, SamplingSettings(n=2, max_new_tokens=8), [_context(batch, image)])
+
+
 class Big(Tool):
     name, description = "big", "returns a large image"
     parameters = {"type": "object", "properties": {}}
