@@ -85,9 +85,11 @@ def test_in_process_vllm_judge_with_swapped_verdicts_swaps_the_order(tmp_path):
 
 
 THREADS_SCRIPT = r"""
-import asyncio, sys, threading
+import asyncio, os, sys, threading
 import torch
-torch.set_num_threads(1)  # what a Ray actor sizing itself (or an earlier test) does before the engine exists
+# What a Ray actor sizing itself (or an earlier test) does before the engine exists: a count other than OpenMP's
+# default for a new thread (the cores this process may use).
+torch.set_num_threads(1 if len(os.sched_getaffinity(0)) > 1 else 2)
 from mmrlhf.rewards.judge.backends import VllmJudge
 from mmrlhf.rewards.judge.rubric import JudgeRequest
 from mmrlhf.testing.tiny_models import tiny_model_dir
