@@ -38,14 +38,14 @@ def tiny_qwen2_5_vl():
     return tiny_model_dir("qwen2_5_vl", "tiny", 0)
 
 
+_FAILED = pytest.StashKey[bool]()  # set on a test whose call failed
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     if call.when == "call" and outcome.get_result().failed:
         item.stash[_FAILED] = True
-
-
-_FAILED = pytest.StashKey[bool]()
 
 
 @pytest.fixture(autouse=True)
