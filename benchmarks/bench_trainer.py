@@ -16,6 +16,10 @@ Groups (``--groups``):
 - ``mixed``: four prompts whose images grow from 224 to 896 px, n = 4 each, answers 32-512 tokens (the token
   budget's case).
 
+``--copy off,on``: ``trainer.compute_copy`` (bf16 copies of the Linear weights cast once per optimiser step,
+:mod:`mmrlhf.models.compute_copy`) against autocast's casts in every forward; each timed group is one optimiser
+step, so ``on`` casts the trained weights once per group, inside the timing.
+
 ``--splits count,budget``: micro-batches of ``--micro`` samples, and the trainer's token-budget split at ``auto``
 (``trainer.max_tokens_per_micro_batch``: the count split's costliest micro-batch as the budget, never more
 forwards). ``--checkpointing off,on``: ``trainer.gradient_checkpointing``; compare the peak memory and the time.
@@ -36,6 +40,7 @@ Run:  python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b        (a GPU; ~1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -246,25 +251,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step(actor, micros) -> None:
-    """Forward, PPO-style surrogate over the policy tokens, backward, per micro-batch (gradients accumulate)."""
+def step(actor, micros, copies=None) -> None:
+    """Forward, PPO-style surrogate over the policy tokens, backward, per micro-batch (gradients accumulate).
+    ``copies`` (a ComputeCopy): the group is one optimiser step: its trained copies are cast again first."""
     total = sum(int(b.samples.response_length.sum()) for b in micros)
-    for built in micros:
-        out = actor(built.samples, vision_extra=built.vision_extra)
-        mask = out.action_mask.float()
-        adv = torch.linspace(-1, 1, out.log_probs.shape[0], device=out.log_probs.device)[:, None]
-        ratio = (out.log_probs - out.log_probs.detach()).exp()
-        (-(ratio * adv * mask).sum() / total).backward()
+    if copies is not None:
+        copies.stale()  # what an optimiser step does to the trained masters
+    with copies.active() if copies is not None else contextlib.nullcontext():
+        for built in micros:
+            out = actor(built.samples, vision_extra=built.vision_extra)
+            mask = out.action_mask.float()
+            adv = torch.linspace(-1, 1, out.log_probs.shape[0], device=out.log_probs.device)[:, None]
+            ratio = (out.log_probs - out.log_probs.detach()).exp()
+            (-(ratio * adv * mask).sum() / total).backward()
 
 
-def time_layout(actor, micros, device, repeats: int, warmup: int) -> tuple[float, float, float]:
+def time_layout(actor, micros, device, repeats: int, warmup: int, copies=None) -> tuple[float, float, float]:
     """(median seconds of one group's forward + backward, peak memory GiB, seconds of the first call: kernel
     compilation and allocator warm-up)."""
     first = 0.0
     for i in range(warmup):
         _sync(device)
         t0 = time.perf_counter()
-        step(actor, micros)
+        step(actor, micros, copies)
         _sync(device)
         first = first or time.perf_counter() - t0
     actor.model.zero_grad(set_to_none=True)
@@ -274,7 +283,7 @@ def time_layout(actor, micros, device, repeats: int, warmup: int) -> tuple[float
     for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
-        step(actor, micros)
+        step(actor, micros, copies)
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -296,13 +305,13 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, size: int) -> float:
     return 2 * size**3 * reps / (time.perf_counter() - t0) / 1e12
 
 
-def profile(actor, micros, device, path: Path, rows: int = 30) -> str:
+def profile(actor, micros, device, path: Path, copies=None, rows: int = 30) -> str:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    step(actor, micros)  # warm
+    step(actor, micros, copies)  # warm
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
-        step(actor, micros[:1])
+        step(actor, micros[:1], copies)
         _sync(device)
     actor.model.zero_grad(set_to_none=True)
     key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
@@ -330,6 +339,7 @@ def main() -> None:
     ap.add_argument("--splits", default="count", help="count (micro-batches of --micro samples) and / or budget "
                                                         "(trainer.max_tokens_per_micro_batch: auto)")
     ap.add_argument("--checkpointing", default="off", help="off and / or on (trainer.gradient_checkpointing)")
+    ap.add_argument("--copy", default="off", help="off and / or on (trainer.compute_copy; needs --dtype bfloat16)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--matmul-size", type=int, default=8192)
@@ -364,14 +374,18 @@ def main() -> None:
                         continue  # one group is one row either way
                     micros = build_layout(group, layout, adapter, args.micro, split)
                     for kernel in kernels:
-                        row = {"group": gname, "layout": layout, "kernel": kernel, "split": split,
-                               "checkpointing": ckpt}
-                        rows.append(_run_row(row, model, adapter, autocast, micros, group, counts, cfg, matmul,
-                                             device, args))
+                        for copy in args.copy.split(","):
+                            if copy == "on" and autocast is None:
+                                continue  # float32 compute: nothing to copy
+                            row = {"group": gname, "layout": layout, "kernel": kernel, "split": split,
+                                   "checkpointing": ckpt, "copy": copy}
+                            rows.append(_run_row(row, model, adapter, autocast, micros, group, counts, cfg,
+                                                 matmul, device, args))
                     del micros
         for block in blocks:  # back to the blocks' own forward
             del block.__dict__["forward"]
     _print(args, device, counts, matmul, rows)
+    _print_copy(rows)
     if args.json:
         _write_json(args, counts, matmul, rows)
 
@@ -379,24 +393,30 @@ def main() -> None:
 def _run_row(row, model, adapter, autocast, micros, group, counts, cfg, matmul, device, args) -> dict:
     from mmrlhf.models import attention
     from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.compute_copy import ComputeCopy
 
     kernel = row["kernel"]
     if kernel == "dense":  # decoder masks dense, vision tower on its per-segment loop
         attention.uninstall(model)
     actor = ActorVL(model, adapter, compute_dtype=autocast, masked_attention=kernel)
+    copies = ComputeCopy(actor, autocast) if row["copy"] == "on" else None
     try:
-        seconds, peak, first = time_layout(actor, micros, device, args.repeats, args.warmup)
+        seconds, peak, first = time_layout(actor, micros, device, args.repeats, args.warmup, copies)
     except Exception as exc:  # a kernel that cannot run this row: reported in the table, the others still run
         traceback.print_exc()
         print(f"[bench_trainer] {row}: {type(exc).__name__}: {exc}", file=sys.stderr)
         model.zero_grad(set_to_none=True)
         return {**row, "error": type(exc).__name__}
+    finally:
+        if copies is not None:
+            copies.release()
     work = flops(group, row["layout"], micros, counts, cfg)
     tokens = sum(decoder_tokens(b) for b in micros)
     if args.profile and row["group"] == args.groups.split(",")[0]:
         out = Path(args.profile)
         out.mkdir(parents=True, exist_ok=True)
-        profile(actor, micros, device, out / f"{row['group']}_{row['layout']}_{kernel}_{row['split']}.txt")
+        profile(actor, micros, device, out / f"{row['group']}_{row['layout']}_{kernel}_{row['split']}"
+                f"_copy-{row['copy']}.txt", copies)
     return {**row, "forwards": len(micros), "tokens": tokens, "s": seconds, "tok_s": tokens / seconds,
             "tflops": work / seconds / 1e12, "share": work / seconds / 1e12 / matmul, "peak_gib": peak,
             "first_s": first}
@@ -413,11 +433,12 @@ def _print(args, device, counts, matmul, rows) -> None:
           f"float32 master, {args.dtype} compute; per-sample layouts in micro-batches of {args.micro}; median of "
           f"{args.repeats} after {args.warmup} warm-up(s). Same-process {args.dtype} matmul "
           f"({args.matmul_size}^3): {matmul:.0f} TFLOP/s\n")
-    print("| group | layout | kernel | split | checkpointing | forwards | decoder tokens | s | tokens/s | TFLOP/s "
-          "| of matmul | peak GiB | first call s |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| group | layout | kernel | split | checkpointing | copy | forwards | decoder tokens | s | tokens/s "
+          "| TFLOP/s | of matmul | peak GiB | first call s |")
+    print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        head = f"| {r['group']} | {r['layout']} | {r['kernel']} | {r['split']} | {r['checkpointing']} |"
+        head = (f"| {r['group']} | {r['layout']} | {r['kernel']} | {r['split']} | {r['checkpointing']} | "
+                f"{r['copy']} |")
         if "error" in r:
             print(f"{head} failed: {r['error']} | | | | | | | |")
             continue
@@ -427,7 +448,7 @@ def _print(args, device, counts, matmul, rows) -> None:
     for g in sorted({r["group"] for r in rows}):
         for kernel in sorted({r["kernel"] for r in rows}):
             ok = {r["layout"]: r for r in rows if r["group"] == g and r["kernel"] == kernel and "error" not in r
-                  and r["split"] == "count" and r["checkpointing"] == "off"}
+                  and r["split"] == "count" and r["checkpointing"] == "off" and r["copy"] == rows[0]["copy"]}
             pad, packed, grouped = ok.get("padded"), ok.get("packed"), ok.get("grouped")
             if pad and packed:
                 print(f"{g}, {kernel}: packed vs padded {pad['s'] / packed['s']:.2f}x faster with "
@@ -437,12 +458,25 @@ def _print(args, device, counts, matmul, rows) -> None:
                 print(f"{g}, {kernel}: grouped vs best per-sample ({best['layout']}) {best['s'] / grouped['s']:.2f}x")
 
 
+def _print_copy(rows) -> None:
+    """The compute copy against autocast, row by row (same group, layout, kernel, split, checkpointing)."""
+    key = ("group", "layout", "kernel", "split", "checkpointing")
+    off = {tuple(r[k] for k in key): r for r in rows if r["copy"] == "off" and "error" not in r}
+    for r in rows:
+        base = off.get(tuple(r[k] for k in key))
+        if r["copy"] == "on" and "error" not in r and base:
+            print(f"{', '.join(str(r[k]) for k in key)}: compute copy {base['s'] / r['s']:.2f}x autocast "
+                  f"({r['s']:.3f} s vs {base['s']:.3f} s; {r['share']:.0%} vs {base['share']:.0%} of matmul; peak "
+                  f"{r['peak_gib']:.1f} vs {base['peak_gib']:.1f} GiB)")
+
+
 def _write_json(args, counts, matmul, rows) -> None:
     from _results import table, write_json
 
-    columns = ["group", "layout", "kernel", "split", "checkpointing", "forwards", "decoder tokens", "s", "tokens/s",
-               "TFLOP/s", "of matmul", "peak GiB"]
-    cells = [[r["group"], r["layout"], r["kernel"], r["split"], r["checkpointing"], r.get("forwards"), r.get("tokens"),
+    columns = ["group", "layout", "kernel", "split", "checkpointing", "copy", "forwards", "decoder tokens", "s",
+               "tokens/s", "TFLOP/s", "of matmul", "peak GiB"]
+    cells = [[r["group"], r["layout"], r["kernel"], r["split"], r["checkpointing"], r["copy"], r.get("forwards"),
+              r.get("tokens"),
               r.get("s"), r.get("tok_s"), r.get("tflops"), r.get("share"), r.get("peak_gib")] for r in rows]
     best = max((r for r in rows if "share" in r), key=lambda r: r["share"], default=None)
     headline = (f"best {best['group']} {best['layout']} {best['kernel']}: {best['share']:.0%} of a {matmul:.0f} "

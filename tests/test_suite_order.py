@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import conftest
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_heavy_file_exists():
+@pytest.fixture
+def conftest(request):
+    """The suite's root conftest as pytest loaded it (a plain ``import conftest`` may find a sub-folder's)."""
+    path = ROOT / "tests" / "conftest.py"
+    return next(m for m in request.config.pluginmanager.get_plugins()
+                if getattr(m, "__file__", None) and Path(m.__file__).resolve() == path)
+
+
+def test_every_heavy_file_exists(conftest):
     # A renamed or removed file would silently fall back to collection order and end the suite on a learning run.
     missing = [path for path in conftest.HEAVY_FIRST if not (ROOT / path).is_file()]
     assert not missing, f"tests/conftest.py HEAVY_FIRST names files that do not exist: {missing}"
@@ -21,7 +29,7 @@ class _Item:
         self.nodeid = nodeid
 
 
-def test_heavy_files_move_to_the_front_in_their_rank_and_the_rest_keep_their_order():
+def test_heavy_files_move_to_the_front_in_their_rank_and_the_rest_keep_their_order(conftest):
     heavy = conftest.HEAVY_FIRST
     ids = [
         "tests/a/test_x.py::test_1",

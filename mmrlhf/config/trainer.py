@@ -47,6 +47,14 @@ class TrainerConfig(Section):
     (one process, torchrun's FSDP2 shards, Ray trainer actors) and LoRA; the vision tower's blocks only when they
     train (``freeze_vision_tower=false`` or ``model.lora.vision``); no-grad forwards (scoring, generation) are
     untouched."""
+    compute_copy: Union[Literal["auto"], bool] = "auto"
+    """Where the policy and the critic keep float32 master weights and compute in bf16 under autocast (one process,
+    Ray trainer actors; torchrun's FSDP2 casts its shards itself), hold a bf16 copy of their Linear weights for the
+    whole optimiser step instead of autocast casting every weight again in every micro-batch's forward (and every
+    recomputation): cast once per step, the same gradients bit for bit, added into float32 master gradients
+    (mmrlhf/models/compute_copy.py; docs/training.md). ``auto``: on, except with ``gradient_checkpointing``, where
+    autocast holds no copies for the backward and the step's copies would add their size (the lm_head and the
+    decoder's Linear weights in bf16) to the peak; ``true`` then trades that memory for the casts."""
 
     # ---- batch sizes -----------------------------------------------------------------------------------------
     rollout_batch_size: int = Field(default=32, ge=1)

@@ -17,6 +17,7 @@ from mmrlhf.algorithms.checks import check_params
 from mmrlhf.algorithms.losses import POLICY_LOSSES
 from mmrlhf.config.budget import Budget
 from mmrlhf.config.schema import MMRLHFConfig
+from mmrlhf.models.compute_copy import ComputeCopy
 from mmrlhf.models.placement import module_device
 from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
 from mmrlhf.models.sharding import shard_models
@@ -288,6 +289,21 @@ def _resume_changes(checkpoint: Path, record: dict[str, Any]) -> list:
     return check_changes(saved, record, str(checkpoint))
 
 
+def compute_copy(model: torch.nn.Module, t: Any, name: str) -> ComputeCopy | None:
+    """``trainer.compute_copy`` for ``model`` (an actor, or a critic's body): a copy where its forwards autocast
+    (``compute_dtype`` set: float32 masters, bf16 compute; None under FSDP2's own casts) and the key asks for one."""
+    dtype = getattr(model, "compute_dtype", None)
+    wanted = t.compute_copy if t.compute_copy != "auto" else not t.gradient_checkpointing
+    if dtype is None or not wanted:
+        return None
+    copies = ComputeCopy(model, dtype)
+    if not copies.slots:
+        return None
+    logger.info("trainer.compute_copy: the %s's %d Linear tensors (%.2f GiB in %s) cast once per optimiser step",
+                name, len(copies.slots), copies.nbytes / 2**30, str(dtype).removeprefix("torch."))
+    return copies
+
+
 def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_id: int,
                    world: World) -> tuple[PolicyUpdater, CriticUpdater | None]:
     """The policy updater (and the critic's, when ``critic`` is given) with their optimisers and schedules; the
@@ -298,13 +314,14 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
     samples_per_step = t.rollout_batch_size * config.rollout.n_samples_per_prompt
     total_opt_steps = t.max_steps * t.ppo_epochs * math.ceil(samples_per_step / t.train_batch_size)
 
-    def stepper(model: torch.nn.Module, lr: float, name: str) -> GuardedStepper:
+    def stepper(model: torch.nn.Module, lr: float, name: str, computes: torch.nn.Module) -> GuardedStepper:
         opt = build_optimizer(model.parameters(), lr=lr, weight_decay=t.weight_decay, betas=t.adam_betas,
                               eps=t.adam_eps)
         sched = build_scheduler(opt, schedule=t.lr_scheduler, warmup_steps=t.warmup_steps,
                                 total_steps=total_opt_steps, min_ratio=t.min_lr_ratio)
         return GuardedStepper(list(model.parameters()), opt, sched, max_grad_norm=t.max_grad_norm,
-                              max_consecutive=t.max_consecutive_nonfinite, name=name, world=world)
+                              max_consecutive=t.max_consecutive_nonfinite, name=name, world=world,
+                              compute_copy=compute_copy(computes, t, name))
 
     # model.dtype is the compute dtype in every launch mode (autocast in one process, FSDP2's policy under torchrun)
     correction = resolve_rollout_correction(a, engine=config.rollout.engine, engine_dtype=_engine_dtype(config),
@@ -314,12 +331,12 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
                 "on" if _layout(config)["shared_prompt"] else "off",
                 f"{t.micro_train_batch_size} samples" if budget is None else
                 f"token budget {budget} (count {t.micro_train_batch_size})")
-    policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy"), policy_update_settings(config, correction),
+    policy = PolicyUpdater(actor, stepper(actor, t.lr, "policy", actor), policy_update_settings(config, correction),
                            pad_id=pad_id)
     if critic is None:
         return policy, None
     critic_updater = CriticUpdater(
-        critic, stepper(critic, t.critic_lr, "critic"),
+        critic, stepper(critic, t.critic_lr, "critic", critic.body),  # the value head computes outside autocast
         CriticUpdateSettings(train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
                              ppo_epochs=t.ppo_epochs, value_clip=a.value_clip, value_loss_coef=a.value_loss_coef,
                              agg=a.loss_agg, norm_len=a.loss_agg_norm_len, packing=t.packing_samples,

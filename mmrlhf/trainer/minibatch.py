@@ -9,14 +9,16 @@ when the run is clearly broken rather than unlucky.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from mmrlhf.models.compute_copy import ComputeCopy
 from mmrlhf.parallel.aligned import run_aligned
 from mmrlhf.parallel.micro_batches import Budget, Layout, SampleCost, plan_micro_batches, split_metrics
 from mmrlhf.parallel.world import World, single
@@ -91,8 +93,11 @@ class GuardedStepper:
 
     def __init__(self, params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None, *, max_grad_norm: float,
-                 max_consecutive: int, name: str, world: World | None = None) -> None:
+                 max_consecutive: int, name: str, world: World | None = None,
+                 compute_copy: ComputeCopy | None = None) -> None:
         self.params = [p for p in params if p.requires_grad]
+        # trainer.compute_copy: the model's matrix weights cast once per optimiser step (mmrlhf.models.compute_copy)
+        self.compute_copy = compute_copy
         self.world = world or single()  # the training ranks (the update loop normalises over all of them)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.max_grad_norm, self.max_consecutive, self.name = max_grad_norm, max_consecutive, name
@@ -124,6 +129,15 @@ class GuardedStepper:
                     "intact)")
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, ok
+
+    def computing(self) -> ContextManager[Any]:
+        """The region of one optimiser step's forwards and backwards: the compute copy's, when there is one."""
+        return self.compute_copy.active() if self.compute_copy is not None else contextlib.nullcontext()
+
+    def release(self) -> None:
+        """The end of an update: the compute copy's memory goes back (it is cast again at the next update)."""
+        if self.compute_copy is not None:
+            self.compute_copy.release()
 
     @property
     def lr(self) -> float:
@@ -223,12 +237,14 @@ def run_minibatches(counts: Sequence[float], *, batch_size: int, micro_size: int
             if not padding:
                 sums.add(metrics, sum(counts[i] for i in micro))
 
-        run_aligned(micros, forward, pad=[0])
+        with stepper.computing():
+            run_aligned(micros, forward, pad=[0])
         grad_norm, ok = stepper.step(world.all_true(finite))
         if ok:
             norms.append(grad_norm)
         else:
             skipped += 1
+    stepper.release()
     sums = sums.all_reduced(world)
     out = sums.means(prefix)
     if split is not None:

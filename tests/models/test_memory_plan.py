@@ -37,9 +37,31 @@ def test_torchrun_divides_the_sharded_states_by_the_ranks_and_nothing_else():
         assert rank["generate"]["reference (model.dtype)"] == one["generate"]["reference (model.dtype)"]
         assert rank["generate"]["engine (vLLM, awake)"] == one["generate"]["engine (vLLM, awake)"]
         assert "FSDP gathered parameters" in rank["update"] and "FSDP gathered parameters" not in one["update"]
-    # FSDP2's mixed precision: no autocast copies under torchrun, autocast's weight copies in one process
-    assert "autocast weight copies" in one["update"]
-    assert "autocast weight copies" not in plan_launch(facts, p, "torchrun", 4).gpus[0].phases["update"]
+    # FSDP2's mixed precision: no bf16 weight copies under torchrun; the compute copy (trainer.compute_copy: auto)
+    # in one process
+    sharded = plan_launch(facts, p, "torchrun", 4).gpus[0].phases["update"]
+    assert "compute copy (bf16 Linears)" in one["update"]
+    assert not {"compute copy (bf16 Linears)", "autocast weight copies"} & set(sharded)
+
+
+def test_the_compute_copy_holds_every_linear_weight_where_autocast_held_those_on_the_backwards_path():
+    facts, p = _plan()
+    d, c = facts.decoder, facts.counts
+    on = plan_launch(facts, p, "single").gpus[0].phases["update"]
+    assert p.compute_copy and on["compute copy (bf16 Linears)"] == 2 * (
+        c.linear_weights + d.vocab * d.hidden + c.merger_linear_weights + c.tower_linear_weights)
+    facts, p = _plan(["trainer.compute_copy=false"])
+    off = plan_launch(facts, p, "single").gpus[0].phases["update"]
+    # autocast saves no copy of the frozen tower (no backward runs through it): the copy holds that much more
+    assert off["autocast weight copies"] == on["compute copy (bf16 Linears)"] - 2 * c.tower_linear_weights
+    # auto is off with checkpointing; forced on, the recomputed layer casts nothing and the copy stays whole
+    facts, p = _plan(["trainer.gradient_checkpointing=true"])
+    assert not p.compute_copy
+    ckpt = plan_launch(facts, p, "single").gpus[0].phases["update"]
+    facts, p = _plan(["trainer.gradient_checkpointing=true", "trainer.compute_copy=true"])
+    forced = plan_launch(facts, p, "single").gpus[0].phases["update"]
+    assert forced["compute copy (bf16 Linears)"] == on["compute copy (bf16 Linears)"]
+    assert ckpt["recomputed layer"] - forced["recomputed layer"] == 2 * c.linear_weights // d.layers
 
 
 def test_the_trainer_keeps_16_bytes_per_trained_parameter_and_4_per_frozen_one():

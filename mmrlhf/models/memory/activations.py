@@ -131,13 +131,17 @@ def vision_bytes(facts: ModelFacts, n: Numerics, mb: MicroBatch, *, checkpointin
     return total
 
 
-def weight_copy_bytes(facts: ModelFacts, n: Numerics, *, checkpointing: bool) -> int:
+def weight_copy_bytes(facts: ModelFacts, n: Numerics, *, checkpointing: bool, compute_copy: bool = False) -> int:
     """Autocast's c-byte copies of the Linear weights on the backward's path, kept until the backward: every
     decoder layer's (one at a time when checkpointed: the recomputed layer's, counted there), the lm_head's (the
-    chunked head saves its cast weight) and the vision side's the backward runs through; 0 without autocast."""
+    chunked head saves its cast weight) and the vision side's the backward runs through; 0 without autocast.
+    ``compute_copy`` (``trainer.compute_copy``, :mod:`mmrlhf.models.compute_copy`): instead, a c-byte copy of
+    EVERY Linear weight (the frozen tower's too) held through the update, checkpointed or not."""
     if not n.autocast:
         return 0
     d, c = facts.decoder, facts.counts
+    if compute_copy:
+        return n.compute * (c.linear_weights + d.vocab * d.hidden + c.merger_linear_weights + c.tower_linear_weights)
     layers = 0 if checkpointing else c.linear_weights
     vision = c.merger_linear_weights if c.merger_on_grad_path else 0
     vision += c.tower_linear_weights if c.tower_on_grad_path else 0
@@ -163,7 +167,7 @@ class ActivationPlan:
     layers: int  # the decoder layers' saved tensors (checkpointed: their inputs)
     per_forward: int
     vision: int
-    weight_copies: int  # autocast's saved weight copies
+    weight_copies: int  # autocast's saved weight copies, or the compute copy (trainer.compute_copy)
     recompute: int  # checkpointing: one layer's saved tensors (and weight copies) during its recomputation
     head: int  # the log-prob head's chunk buffers and gradient accumulator (transient)
     backward: int  # the backward's working set: one layer's worth of gradients (transient)
@@ -179,21 +183,25 @@ class ActivationPlan:
 
 
 def activation_plan(facts: ModelFacts, n: Numerics, mb: MicroBatch, *, checkpointing: bool,
-                    chunk: int) -> ActivationPlan:
-    """Activations of one training forward + backward of ``mb`` (the module docstring's formula)."""
+                    chunk: int, compute_copy: bool = False) -> ActivationPlan:
+    """Activations of one training forward + backward of ``mb`` (the module docstring's formula); with
+    ``compute_copy`` the weight copies are the step's (:func:`weight_copy_bytes`), and a recomputed layer casts
+    none of its own."""
     d = facts.decoder
     one = sum(decoder_layer_bytes(facts, n, mb).values()) + eager_probabilities_bytes(facts, mb,
                                                                                                            n)
     if checkpointing:
         layers = d.layers * mb.tokens * n.residual * d.hidden
-        layer_copies = n.compute * facts.counts.linear_weights // max(d.layers, 1) if n.autocast else 0
+        layer_copies = n.compute * facts.counts.linear_weights // max(d.layers, 1) \
+            if n.autocast and not compute_copy else 0
         recompute = one + layer_copies
     else:
         layers, recompute = d.layers * one, 0
     return ActivationPlan(
         layers=layers, per_forward=per_forward_bytes(facts, n, mb),
         vision=vision_bytes(facts, n, mb, checkpointing=checkpointing),
-        weight_copies=weight_copy_bytes(facts, n, checkpointing=checkpointing), recompute=recompute,
+        weight_copies=weight_copy_bytes(facts, n, checkpointing=checkpointing, compute_copy=compute_copy),
+        recompute=recompute,
         head=head_working_bytes(facts, n, mb.response_tokens, chunk, train=True), backward=one)
 
 

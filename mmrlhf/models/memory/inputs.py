@@ -1,7 +1,8 @@
 """The one place the memory plan reads a run's config: ``MMRLHFConfig`` -> (:class:`ModelFacts`, :class:`PlanInputs`).
 
 The keys that change a micro-batch's activations (``trainer.gradient_checkpointing``,
-``trainer.max_tokens_per_micro_batch``) are read here, and only here (:func:`checkpointing`, :func:`token_budget`);
+``trainer.max_tokens_per_micro_batch``, ``trainer.compute_copy``) are read here, and only here (:func:`checkpointing`,
+:func:`token_budget`, :func:`compute_copy`);
 the fixes the plan suggests name their keys (:func:`fix_keys`).
 """
 
@@ -29,6 +30,13 @@ def checkpointing(config: Any) -> bool:
     """Activation checkpointing of the decoder layers (and of the vision blocks when they train):
     ``trainer.gradient_checkpointing``."""
     return bool(config.trainer.gradient_checkpointing)
+
+
+def compute_copy(config: Any) -> bool:
+    """``trainer.compute_copy`` resolved (``auto``: on unless checkpointing); it only applies where a model
+    autocasts, which the plan's numerics decide per launch mode."""
+    key = config.trainer.compute_copy
+    return (not checkpointing(config)) if key == "auto" else bool(key)
 
 
 def token_budget(config: Any) -> int | None:
@@ -181,7 +189,7 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         backend=backend, ranks=ranks or (world if world > 1 else DEFAULT_RANKS),
         rollout_actors=dist.num_rollout_actors,
         rollout_gpus=max(1, int(dist.rollout_actor_gpus or r.tensor_parallel_size)),
-        trainer_actors=dist.num_trainer_actors, keys=fix_keys(config))
+        trainer_actors=dist.num_trainer_actors, keys=fix_keys(config), compute_copy=compute_copy(config))
 
 
 def facts_of(config: Any, shape: str | None = None) -> ModelFacts:

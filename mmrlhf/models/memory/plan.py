@@ -70,6 +70,7 @@ class PlanInputs:
     rollout_gpus: int  # GPUs of one rollout actor
     trainer_actors: int
     keys: dict[str, str] = field(default_factory=dict)  # role -> the config key a fix sets (see inputs.py)
+    compute_copy: bool = False  # ``trainer.compute_copy`` resolved (it applies where a model autocasts)
 
 
 @dataclass
@@ -153,12 +154,14 @@ def _reduction(facts: ModelFacts, p: PlanInputs, shards: int) -> int:
 
 def _activations(facts: ModelFacts, p: PlanInputs, sharded: bool, *, critic: bool = False) -> dict[str, int]:
     n = numerics(p.compute_bytes, p.master_bytes, sharded=sharded)
-    a = activation_plan(facts, n, p.train, checkpointing=p.checkpointing, chunk=p.chunk)
+    a = activation_plan(facts, n, p.train, checkpointing=p.checkpointing, chunk=p.chunk,
+                        compute_copy=p.compute_copy)
+    copies = "compute copy (bf16 Linears)" if p.compute_copy and n.autocast else "autocast weight copies"
     parts = {"activations (saved)": a.layers + a.per_forward + a.vision,
-             "autocast weight copies": a.weight_copies, "recomputed layer": a.recompute,
+             copies: a.weight_copies, "recomputed layer": a.recompute,
              "log-prob head": 0 if critic else a.head, "backward working set": a.backward}
     if critic and n.autocast:  # the critic's head is a [h, 1] value head: no lm_head copy
-        parts["autocast weight copies"] -= n.compute * facts.decoder.vocab * facts.decoder.hidden
+        parts[copies] -= n.compute * facts.decoder.vocab * facts.decoder.hidden
     return {k: v for k, v in parts.items() if v}
 
 
