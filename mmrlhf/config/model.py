@@ -35,6 +35,13 @@ class LoraConfig(Section):
     support (only the A/B matrices travel)."""
     adapter: str = ""
     """A saved peft adapter folder to start from (empty: fresh adapters, B = 0, so the first policy is the base)."""
+    base_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """What the frozen Linear weights of a LoRA policy are stored in (the adapted layers' bases, the lm_head, the
+    vision blocks): they never step, so they need no float32 master. ``bfloat16`` halves them (a 7B base: 28 ->
+    14 GiB) and its forwards are autocast's exactly (autocast computed them from the same bf16 values); the
+    embeddings and norms stay float32 (they feed the float32 residual stream), the adapters are float32 masters.
+    ``auto``: ``model.dtype`` when the trainer runs on an accelerator, float32 on the CPU (bf16 storage is slow to
+    compute with on CPUs without bf16 instructions)."""
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,7 @@ receives plain arguments or its own section only.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,9 @@ from mmrlhf.config.schema import MMRLHFConfig
 from mmrlhf.devices import resolve_device
 from mmrlhf.experience.kinds import KindSetup, build_rollout_kind, kind_class, resolve_kind_name
 from mmrlhf.experience.settings import experience_settings
-from mmrlhf.models.precision import precision
+from mmrlhf.models.precision import lora_base_dtype, precision, store_frozen_linears
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -212,6 +215,11 @@ def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch
 
         adapter_path = resume_adapter_path(policy_path) or lora.adapter or None
         apply_lora(actor, lora, adapter_path=adapter_path)
+        base = lora_base_dtype(model_cfg, device)
+        if base != precision(model_cfg.dtype).master:
+            cast = store_frozen_linears(actor, base)
+            logger.info("model.lora.base_dtype: %d frozen Linear parameters (%.2f GiB) stored in %s", cast,
+                        cast * base.itemsize / 2**30, str(base).removeprefix("torch."))
     return actor, adapter_path
 
 

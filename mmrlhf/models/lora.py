@@ -187,8 +187,9 @@ def merged_weights(model: nn.Module, *, only_trainable: bool = True) -> Iterator
     """``(transformers name, tensor)`` of the adapted policy, one merged layer at a time (lazy: at most one merged
     weight exists beyond the model).
 
-    Adapted layers: ``W + scaling * B @ A`` [out, in] under ``<layer>.weight``, computed in float32 and cast to W's
-    dtype. ``only_trainable``: besides those, only parameters that train (the engine already holds the frozen
+    Adapted layers: ``W + scaling * B @ A`` [out, in] under ``<layer>.weight``, computed in float32 and kept in it
+    when W is stored lower (``model.lora.base_dtype``: a bf16 base plus a small update would round the update
+    away before the engine sees it), else cast to W's dtype. ``only_trainable``: besides those, only parameters that train (the engine already holds the frozen
     base); False: the full merged model (every parameter under its plain name), as a checkpoint needs.
     """
     layers = dict(lora_layers(model))
@@ -199,7 +200,7 @@ def merged_weights(model: nn.Module, *, only_trainable: bool = True) -> Iterator
         b = _full(layer.lora_B[ADAPTER_NAME].weight).float()  # [out, r]
         with torch.no_grad():  # per layer, never around the yield (it would leak into the consumer)
             merged = torch.addmm(w.float(), b, a, alpha=layer.scaling[ADAPTER_NAME])  # [out, in], one fused pass
-        yield f"{name}.weight", merged.to(w.dtype)
+        yield f"{name}.weight", merged.to(torch.promote_types(w.dtype, torch.float32))
     for name, p in model.named_parameters():
         if ".lora_" in name:
             continue

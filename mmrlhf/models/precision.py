@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 
@@ -55,3 +55,32 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> ContextManager[
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def lora_base_dtype(model_cfg: Any, device: torch.device | str) -> torch.dtype:
+    """``model.lora.base_dtype`` of a ``model`` config section resolved: ``auto`` is the compute dtype on an
+    accelerator, the master dtype (float32) on the CPU."""
+    key = model_cfg.lora.base_dtype
+    if key == "auto":
+        p = precision(model_cfg.dtype)
+        return p.master if torch.device(device).type == "cpu" else p.compute
+    return DTYPES[key]
+
+
+def store_frozen_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store every ``nn.Linear`` of ``model`` whose parameters are all frozen in ``dtype`` (``model.lora.base_dtype``);
+    returns the elements cast. Why only those: a frozen weight never steps, so it needs no float32 master, and a
+    Linear under autocast computes in the compute dtype anyway, from the same rounded values. Embeddings and norms
+    are not Linear and keep their dtype (the residual stream they feed stays float32); a Linear whose weight is
+    tied to an embedding keeps it too (the embedding's lookup would change)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    cast = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or id(module.weight) in embeddings:
+            continue
+        params = [p for p in (module.weight, module.bias) if p is not None]
+        if any(p.requires_grad for p in params) or all(p.dtype == dtype for p in params):
+            continue
+        module.to(dtype)
+        cast += sum(p.numel() for p in params)
+    return cast

@@ -171,3 +171,38 @@ def test_json_round_trips_and_agrees_with_the_tables():
     gpu = back["launch"]["gpus"][0]
     assert gpu["peak_bytes"] == max(sum(parts.values()) for parts in gpu["phases"].values())
     assert back["fits"] is False and back["fixes"] and back["parameters"]["total"] == plan.facts.counts.total
+
+
+def test_a_lora_base_in_bf16_halves_the_frozen_linears_and_leaves_only_the_adapters_to_copy():
+    facts, p = _plan(["model.lora.rank=64"])  # base_dtype auto: bf16 on the planned GPU
+    c = facts.counts
+    assert p.lora_base_bytes == 2 and 0 < c.frozen_linear < c.frozen
+    update = plan_launch(facts, p, "single").gpus[0].phases["update"]
+    assert update["actor weights (float32, frozen Linears bf16)"] == 4 * (c.total + c.lora) - 2 * c.frozen_linear
+    assert update["compute copy (bf16 Linears)"] == 2 * c.lora
+    facts32, p32 = _plan(["model.lora.rank=64", "model.lora.base_dtype=float32"])
+    update32 = plan_launch(facts32, p32, "single").gpus[0].phases["update"]
+    assert update32["actor weights (float32)"] == 4 * (c.total + c.lora)
+    assert plan_launch(facts, p, "single").gpus[0].peak < plan_launch(facts32, p32, "single").gpus[0].peak - 15 * GIB
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_the_planned_frozen_linears_are_what_the_trainer_stores_in_bf16(family):
+    """The plan's count (a meta model under the LoRA rule) against ``store_frozen_linears`` on the real model."""
+    import torch
+
+    from mmrlhf.config.model import LoraConfig
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.lora import apply_lora
+    from mmrlhf.models.precision import store_frozen_linears
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = str(tiny_model_dir(family))
+    cfg = build_config({"model": {"pretrain": path, "lora": {"rank": 4, "vision": "merger"}}})
+    facts = facts_of(cfg)
+    actor = ActorVL.from_pretrained(path, dtype=torch.float32)
+    from mmrlhf.trainer.optim import freeze_vision
+
+    freeze_vision(actor.model, actor.adapter, tower=True, merger=False)
+    apply_lora(actor, LoraConfig(rank=4, vision="merger"))
+    assert store_frozen_linears(actor, torch.bfloat16) == facts.counts.frozen_linear

@@ -78,6 +78,9 @@ class ParamCounts:
     linear_weights: int  # weights of the decoder layers' Linear layers (what autocast copies for the backward)
     tower_linear_weights: int  # the same in the vision tower's blocks
     merger_linear_weights: int  # the same in the mergers
+    # elements of the Linear layers whose parameters all stay frozen (a head tied to the embeddings excluded): what
+    # model.lora.base_dtype stores in bf16
+    frozen_linear: int
     lm_head_trains: bool  # the output head gets a gradient (the tied embedding counts as the head)
     tower_on_grad_path: bool  # the backward runs through the vision tower (it, or adapters in it, train)
     merger_on_grad_path: bool  # the backward runs through the mergers
@@ -112,6 +115,22 @@ def _linear_features(module: nn.Module) -> int:
 
 def _linear_weights(modules: list[nn.Module]) -> int:
     return sum(m.weight.numel() for part in modules for m in part.modules() if isinstance(m, nn.Linear))
+
+
+def _frozen_linear(model: nn.Module, trains: dict[int, bool], embed: nn.Parameter) -> int:
+    """Elements of the Linear layers none of whose parameters trains (each once), a head tied to ``embed`` excluded
+    (the rule of :func:`mmrlhf.models.precision.store_frozen_linears`)."""
+    seen: set[int] = set()
+    total = 0
+    for m in model.modules():
+        if not isinstance(m, nn.Linear) or m.weight is embed:
+            continue
+        params = [p for p in m.parameters(recurse=False) if id(p) not in seen]
+        if any(trains[id(p)] for p in m.parameters(recurse=False)):
+            continue
+        seen.update(id(p) for p in params)
+        total += _numel(params)
+    return total
 
 
 def _decoder_dims(model: nn.Module, layer: nn.Module) -> DecoderDims:
@@ -201,6 +220,7 @@ def model_facts(hf_config: Any, *, freeze_vision_tower: bool, freeze_merger: boo
         linear_weights=_linear_weights(layers),
         tower_linear_weights=_linear_weights(vision_blocks),
         merger_linear_weights=_linear_weights(mergers),
+        frozen_linear=_frozen_linear(model, trains, embed),
         lm_head_trains=trains[id(head)],
         tower_on_grad_path=tower_grad,
         merger_on_grad_path=tower_grad or adapted_in_merger or (not use_lora and not freeze_merger),

@@ -155,7 +155,7 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
                 ranks: int | None = None) -> PlanInputs:
     """:class:`PlanInputs` of ``config`` for ``facts``' model on GPUs of ``gpu_gib`` GiB (default: the visible
     accelerator's, else 80) and a torchrun world of ``ranks`` (default ``WORLD_SIZE``, else 8)."""
-    from mmrlhf.models.precision import precision
+    from mmrlhf.models.precision import lora_base_dtype, precision
 
     m, t, r, dist, algo = config.model, config.trainer, config.rollout, config.distributed, config.algorithm
     p = precision(m.dtype)
@@ -189,7 +189,8 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         backend=backend, ranks=ranks or (world if world > 1 else DEFAULT_RANKS),
         rollout_actors=dist.num_rollout_actors,
         rollout_gpus=max(1, int(dist.rollout_actor_gpus or r.tensor_parallel_size)),
-        trainer_actors=dist.num_trainer_actors, keys=fix_keys(config), compute_copy=compute_copy(config))
+        trainer_actors=dist.num_trainer_actors, keys=fix_keys(config), compute_copy=compute_copy(config),
+        lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0)  # the plan is a GPU's
 
 
 def facts_of(config: Any, shape: str | None = None) -> ModelFacts:

@@ -71,6 +71,7 @@ class PlanInputs:
     trainer_actors: int
     keys: dict[str, str] = field(default_factory=dict)  # role -> the config key a fix sets (see inputs.py)
     compute_copy: bool = False  # ``trainer.compute_copy`` resolved (it applies where a model autocasts)
+    lora_base_bytes: int = 0  # ``model.lora.base_dtype`` on a GPU: bytes per frozen Linear element (0: no LoRA)
 
 
 @dataclass
@@ -128,8 +129,17 @@ def _states(facts: ModelFacts, p: PlanInputs, shards: int, prefix: str = "actor"
     c = facts.counts
     trained = c.trainable if prefix == "actor" else _critic_trainable(facts)
     weights = (c.total + (c.lora if prefix == "actor" else facts.decoder.hidden + 1)) * p.master_bytes
-    return {f"{prefix} weights (float32)": weights // shards,
+    label = f"{prefix} weights (float32)"
+    if prefix == "actor" and _low_base(p):  # the frozen Linears stored below float32 (model.lora.base_dtype)
+        weights -= c.frozen_linear * (p.master_bytes - p.lora_base_bytes)
+        label = f"{prefix} weights (float32, frozen Linears bf16)"
+    return {label: weights // shards,
             f"{prefix} AdamW moments (float32)": 2 * trained * p.master_bytes // shards}
+
+
+def _low_base(p: PlanInputs) -> bool:
+    """A LoRA actor whose frozen Linear weights are stored below the master dtype."""
+    return 0 < p.lora_base_bytes < p.master_bytes
 
 
 def _critic_trainable(facts: ModelFacts) -> int:
@@ -162,6 +172,8 @@ def _activations(facts: ModelFacts, p: PlanInputs, sharded: bool, *, critic: boo
              "log-prob head": 0 if critic else a.head, "backward working set": a.backward}
     if critic and n.autocast:  # the critic's head is a [h, 1] value head: no lm_head copy
         parts[copies] -= n.compute * facts.decoder.vocab * facts.decoder.hidden
+    elif n.autocast and _low_base(p) and p.lora_base_bytes == p.compute_bytes:
+        parts[copies] = n.compute * facts.counts.lora  # the base is in the compute dtype: only the adapters cast
     return {k: v for k, v in parts.items() if v}
 
 

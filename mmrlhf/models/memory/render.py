@@ -29,8 +29,10 @@ def describe(plan: MemoryPlan) -> list[str]:
     lines.append(f"trains       {trains}; frozen {_b(c.frozen)}")
     compute = _DTYPE.get(p.compute_bytes, str(p.compute_bytes))
     master = _DTYPE[p.master_bytes]
-    lines.append(f"precision    compute {compute}; the actor (and critic) keep {master} weights, frozen "
-                 f"ones included, and {master} gradients + 2 AdamW moments for what trains "
+    frozen = (f"frozen ones included ({_DTYPE[p.lora_base_bytes]} frozen Linears under LoRA: "
+              f"{_b(c.frozen_linear)})" if 0 < p.lora_base_bytes < p.master_bytes else "frozen ones included")
+    lines.append(f"precision    compute {compute}; the actor (and critic) keep {master} weights, {frozen}, and "
+                 f"{master} gradients + 2 AdamW moments for what trains "
                  f"({4 * p.master_bytes} B per trained parameter); reference: "
                  + (f"{compute} copy" if p.reference else "none") + "; critic: " + ("yes" if p.critic else "none"))
     for name, mb in (("update", p.train), ("scoring", p.score)):
