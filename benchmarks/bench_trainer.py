@@ -325,7 +325,6 @@ def profile(actor, micros, device, path: Path, copies=None, rows: int = 30) -> s
 
 def main() -> None:
     from mmrlhf.models.actor import ActorVL
-    from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
     from mmrlhf.models.precision import DTYPES
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -340,6 +339,9 @@ def main() -> None:
                                                         "(trainer.max_tokens_per_micro_batch: auto)")
     ap.add_argument("--checkpointing", default="off", help="off and / or on (trainer.gradient_checkpointing)")
     ap.add_argument("--copy", default="off", help="off and / or on (trainer.compute_copy; needs --dtype bfloat16)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on the default target modules (0: full training)")
+    ap.add_argument("--lora-base", default="float32", help="float32 and / or bfloat16 (model.lora.base_dtype), in "
+                                                          "that order: the base is rounded once, in place")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--matmul-size", type=int, default=8192)
@@ -364,6 +366,31 @@ def main() -> None:
     autocast = compute if compute != torch.float32 else None
     kernels = [k for k in args.kernels.split(",") if k]
     rows = []
+    bases = args.lora_base.split(",") if args.lora else ["-"]
+    if args.lora:
+        from mmrlhf.config.model import LoraConfig
+        from mmrlhf.models.lora import apply_lora
+
+        apply_lora(ActorVL(model, adapter), LoraConfig(rank=args.lora, alpha=2.0 * args.lora))
+    for base in bases:
+        if base == "bfloat16":
+            from mmrlhf.models.precision import store_frozen_linears
+
+            store_frozen_linears(model, torch.bfloat16)
+        _rows(args, base, model, adapter, autocast, kernels, counts, cfg, matmul, device, vocab, patch_dim, rows)
+    _print(args, device, counts, matmul, rows)
+    _print_copy(rows)
+    _print_lora(rows)
+    if args.json:
+        _write_json(args, counts, matmul, rows)
+
+
+def _rows(args, base, model, adapter, autocast, kernels, counts, cfg, matmul, device, vocab, patch_dim, rows) -> None:
+    """Every row of one model state (``base``: the LoRA base's dtype, "-" without LoRA)."""
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
+
+    lora = f"r{args.lora} {base}" if args.lora else "-"
     for ckpt in args.checkpointing.split(","):
         blocks = checkpoint_blocks(ActorVL(model, adapter)) if ckpt == "on" else []
         for gname in args.groups.split(","):
@@ -378,16 +405,12 @@ def main() -> None:
                             if copy == "on" and autocast is None:
                                 continue  # float32 compute: nothing to copy
                             row = {"group": gname, "layout": layout, "kernel": kernel, "split": split,
-                                   "checkpointing": ckpt, "copy": copy}
+                                   "checkpointing": ckpt, "copy": copy, "lora": lora}
                             rows.append(_run_row(row, model, adapter, autocast, micros, group, counts, cfg,
                                                  matmul, device, args))
                     del micros
         for block in blocks:  # back to the blocks' own forward
             del block.__dict__["forward"]
-    _print(args, device, counts, matmul, rows)
-    _print_copy(rows)
-    if args.json:
-        _write_json(args, counts, matmul, rows)
 
 
 def _run_row(row, model, adapter, autocast, micros, group, counts, cfg, matmul, device, args) -> dict:
@@ -433,12 +456,12 @@ def _print(args, device, counts, matmul, rows) -> None:
           f"float32 master, {args.dtype} compute; per-sample layouts in micro-batches of {args.micro}; median of "
           f"{args.repeats} after {args.warmup} warm-up(s). Same-process {args.dtype} matmul "
           f"({args.matmul_size}^3): {matmul:.0f} TFLOP/s\n")
-    print("| group | layout | kernel | split | checkpointing | copy | forwards | decoder tokens | s | tokens/s "
+    print("| group | layout | kernel | split | checkpointing | copy | LoRA | forwards | decoder tokens | s | tokens/s "
           "| TFLOP/s | of matmul | peak GiB | first call s |")
-    print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         head = (f"| {r['group']} | {r['layout']} | {r['kernel']} | {r['split']} | {r['checkpointing']} | "
-                f"{r['copy']} |")
+                f"{r['copy']} | {r['lora']} |")
         if "error" in r:
             print(f"{head} failed: {r['error']} | | | | | | | |")
             continue
@@ -448,7 +471,8 @@ def _print(args, device, counts, matmul, rows) -> None:
     for g in sorted({r["group"] for r in rows}):
         for kernel in sorted({r["kernel"] for r in rows}):
             ok = {r["layout"]: r for r in rows if r["group"] == g and r["kernel"] == kernel and "error" not in r
-                  and r["split"] == "count" and r["checkpointing"] == "off" and r["copy"] == rows[0]["copy"]}
+                  and r["split"] == "count" and r["checkpointing"] == "off" and r["copy"] == rows[0]["copy"]
+                  and r["lora"] == rows[0]["lora"]}
             pad, packed, grouped = ok.get("padded"), ok.get("packed"), ok.get("grouped")
             if pad and packed:
                 print(f"{g}, {kernel}: packed vs padded {pad['s'] / packed['s']:.2f}x faster with "
@@ -460,7 +484,7 @@ def _print(args, device, counts, matmul, rows) -> None:
 
 def _print_copy(rows) -> None:
     """The compute copy against autocast, row by row (same group, layout, kernel, split, checkpointing)."""
-    key = ("group", "layout", "kernel", "split", "checkpointing")
+    key = ("group", "layout", "kernel", "split", "checkpointing", "lora")
     off = {tuple(r[k] for k in key): r for r in rows if r["copy"] == "off" and "error" not in r}
     for r in rows:
         base = off.get(tuple(r[k] for k in key))
@@ -470,12 +494,24 @@ def _print_copy(rows) -> None:
                   f"{r['peak_gib']:.1f} vs {base['peak_gib']:.1f} GiB)")
 
 
+def _print_lora(rows) -> None:
+    """A bf16 LoRA base against the float32 one, row by row."""
+    key = ("group", "layout", "kernel", "split", "checkpointing", "copy")
+    fp32 = {tuple(r[k] for k in key): r for r in rows if r["lora"].endswith("float32") and "error" not in r}
+    for r in rows:
+        base = fp32.get(tuple(r[k] for k in key))
+        if r["lora"].endswith("bfloat16") and "error" not in r and base:
+            print(f"{', '.join(str(r[k]) for k in key)}: LoRA base bf16 {base['s'] / r['s']:.2f}x the float32 base "
+                  f"({r['s']:.3f} s vs {base['s']:.3f} s; peak {r['peak_gib']:.1f} vs {base['peak_gib']:.1f} GiB)")
+
+
 def _write_json(args, counts, matmul, rows) -> None:
     from _results import table, write_json
 
-    columns = ["group", "layout", "kernel", "split", "checkpointing", "copy", "forwards", "decoder tokens", "s",
-               "tokens/s", "TFLOP/s", "of matmul", "peak GiB"]
-    cells = [[r["group"], r["layout"], r["kernel"], r["split"], r["checkpointing"], r["copy"], r.get("forwards"),
+    columns = ["group", "layout", "kernel", "split", "checkpointing", "copy", "LoRA", "forwards", "decoder tokens",
+               "s", "tokens/s", "TFLOP/s", "of matmul", "peak GiB"]
+    cells = [[r["group"], r["layout"], r["kernel"], r["split"], r["checkpointing"], r["copy"], r["lora"],
+              r.get("forwards"),
               r.get("tokens"),
               r.get("s"), r.get("tok_s"), r.get("tflops"), r.get("share"), r.get("peak_gib")] for r in rows]
     best = max((r for r in rows if "share" in r), key=lambda r: r["share"], default=None)
