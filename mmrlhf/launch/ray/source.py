@@ -26,11 +26,13 @@ from typing import Any, Sequence
 import torch
 
 from mmrlhf.experience.batching import group_keys
+from mmrlhf.experience.costs import patch_rows
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.experience.wire import PackedItems, pack_items, unpack_items
 from mmrlhf.launch.ray.delivery import DeliverySettings, WeightDelivery
 from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, WaitShares, check_staleness
 from mmrlhf.launch.ray.schedule import RolloutSchedule, ScheduleSettings
+from mmrlhf.parallel.dealing import deal_by_cost, imbalance
 from mmrlhf.parallel.world import World
 from mmrlhf.trainer.rollouts import RolloutSourceError, StepBatch
 
@@ -126,7 +128,7 @@ class RayRollouts:
         parts = deal(step, payloads, staleness, self.world.world_size, self.ledger)
         for s, p in zip(staleness, payloads):
             self.stats.add(s, p["samples"])
-        parts[0]["metrics"] = self._step_metrics(step, metas, staleness, waited)
+        parts[0]["metrics"].update(self._step_metrics(step, metas, staleness, waited))
         parts[0]["report"] = payloads[0].get("report")  # rollout actor 0's share, on report steps (rank 0 writes it)
         for part in parts:  # each rank's own count: the loop weighs its per-rank metrics by it, and sums it
             part["metrics"]["samples"] = float(len(part["items"]))
@@ -204,7 +206,10 @@ class RayRollouts:
 def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int], ranks: int,
          ledger: ExperienceLedger) -> list[dict[str, Any]]:
     """Step ``step``'s shares (``payloads``, each ``staleness`` versions old) as items dealt to ``ranks`` ranks,
-    whole GRPO groups in turn, every share counted in the ledger; with the scoring distribution they share."""
+    whole GRPO groups balanced by their cost (tokens and vision patch rows, :mod:`mmrlhf.parallel.dealing`; each
+    rank as many groups as round-robin would give it), every share counted in the ledger; with the scoring
+    distribution they share. Each rank's items keep the shares' order. Rank 0's part carries
+    ``ray/rank_cost_imbalance`` (the most-loaded rank's cost over the mean)."""
     scorings = {p["distribution"] for p in payloads}
     if len(scorings) != 1:
         raise ValueError(f"step {step}: experiences scored under different distributions "
@@ -212,7 +217,9 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
     distribution = scorings.pop()
     parts = [{"items": [], "fresh": [], "distribution": distribution,
               "metrics": {"samples": 0.0}} for _ in range(ranks)]
-    order: dict[tuple[int, Any], int] = {}
+    groups: dict[tuple[int, Any], int] = {}  # (share, group key) -> group index, in arrival order
+    cost: list[float] = []
+    dealt: list[tuple[Any, int, bool]] = []  # (item, group index, fresh)
     for p, s in zip(payloads, staleness):
         share_items = unpack_items(p["items"])  # columnar from the rollout actor (mmrlhf.experience.wire)
         if len(share_items) != p["samples"]:
@@ -221,9 +228,16 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
         ledger.produce(step, p["share"], p["samples"])
         ledger.consume(step, p["share"], len(share_items))
         for it, key in zip(share_items, group_keys(share_items)):
-            rank = order.setdefault((p["share"], key), len(order) % ranks)
-            parts[rank]["items"].append(it)
-            parts[rank]["fresh"].append(s == 0)
+            g = groups.setdefault((p["share"], key), len(groups))
+            if g == len(cost):
+                cost.append(0.0)
+            cost[g] += len(it.prompt_ids) + len(it.response_ids) + patch_rows(it.vision)
+            dealt.append((it, g, s == 0))
+    rank_of = deal_by_cost(cost, ranks)
+    for it, g, fresh in dealt:
+        parts[rank_of[g]]["items"].append(it)
+        parts[rank_of[g]]["fresh"].append(fresh)
+    parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
     return parts
 
 
