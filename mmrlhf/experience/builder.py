@@ -214,7 +214,12 @@ def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch
         from mmrlhf.models.lora import apply_lora, resume_adapter_path
 
         adapter_path = resume_adapter_path(policy_path) or lora.adapter or None
-        apply_lora(actor, lora, adapter_path=adapter_path)
+        # fresh adapters draw their A matrices from the random state: fixed here (trainer.seed), so every training
+        # rank makes the same ones (FSDP2 shards each rank's own values) whatever ran before on each
+        with torch.random.fork_rng(devices=[] if torch.device(device).type == "cpu" else [torch.device(device)],
+                                   device_type=torch.device(device).type):
+            torch.manual_seed(config.trainer.seed)
+            apply_lora(actor, lora, adapter_path=adapter_path)
         base = lora_base_dtype(model_cfg, device)
         if base != precision(model_cfg.dtype).master:
             cast = store_frozen_linears(actor, base)

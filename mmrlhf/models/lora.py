@@ -216,27 +216,36 @@ def adapter_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.detach()) for n, p in model.named_parameters() if ".lora_" in n]
 
 
-def save_adapter(owner: Any, folder: str | Path) -> Path:
+def save_adapter(owner: Any, folder: str | Path, *, write: bool = True) -> Path:
     """peft's adapter format (``adapter_config.json`` + ``adapter_model.safetensors``) of ``owner`` (the actor or
-    its transformers model) into ``folder``."""
+    its transformers model) into ``folder``. Adapters sharded by FSDP2 are gathered first: every rank must call this
+    (one collective per adapter tensor, in the same order); ``write`` False gathers without writing (the ranks that
+    do not write)."""
     peft_model = lora_model(owner)
     if peft_model is None:
         raise ValueError("save_adapter: the actor has no LoRA adapters")
     folder = Path(folder)
-    peft_model.save_pretrained(str(folder), safe_serialization=True)
+    state = {name: _full(t.detach()).cpu() for name, t in peft_model.state_dict().items() if ".lora_" in name}
+    if write:
+        peft_model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
     return folder
 
 
-def save_lora_checkpoint(model: nn.Module, folder: str | Path) -> bool:
+def save_lora_checkpoint(model: nn.Module, folder: str | Path, *, write: bool = True) -> bool:
     """The checkpoint hook (``model``: the actor's transformers model): for a LoRA policy, ``model/`` gets the
     MERGED model (transformers format, loadable by any engine) and ``adapter/`` the peft adapter (what a resume
-    loads). Returns False (nothing written) without LoRA, so the caller saves the plain model itself."""
+    loads). Returns False (nothing written) without LoRA, so the caller saves the plain model itself. Sharded by
+    FSDP2: every rank calls it (the gathers are collectives, tensor by tensor), ``write`` on one of them."""
     if lora_model(model) is None:
         return False
     folder = Path(folder)
-    state = {name: t.contiguous() for name, t in merged_weights(model, only_trainable=False)}
-    model.save_pretrained(str(folder / "model"), state_dict=state, safe_serialization=True)
-    save_adapter(model, folder / "adapter")
+    state = {}
+    for name, t in merged_weights(model, only_trainable=False):
+        if write:
+            state[name] = t.detach().cpu().contiguous()
+    if write:
+        model.save_pretrained(str(folder / "model"), state_dict=state, safe_serialization=True)
+    save_adapter(model, folder / "adapter", write=write)
     return True
 
 

@@ -347,28 +347,15 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
 
 def _rank_config(config: MMRLHFConfig, world: World) -> MMRLHFConfig:
     """What differs per rank, checked first: every rank samples with its own seed (``rollout.seed + rank``: rank 0's
-    is the one-process seed), and what cannot run on several ranks is refused by key (docs/distributed.md lists
-    them)."""
+    is the one-process seed). The step-wide statistics (advantage whitening, reward normalisation, the adaptive KL
+    controller, dynamic sampling, high-entropy token selection) are collectives over the ranks, and LoRA adapters
+    are sharded with the base (docs/distributed.md): every rank computes what one process computes."""
     t, r = config.trainer, config.rollout
     world.share(t.rollout_batch_size, "trainer.rollout_batch_size")
     world.share(t.train_batch_size, "trainer.train_batch_size")
-    if world.sharded:
-        _refuse_on_ranks(config)
     if r.seed is None or not world.rank:
         return config
     return config.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + world.rank})})
-
-
-def _refuse_on_ranks(config: MMRLHFConfig) -> None:
-    """What a world of several training ranks does not support yet, refused by key with the reason.
-
-    The step-wide statistics of advantage whitening, reward normalisation, the adaptive KL controller, dynamic
-    sampling and high-entropy token selection are collectives over the ranks (:mod:`mmrlhf.experience.step_shaping`,
-    :class:`~mmrlhf.trainer.rollouts.LocalRollouts`, :func:`~mmrlhf.trainer.policy_update.prepare_policy_targets`):
-    every rank computes what one process computes on the whole step."""
-    if config.model.lora.rank:
-        raise ValueError("model.lora.rank > 0 with several training ranks: LoRA with FSDP2 sharding is not supported "
-                         "yet; train LoRA on one rank, or set model.lora.rank=0")
 
 
 def build_prompt_source(config: MMRLHFConfig) -> Any:

@@ -97,10 +97,10 @@ def _write_policy(model: Any, processor: Any, folder: Path, *, main: bool) -> No
     sharded policy (one collective per tensor, in the same order), rank 0 keeps and writes."""
     from mmrlhf.models.lora import lora_model, save_lora_checkpoint
 
-    if lora_model(model) is not None:  # LoRA trains in a world of one rank (sharded LoRA is refused)
+    if lora_model(model) is not None:  # sharded adapters and bases are gathered by every rank, written by rank 0
+        with no_library_bars():
+            save_lora_checkpoint(model, folder, write=main)
         if main:
-            with no_library_bars():
-                save_lora_checkpoint(model, folder)
             processor.save_pretrained(folder / "model")
         return
     gathered = {}

@@ -342,3 +342,25 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one_or_are_refused_s
     # steps 2 and 3 trained and saved again from step 1's state
     assert all(verify_checkpoint(ckpt / f"step-{s:08d}").intact for s in (1, 2, 3))
     assert (ckpt / "latest").read_text().strip() == "step-00000003"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lora_on_two_trainer_actors_pushes_the_gathered_adapters(cluster, tmp_path):
+    """``model.lora.rank > 0`` with 2 trainer actors (FSDP2 shards the base and the adapters): rank 0 pushes the
+    adapters gathered from the shards, and the rollout actor's engine then scores like the trainer."""
+    from safetensors.torch import load_file
+
+    from mmrlhf.launch.ray.driver import run_ray
+
+    rc = run_ray(toy(tmp_path, "trainer.max_steps=3", "trainer.save_steps=3", "model.lora.rank=8",
+                     "model.lora.alpha=16", "distributed.num_trainer_actors=2", "distributed.trainer_actor_cpus=0.5",
+                     "distributed.rollout_actor_cpus=1"))
+    assert rc == 0
+    history = rows(tmp_path)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert any(h["policy/grad_norm"] > 0 for h in history[:2])  # an update the later steps' engine must carry
+    assert max(h["engine_logprob_diff/max"] for h in history) < 1e-4
+    assert max(h["sync/megabytes"] for h in history) < 1.0  # the adapters, not the model (~110 MB)
+    adapter = load_file(str(tmp_path / "checkpoints" / "step-00000003" / "adapter" / "adapter_model.safetensors"))
+    assert any(".lora_B" in k and float(v.abs().max()) > 0 for k, v in adapter.items())

@@ -68,7 +68,6 @@ def test_shares_must_divide_over_ranks():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("model.lora.rank=8", "model.lora.rank"),
     ("trainer.rollout_batch_size=15", "trainer.rollout_batch_size"),
 ])
 def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
@@ -422,3 +421,34 @@ def test_a_damaged_rank_shard_falls_back_to_the_previous_checkpoint_or_is_refuse
     assert verify_checkpoint(step2).intact and verify_checkpoint(out / "checkpoints" / "step-00000003").intact
     steppers = torch.load(out / "checkpoints" / "step-00000003" / "steppers.pt", weights_only=True)
     assert steppers["policy"]["steps"] == 3
+
+
+# ---- LoRA on sharded ranks ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lora_trains_on_two_ranks_syncs_every_engine_and_resumes(tmp_path, toy_model):
+    """``model.lora.rank > 0`` under torchrun (FSDP2 shards the base and the adapters): every rank's engine gets the
+    merged weights gathered from the shards (its log-probs then match the trainer's), the checkpoint holds the
+    adapter and the merged model, and --resume continues. The adapters' exactness against one rank is
+    tests/models/test_lora_fsdp.py."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    common = [f"model.pretrain={toy_model}", f"trainer.output_dir={out}", "trainer.eval_steps=0",
+              "trainer.report_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
+              "model.lora.rank=8", "model.lora.alpha=16", "trainer.save_steps=2"]
+    proc = _torchrun("-m", "mmrlhf.cli", "train", str(TOY), *common, "trainer.max_steps=2", timeout=600)
+    assert "done: step 2 on 2 ranks" in proc.stdout
+    ckpt = out / "checkpoints" / "step-00000002"
+    adapter = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(".lora_" in k for k in adapter)
+    assert (ckpt / "model" / "model.safetensors").is_file()
+    resumed = _torchrun("-m", "mmrlhf.cli", "train", str(TOY), *common, "trainer.max_steps=3", "--resume",
+                        timeout=600)
+    assert "done: step 3 on 2 ranks" in resumed.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(r["policy/grad_norm"] > 0 for r in rows[:2])  # an update before the synced step 3
+    assert max(r["engine_logprob_diff/max"] for r in rows) < 1e-4  # every rank's engine followed its merged sync
+    moved = load_file(str(out / "checkpoints" / "step-00000003" / "adapter" / "adapter_model.safetensors"))
+    assert any(not torch.equal(moved[k], adapter[k]) for k in adapter)  # the resumed run trained the adapters
