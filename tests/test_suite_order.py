@@ -1,4 +1,5 @@
-"""The suite's schedule: the slowest files start first (tests/conftest.py, scripts/test.sh)."""
+"""The suite's schedule (tests/conftest.py, scripts/test.sh): the agent toy's learning file first, then the files by
+their number of tests."""
 
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ def conftest(request):
                 if getattr(m, "__file__", None) and Path(m.__file__).resolve() == path)
 
 
-def test_every_heavy_file_exists(conftest):
-    # A renamed or removed file would silently fall back to collection order and end the suite on a learning run.
-    missing = [path for path in conftest.HEAVY_FIRST if not (ROOT / path).is_file()]
-    assert not missing, f"tests/conftest.py HEAVY_FIRST names files that do not exist: {missing}"
-    assert len(set(conftest.HEAVY_FIRST)) == len(conftest.HEAVY_FIRST)
+def test_every_first_file_exists(conftest):
+    # A renamed or removed file would silently fall back to its test count and end the suite on a learning run.
+    missing = [path for path in conftest.FIRST if not (ROOT / path).is_file()]
+    assert not missing, f"tests/conftest.py FIRST names files that do not exist: {missing}"
 
 
 class _Item:
@@ -29,25 +29,13 @@ class _Item:
         self.nodeid = nodeid
 
 
-def test_heavy_files_move_to_the_front_in_their_rank_and_the_rest_keep_their_order(conftest):
-    heavy = conftest.HEAVY_FIRST
-    ids = [
-        "tests/a/test_x.py::test_1",
-        f"{heavy[1]}::test_b",
-        "tests/test_y.py::test_2",
-        f"{heavy[0]}::test_a1",
-        "tests/a/test_x.py::test_3",
-        f"{heavy[0]}::test_a2[p]",
-    ]
-    got = [item.nodeid for item in conftest.heavy_first([_Item(i) for i in ids])]
-    assert got == [
-        f"{heavy[0]}::test_a1",
-        f"{heavy[0]}::test_a2[p]",
-        f"{heavy[1]}::test_b",
-        "tests/a/test_x.py::test_1",
-        "tests/test_y.py::test_2",
-        "tests/a/test_x.py::test_3",
-    ]
+def test_first_files_lead_then_files_by_test_count_and_every_file_keeps_its_order(conftest):
+    first = conftest.FIRST[0]
+    ids = ["tests/a.py::t1", "tests/b.py::t1", "tests/b.py::t2", f"{first}::x", "tests/c.py::t1",
+           "tests/a.py::t2", "tests/b.py::t3", "tests/c.py::t2"]
+    got = [item.nodeid for item in conftest.schedule([_Item(i) for i in ids])]
+    assert got == [f"{first}::x", "tests/b.py::t1", "tests/b.py::t2", "tests/b.py::t3",
+                   "tests/a.py::t1", "tests/a.py::t2", "tests/c.py::t1", "tests/c.py::t2"]
 
 
 def test_the_suite_command_keeps_collection_order_across_workers():
