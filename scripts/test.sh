@@ -4,13 +4,11 @@
 #
 # Two pytest workers (pytest-xdist), each taking whole test files (--dist loadfile: a file's module fixtures, such
 # as a trained run or a Ray instance, are made once): on the 2-core machines the suite runs on, one process used 0.9
-# of a core on average (it waits on the engines, ranks and actors it starts), two use both. Files go to the workers
-# in collection order (--no-loadscope-reorder), which tests/conftest.py starts with the agent toy's learning file and
-# then sorts by test count, so no learning run is left alone at the end. MMRLHF_TEST_WORKERS sets
+# of a core on average (it waits on the engines, ranks and actors it starts), two use both. MMRLHF_TEST_WORKERS sets
 # the count (0: one process, no workers); a later -n in the arguments wins too. The slowest 25 tests are listed at
 # the end of every run (where CI time goes; a later --durations wins).
 set -eo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
-exec python -m pytest -n "${MMRLHF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=25 "$@"
+exec python -m pytest -n "${MMRLHF_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

@@ -17,33 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# How two xdist workers get the files (scripts/test.sh: --dist loadfile --no-loadscope-reorder, in collection order):
-# the agent toy's learning file first, the suite's longest single file (minutes, one process), then every other file
-# by its number of tests, most first (xdist's own default order). Why not all the slow files first: most of them
-# start Ray actors or torchrun ranks, so two of them side by side oversubscribe the 2 cores (measured: the suite
-# was 61 tests in after 31 minutes that way). Why the learning file not last, where xdist's default puts a 3-test
-# file: one worker then ran it alone for minutes at the end of the suite.
-FIRST = ("tests/agents/test_agent_toy.py",)
-
-
-def schedule(items: list) -> list:
-    """``items`` with :data:`FIRST`'s files in front, then the other files by their number of tests (most first;
-    ties in collection order); every file's tests keep their order."""
-    files: dict[str, list] = {}
-    for item in items:
-        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    rank = {path: i for i, path in enumerate(FIRST)}
-    order = sorted(enumerate(files), key=lambda e: (rank.get(e[1], len(rank)),
-                                                    -len(files[e[1]]) if e[1] not in rank else 0, e[0]))
-    return [item for _, path in order for item in files[path]]
-
-
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     # A run that collects nothing is a broken run (wrong path, import-time skip, bad marker expression), never a
     # pass: stop with a usage error rather than pytest's "no tests ran".
     if not items:
         raise pytest.UsageError("no tests were collected: check the paths and the -m / -k expressions")
-    items[:] = schedule(items)
 
 
 @pytest.fixture(scope="session")
