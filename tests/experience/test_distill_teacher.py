@@ -3,6 +3,7 @@ student's samples (images included) in the scoring forwards, and its advantage r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 
@@ -149,6 +150,12 @@ class _GradProbe:
             p.grad = None
         self.norms.append(norm)
         return norm, True
+
+    def computing(self):  # no compute copy: the forwards run on the model's own weights
+        return contextlib.nullcontext()
+
+    def release(self):
+        pass
 
 
 def _update(stack, exps, layout, direction):

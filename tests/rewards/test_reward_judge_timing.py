@@ -130,9 +130,11 @@ def test_in_process_judge_queue_is_the_wait_for_the_engine(monkeypatch):
         first = asyncio.ensure_future(judge.run(_requests(2)))
         while not llm.generating.is_set():
             await asyncio.sleep(0.001)
-        llm.second_caller.set()  # the first generate's DELAY_S starts now, as the second call arrives
-        second = await judge.run(_requests(1))
-        return await first, second
+        second = asyncio.ensure_future(judge.run(_requests(1)))
+        for _ in range(3):  # the second call runs up to the judge's lock: its arrival is clocked before the set below
+            await asyncio.sleep(0)
+        llm.second_caller.set()  # the first generate's DELAY_S starts now, after the second call arrived
+        return await first, await second
 
     first, second = asyncio.run(two_callers())
     times = [(round(r.latency_s, 3), round(r.queue_s, 3)) for r in first + second]
