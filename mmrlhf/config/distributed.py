@@ -34,6 +34,18 @@ class DistributedConfig(Section):
     must agree with ``model.dtype`` (``bf16`` with ``bfloat16``, ``none`` with ``float32``); a contradiction is
     refused."""
 
+    offload: Literal["none", "params"] = "none"
+    """Host memory for the trained models' states, through FSDP2's CPU offload. ``params``: the actor's and the
+    critic's float32 parameters, their gradients and their AdamW moments live in host memory (pinned on an
+    accelerator); FSDP2 copies each unit's parameters to the device for its forward and backward (cast to
+    ``model.dtype``) and its gradients back after the reduce-scatter, and the optimiser steps on the CPU. What stays on
+    the GPU: the gathered units, the activations, the reference model and the engine. The cost is time: every
+    forward and backward moves the weights over the host link, and AdamW runs on the CPU (about 2 x 16 bytes per
+    parameter read and written each step). One process shards over a world of one rank for it (a local process
+    group is made); torchrun ranks and Ray trainer actors offload their own shards. ``mmrlhf config show CONFIG
+    --plan`` shows what it saves (a Qwen2.5-VL-7B full fine-tune fits one 80 GB GPU with it) and the host memory it
+    needs. Refused with ``rollout.engine: transformers`` (that engine generates with the policy itself)."""
+
     # ---- Ray -----------------------------------------------------------------------------------------------------
     ray_address: Optional[str] = None
     """Ray cluster to join (``ray://host:10001`` or ``auto``); None: ``RAY_ADDRESS`` if set, else a local Ray

@@ -111,6 +111,16 @@ class MMRLHFConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_offload(self) -> "MMRLHFConfig":
+        """The transformers engine generates with the actor's module: with ``distributed.offload`` its parameters are
+        host-memory shards that only FSDP2's forward gathers, never ``generate``."""
+        if self.distributed.offload != "none" and self.rollout.engine == "transformers":
+            raise ValueError(f"distributed.offload={self.distributed.offload} with rollout.engine=transformers: that "
+                             "engine generates with the actor's own module, whose parameters would be host-memory "
+                             "shards; use rollout.engine=vllm, or distributed.offload=none")
+        return self
+
+    @model_validator(mode="after")
     def _check_sleep_level(self) -> "MMRLHFConfig":
         if self.rollout.enable_sleep and self.rollout.sleep_level == 2 and self.model.lora.rank > 0:
             raise ValueError(

@@ -37,4 +37,12 @@ def run(config: Any, *, resume: bool = False) -> int:
         return run_torchrun(config, resume=resume)
     from mmrlhf.launch.report import train_and_report
 
+    if config.distributed.offload != "none":  # FSDP2's offload shards over a world of one rank: it needs a group
+        from mmrlhf.parallel.world import join_alone, leave
+
+        try:
+            return train_and_report(config, resume=resume, world=join_alone(
+                config.distributed.process_group, host_tensors=True))
+        finally:
+            leave()
     return train_and_report(config, resume=resume)

@@ -30,7 +30,8 @@ def run_torchrun(config: Any, *, resume: bool = False) -> int:
     from mmrlhf.parallel.world import join_from_env, leave
 
     try:
-        world = join_from_env(config.distributed.process_group)
+        world = join_from_env(config.distributed.process_group,
+                              host_tensors=config.distributed.offload != "none")
         check_torchrun_config(config, world.world_size)
     except (KeyError, ValueError, RuntimeError) as exc:
         print(f"error: torchrun: {exc}", file=sys.stderr)

@@ -101,15 +101,31 @@ def language_block_classes(actor: Any) -> list[str]:
     return sorted({type(b).__name__ for b in block_modules(actor.model) if id(b) not in in_tower})
 
 
-def shard_models(actor: Any, critic: Any | None, *, compute_dtype: str) -> None:
+def offload_policy(offload: str, device: torch.device) -> Any:
+    """``distributed.offload`` -> FSDP2's ``OffloadPolicy``: ``params`` keeps every shard, its gradient and (the
+    optimiser being built on the parameters) its AdamW moments in host memory, pinned when the models compute on an
+    accelerator (the copies to it then overlap); None for ``none``."""
+    if offload == "none":
+        return None
+    if offload != "params":
+        raise ValueError(f"unknown distributed.offload {offload!r}; valid: none, params")
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
+def shard_models(actor: Any, critic: Any | None, *, compute_dtype: str, offload: str = "none") -> None:
     """Shard the policy (and the critic) in place over the default process group; ``compute_dtype``:
-    ``model.dtype``. FSDP2's policy then casts the parameters, so the actor's own autocast is switched off (one
-    mechanism per model). Activation checkpointing (:mod:`mmrlhf.models.gradient_checkpointing`) is applied
-    before this."""
+    ``model.dtype``; ``offload``: ``distributed.offload`` (:func:`offload_policy`). FSDP2's policy then casts the
+    parameters, so the actor's own autocast is switched off (one mechanism per model). Activation checkpointing
+    (:mod:`mmrlhf.models.gradient_checkpointing`) is applied before this."""
     kwargs = {}
     mp = mixed_precision_policy(compute_dtype)
     if mp is not None:
         kwargs["mp_policy"] = mp
+    host = offload_policy(offload, next(actor.parameters()).device)
+    if host is not None:
+        kwargs["offload_policy"] = host
     for model in (actor, critic):
         if model is None:
             continue

@@ -120,7 +120,7 @@ def single(device: torch.device | str = "cpu") -> World:
 
 
 def join(rank: int, world_size: int, local_rank: int, *, launch: str, process_group: str = "auto",
-         init_method: str | None = None, local_world_size: int | None = None) -> World:
+         init_method: str | None = None, local_world_size: int | None = None, host_tensors: bool = False) -> World:
     """Join (or make) the default process group of ``world_size`` ranks and return this rank's world.
 
     ``process_group``: ``auto`` -> torch's default backend for the accelerator torch reports (nccl on CUDA), each rank
@@ -128,7 +128,9 @@ def join(rank: int, world_size: int, local_rank: int, *, launch: str, process_gr
     accelerator. ``init_method``: a ``tcp://host:port`` rendezvous (the Ray trainer actors); None reads
     ``MASTER_ADDR`` / ``MASTER_PORT`` from the environment (torchrun). Object collectives get a gloo group of their
     own when the main group is not gloo. ``local_world_size``: the ranks on this node (torchrun's
-    ``LOCAL_WORLD_SIZE``): every one of them checks that the node has a device for each, before any touches one."""
+    ``LOCAL_WORLD_SIZE``): every one of them checks that the node has a device for each, before any touches one.
+    ``host_tensors``: collectives on host-memory tensors too (``distributed.offload``: the offloaded shards' gradient
+    norm and gathers); an accelerator group then routes CPU tensors to gloo (``cuda:nccl,cpu:gloo``)."""
     import torch.distributed as dist
 
     from mmrlhf.devices import resolve_device
@@ -143,8 +145,9 @@ def join(rank: int, world_size: int, local_rank: int, *, launch: str, process_gr
         device = torch.device(accelerator.type, local_rank)
         torch.accelerator.set_device_index(local_rank)
         backend = process_group if process_group != "auto" else dist.get_default_backend_for_device(device)
+    group = backend if backend == "gloo" or not host_tensors else f"{device.type}:{backend},cpu:gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, init_method=init_method)
+        dist.init_process_group(backend=group, rank=rank, world_size=world_size, init_method=init_method)
     objects = None if backend == "gloo" else dist.new_group(backend="gloo")
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device, launch=launch,
                  object_group=objects)
@@ -161,12 +164,26 @@ def _check_device_per_rank(kind: str, local_rank: int, local_world_size: int | N
                          "ranks on the CPU (trainer.device=cpu distributed.process_group=gloo)")
 
 
-def join_from_env(process_group: str = "auto", environ: Mapping[str, str] = os.environ) -> World:
+def join_from_env(process_group: str = "auto", environ: Mapping[str, str] = os.environ, *,
+                  host_tensors: bool = False) -> World:
     """The world torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR/PORT``)."""
     local_world = environ.get("LOCAL_WORLD_SIZE")
     return join(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]), launch="torchrun",
-                process_group=process_group, local_world_size=int(local_world) if local_world else None)
+                process_group=process_group, local_world_size=int(local_world) if local_world else None,
+                host_tensors=host_tensors)
+
+
+def join_alone(process_group: str = "auto", *, host_tensors: bool = False) -> World:
+    """A process group of this process alone (one-process runs that shard over a world of one rank: FSDP2 needs a
+    group), over a free local port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return join(0, 1, 0, launch="single", process_group=process_group, init_method=f"tcp://127.0.0.1:{port}",
+                host_tensors=host_tensors)
 
 
 def leave() -> None:
@@ -186,5 +203,11 @@ def leave() -> None:
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """A sharded (DTensor) value gathered to its full tensor; a plain tensor as it is. Collective for DTensors."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    """A sharded (DTensor) value gathered to its full tensor; a plain tensor as it is. Collective for DTensors. A
+    shard in host memory (``distributed.offload``) goes to its mesh's device first, so the gather runs there."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    on = t.device_mesh.device_type
+    if t.to_local().device.type != on:
+        t = t.to(on)
+    return t.full_tensor()

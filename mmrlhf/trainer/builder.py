@@ -247,8 +247,9 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
                 blocks = checkpoint_blocks(model)
                 logger.info("trainer.gradient_checkpointing: %s recomputes %d blocks in the backward",
                             type(model).__name__, len(blocks))
-    if world.sharded:
-        shard_models(made.actor, critic, compute_dtype=config.model.dtype)
+    if world.sharded or config.distributed.offload != "none":  # offload: FSDP2's, over a world of one rank too
+        _check_group(config.distributed.offload)
+        shard_models(made.actor, critic, compute_dtype=config.model.dtype, offload=config.distributed.offload)
     policy, critic_updater = build_updaters(config, made.actor, critic, pad_id=made.tokenizer.pad_token_id,
                                             world=world)
     wandb = None
@@ -343,6 +344,16 @@ def build_updaters(config: MMRLHFConfig, actor: Any, critic: Any | None, *, pad_
                              max_tokens_per_micro_batch=budget, **_layout(config)),
         pad_id=pad_id, adapter=actor.adapter)
     return policy, critic_updater
+
+
+def _check_group(offload: str) -> None:
+    """FSDP2 needs a process group; one process gets its own from ``mmrlhf train`` (:mod:`mmrlhf.launch`)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError(f"distributed.offload={offload} shards the models with FSDP2, which needs a process group: "
+                         "train with `mmrlhf train` (it makes one for a single process), or pass build_trainer a "
+                         "world from mmrlhf.parallel.world.join_alone")
 
 
 def _rank_config(config: MMRLHFConfig, world: World) -> MMRLHFConfig:

@@ -220,6 +220,16 @@ def worker_steps(tmp_path_factory, toy_model):
 
 
 @pytest.fixture(scope="module")
+def offload_step(tmp_path_factory, toy_model):
+    """(tensors, metrics) of the first step in one process with ``distributed.offload=params``."""
+    folder = tmp_path_factory.mktemp("first-offload")
+    proc = subprocess.run([sys.executable, str(WORKER), "--model", toy_model, "--offload", "--case", str(folder)],
+                          env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(folder / "tensors.pt", weights_only=True), json.loads((folder / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
 def first_step(worker_steps):
     """{single, sharded, control} -> (tensors, metrics) of the first step."""
     return {"single": worker_steps["first", "single"], "sharded": worker_steps["first", "sharded"],
@@ -246,6 +256,36 @@ def test_two_ranks_take_the_one_process_first_step(first_step):
     for key in ("policy/pg_loss", "policy/kl_loss"):
         assert m2[key] == pytest.approx(m1[key], abs=1e-7), key
     assert m2["engine_logprob_diff/max"] < 1e-5  # each rank's engine matches its shard of the policy
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_offload_holds_the_states_in_host_memory_and_takes_the_one_process_first_step(first_step, offload_step,
+                                                                                      toy_model):
+    """``distributed.offload=params`` in one process: FSDP2 over a world of one rank with its CPU offload policy
+    takes the plain process's first step (float32: the same gradients and updated weights, the engine synced from
+    the offloaded shards), and holds the bytes the memory plan puts in host memory for the weights and moments."""
+    from mmrlhf.config import load_config
+    from mmrlhf.models.memory.inputs import facts_of, plan_inputs
+    from mmrlhf.models.memory.plan import host_states
+
+    (single, m1), (offload, m2) = first_step["single"], offload_step
+    assert m2["offload_policy"] == "CPUOffloadPolicy" and m1["offload_policy"] == "none" and m2["on_host"] == 1.0
+    assert m2["rewards_sum"] == m1["rewards_sum"] and single.keys() == offload.keys()
+    grads = [k for k in single if k.startswith("grad.")]
+    assert len(grads) > 10 and any(float(single[k].abs().max()) > 1e-3 for k in grads)
+    for key in grads:
+        assert_close_at_scale(offload[key], single[key], msg=key)
+    for key in (k for k in single if k.startswith("param.")):  # see the two-rank test for Adam's tolerance
+        torch.testing.assert_close(offload[key], single[key], rtol=0, atol=0.05 * m1["policy/lr"], msg=key)
+    assert m2["policy/grad_norm"] == pytest.approx(m1["policy/grad_norm"], rel=1e-5)
+    assert m2["engine_logprob_diff/max"] < 1e-5
+    # the plan's host rows for this model: float32 weights (frozen tower included) and two moments per trained one
+    config = load_config(TOY, [f"model.pretrain={toy_model}", "distributed.offload=params"])
+    facts = facts_of(config)
+    host = host_states(facts, plan_inputs(config, facts), shards=1)
+    assert host["actor weights (float32)"] == m2["weights_bytes"] == m1["weights_bytes"]
+    assert host["actor AdamW moments (float32)"] == m2["moments_bytes"] == m1["moments_bytes"]
 
 
 @pytest.mark.slow
@@ -302,6 +342,33 @@ def test_a_skipped_bad_record_on_one_rank_does_not_hang_and_is_counted_once(tmp_
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["skipped_prompts"] == 1 and row["samples"] == 48 and row["prompts"] == 3
     assert row["policy/optimizer_steps"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_an_offloaded_run_saves_and_resumes_where_it_stopped(tmp_path, toy_model):
+    """``mmrlhf train ... distributed.offload=params``: the one-process launch makes its group of one rank, saves the
+    offloaded shards (DCP) and resumes from them: the resumed third step is the straight run's (policy, optimiser
+    moments, data position and random streams restored), and every engine follows the offloaded weights."""
+    def train(out, steps, *extra):
+        cmd = [sys.executable, "-m", "mmrlhf.cli", "train", str(TOY), f"model.pretrain={toy_model}",
+               f"trainer.output_dir={out}", "trainer.eval_steps=0", "trainer.report_steps=0",
+               "trainer.progress_bar=false", "trainer.tensorboard=false", "distributed.offload=params",
+               "trainer.rollout_batch_size=4", "trainer.train_batch_size=64", "trainer.micro_train_batch_size=64",
+               "trainer.save_steps=2",
+               f"trainer.max_steps={steps}", *extra]
+        proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0 and f"done: step {steps}," in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    train(tmp_path / "run", 2)
+    resumed = train(tmp_path / "run", 3, "--resume")
+    straight = train(tmp_path / "straight", 3)
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == [1, 2, 3]
+    assert max(r["engine_logprob_diff/max"] for r in resumed + straight) < 1e-5
+    assert straight[2]["policy/grad_norm"] > 0 and resumed[2]["reward/mean"] == straight[2]["reward/mean"]
+    for key in ("policy/grad_norm", "policy/pg_loss", "policy/entropy"):
+        assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-4, abs=1e-7), key
 
 
 # ---- acceptance: a 2-rank run learns, its checkpoint resumes ------------------------------------------------------

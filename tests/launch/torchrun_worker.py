@@ -52,12 +52,19 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--case", action="append", required=True, type=parse_case,
                     help="OUT[,control=per-rank-norm][,drop-group=N]; repeat for several cases in this launch")
+    ap.add_argument("--offload", action="store_true",
+                    help="one process with distributed.offload=params (FSDP2 over a world of one rank)")
     args = ap.parse_args()
 
     from mmrlhf.launch.backend import launched_by_torchrun
-    from mmrlhf.parallel.world import join_from_env, leave
+    from mmrlhf.parallel.world import join_alone, join_from_env, leave
 
-    dist = join_from_env("gloo") if launched_by_torchrun() else None
+    dist = None
+    if launched_by_torchrun():
+        dist = join_from_env("gloo")
+    elif args.offload:  # as `mmrlhf train` makes it for the key (mmrlhf.launch.run)
+        dist = join_alone("gloo", host_tensors=True)
+    OFFLOAD[:] = ["distributed.offload=params"] if args.offload else []
     for drop_group, cases in groupby(args.case, key=lambda case: case["drop_group"]):
         cases = list(cases)
         plain = [case for case in cases if not case["control"]]
@@ -66,6 +73,24 @@ def main() -> None:
         first_step(dist, args.model, drop_group, cases)
     if dist is not None:
         leave()
+
+
+OFFLOAD: list[str] = []  # the launch's distributed.offload override
+
+
+def host_bytes(trainer) -> dict[str, float]:
+    """Where the policy's states are (``distributed.offload``): the FSDP2 offload policy of the actor, and the bytes
+    of its parameters' shards and AdamW moments, to set beside the memory plan's host rows."""
+    actor = trainer.p.policy.actor
+    state = actor._get_fsdp_state() if hasattr(actor, "_get_fsdp_state") else None
+    policy = type(state._fsdp_param_group.offload_policy).__name__ if state is not None else "none"
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in actor.parameters()]
+    moments = [t.to_local() if hasattr(t, "to_local") else t
+               for st in trainer.p.policy.stepper.optimizer.state.values()
+               for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {"offload_policy": policy, "weights_bytes": float(sum(t.numel() * t.element_size() for t in local)),
+            "moments_bytes": float(sum(t.numel() * t.element_size() for t in moments)),
+            "on_host": float(all(t.device.type == "cpu" for t in local + moments))}
 
 
 def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
@@ -83,7 +108,7 @@ def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
         "algorithm.entropy_coef=0.01",
         "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}",
         *(["rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16"] if drop_group >= 0
-          else [])])
+          else []), *OFFLOAD])
     trainer = build_trainer(config, world=dist)
     source = trainer.p.source
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
@@ -133,6 +158,7 @@ def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
             keep["samples_per_rank"] = float(len(share))
             keep["valid_rewards"] = float(rollout.rewards.valid.sum())
             keep["rewards_sum"] = float(rollout.rewards.rewards[rollout.rewards.valid].sum())
+            keep.update(host_bytes(trainer))
             (out / "metrics.json").write_text(json.dumps(keep))
     stepper.step = original_step
     source.engine.close()

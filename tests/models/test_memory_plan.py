@@ -206,3 +206,33 @@ def test_the_planned_frozen_linears_are_what_the_trainer_stores_in_bf16(family):
     freeze_vision(actor.model, actor.adapter, tower=True, merger=False)
     apply_lora(actor, LoraConfig(rank=4, vision="merger"))
     assert store_frozen_linears(actor, torch.bfloat16) == facts.counts.frozen_linear
+
+
+def test_offload_moves_the_trained_states_to_host_memory_and_fits_a_7b_full_finetune_on_one_80_gib_gpu():
+    """``distributed.offload=params``: the actor's weights, gradients, moments and step temporaries leave the GPU
+    for host memory (per process: divided by the ranks), FSDP2's gathered units and reduction come in even on one
+    GPU, and a 7B full fine-tune then fits one 80 GiB GPU; without it, the plan suggests it."""
+    facts, off = _plan(["distributed.offload=params"])
+    _, on_gpu = _plan()
+    c = facts.counts
+    gpu = plan_launch(facts, off, "single").gpus[0]
+    states = ("actor weights (float32)", "actor AdamW moments (float32)", "actor gradients (float32)",
+              "AdamW step temporaries")
+    assert not {n for parts in gpu.phases.values() for n in parts} & set(states)
+    assert {"FSDP gathered parameters", "FSDP gradient reduction"} <= set(gpu.phases["update"])
+    assert gpu.host == {"actor weights (float32)": 4 * c.total, "actor AdamW moments (float32)": 8 * c.trainable,
+                        "actor gradients (float32)": 4 * c.trainable, "AdamW step temporaries": 4 * c.trainable}
+    assert gpu.total("step") == 0  # AdamW steps on the CPU
+    for n in (2, 4):
+        rank = plan_launch(facts, off, "torchrun", n).gpus[0]
+        assert rank.host == {k: v // n for k, v in gpu.host.items()}
+    # control: the same launch without offload keeps them on the GPU, with nothing on the host
+    plain = plan_launch(facts, on_gpu, "single").gpus[0]
+    assert set(states) <= set(plain.phases["step"]) and not plain.host
+    plan = memory_plan(_config(["distributed.offload=params"]), shape="qwen2_5_vl_7b", gpu_gib=80)
+    assert plan.launch.fits and plan.launch.peak < 40 * GIB and "host memory" in plan.verdict
+    suggested = memory_plan(_config(), shape="qwen2_5_vl_7b", gpu_gib=80)
+    assert any(f.overrides == ["distributed.offload=params"] and not f.launch for f in suggested.fixes)
+    critic = plan_launch(*_plan(["distributed.offload=params", "algorithm.advantage_estimator=gae"]), "single")
+    assert "critic gradients (float32)" in critic.gpus[0].host
+    assert "critic weights (float32)" not in critic.gpus[0].phases["critic"]

@@ -84,7 +84,8 @@ class RayTrainerRank:
         from mmrlhf.trainer.builder import build_trainer
 
         world = join(self.rank, self.world_size, 0, launch="ray", init_method=init_method,
-                     process_group=self.config.distributed.process_group)
+                     process_group=self.config.distributed.process_group,
+                     host_tensors=self.config.distributed.offload != "none")
         factory = functools.partial(ray_rollouts, pool=self.pool, push_weights=self.push_weights)
         try:
             self.trainer = build_trainer(self.config, resume=resume, world=world, rollouts=factory)

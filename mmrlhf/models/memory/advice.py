@@ -86,6 +86,8 @@ def _candidates(config: Any, p: PlanInputs) -> list[list[str]]:
         out.append(["model.attn_implementation=flash_attention_2"])
     if p.engine == "vllm" and p.backend != "ray" and not r.enable_sleep:
         out.append(["rollout.enable_sleep=true"])
+    if p.engine == "vllm" and not p.offload:
+        out.append(["distributed.offload=params"])
     return out
 
 
@@ -158,8 +160,11 @@ def verdict(plan: MemoryPlan) -> str:
     launch, gpu = plan.launch, plan.inputs.gpu_bytes / GIB
     g = max(launch.gpus, key=lambda g: g.peak)
     if launch.fits:
+        host = max(sum(g_.host.values()) for g_ in launch.gpus)
         return (f"fits: {g.peak / GIB:.1f} GiB at most per GPU ({g.peak_phase}, {g.name}) of {gpu:.0f} GiB, "
-                f"{(plan.inputs.gpu_bytes - g.peak) / GIB:.1f} GiB left for the CUDA context and fragmentation")
+                f"{(plan.inputs.gpu_bytes - g.peak) / GIB:.1f} GiB left for the CUDA context and fragmentation"
+                + (f"; {host / GIB:.1f} GiB of host memory per training process (distributed.offload)"
+                   if host else ""))
     where = "one" if g.count == 1 else "each"
     lines = [f"does not fit: {g.peak / GIB:.1f} GiB in {g.peak_phase} on {where} {gpu:.0f} GiB GPU ({g.name}; "
              f"{_state_bytes(launch) / GIB:.1f} GiB of it weights, gradients and AdamW moments)"]
@@ -182,7 +187,7 @@ def to_json(plan: MemoryPlan) -> dict[str, Any]:
         return {"mode": lp.mode, "label": lp.label, "fits": lp.fits, "peak_bytes": lp.peak,
                 "peak_gib": round(lp.peak / GIB, 2), "problems": list(lp.problems),
                 "gpus": [{"name": g.name, "count": g.count, "peak_phase": g.peak_phase, "peak_bytes": g.peak,
-                          "phases": g.phases} for g in lp.gpus]}
+                          "phases": g.phases, "host": g.host} for g in lp.gpus]}
 
     inputs = dataclasses.asdict(plan.inputs)
     return {"model": plan.facts.name, "gpu_bytes": plan.inputs.gpu_bytes,

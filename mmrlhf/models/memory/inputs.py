@@ -190,7 +190,8 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         rollout_actors=dist.num_rollout_actors,
         rollout_gpus=max(1, int(dist.rollout_actor_gpus or r.tensor_parallel_size)),
         trainer_actors=dist.num_trainer_actors, keys=fix_keys(config), compute_copy=compute_copy(config),
-        lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0)  # the plan is a GPU's
+        lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0,  # the plan is a GPU's
+        offload=dist.offload == "params")
 
 
 def facts_of(config: Any, shape: str | None = None) -> ModelFacts:

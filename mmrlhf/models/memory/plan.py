@@ -13,6 +13,9 @@ What sits on a GPU, by launch mode (``distributed.backend``):
   side, :func:`mmrlhf.models.sharding.language_block_classes`) for the whole forward and backward, plus a decoder
   layer and the next one it prefetches; after a unit's backward its full gradients are copied
   into a float32 reduce-scatter buffer (c + 4 bytes per trainable parameter of the largest unit, and the shard);
+* ``distributed.offload: params`` (any mode): FSDP2 keeps the trained models' float32 weights, gradients and AdamW
+  moments in host memory and steps there; the GPU holds what FSDP2 gathers (as sharded above, one process being a
+  world of one rank), the reduction buffers and the activations. The host side is :attr:`GpuPlan.host`;
 * Ray: rollout actors hold the engine, a float32 scoring copy of the policy, the reference and a critic copy (no
   gradients) on their GPUs; trainer actors hold the training states (sharded when there are several) and the
   activations, and no engine.
@@ -72,6 +75,7 @@ class PlanInputs:
     keys: dict[str, str] = field(default_factory=dict)  # role -> the config key a fix sets (see inputs.py)
     compute_copy: bool = False  # ``trainer.compute_copy`` resolved (it applies where a model autocasts)
     lora_base_bytes: int = 0  # ``model.lora.base_dtype`` on a GPU: bytes per frozen Linear element (0: no LoRA)
+    offload: bool = False  # ``distributed.offload: params``: the trained models' states in host memory (FSDP2)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class GpuPlan:
     name: str
     count: int  # how many GPUs of this kind
     phases: dict[str, dict[str, int]]  # phase -> component -> bytes
+    host: dict[str, int] = field(default_factory=dict)  # what the process of one such GPU keeps in host memory
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -178,36 +183,54 @@ def _activations(facts: ModelFacts, p: PlanInputs, sharded: bool, *, critic: boo
 
 
 def _sync_bucket(facts: ModelFacts, p: PlanInputs, sharded: bool) -> int:
-    if not (sharded or p.lora_merged):
+    if not (sharded or p.lora_merged or p.offload):
         return 0
     return max(p.bucket_bytes, facts.counts.largest_trainable_tensor * p.master_bytes)
+
+
+def host_states(facts: ModelFacts, p: PlanInputs, shards: int) -> dict[str, int]:
+    """``distributed.offload: params``: what leaves the GPU for host memory, per process (its shards): the trained
+    models' weights, AdamW moments and gradients (FSDP2 copies each unit's gradients there after the
+    reduce-scatter), and the optimiser step's temporaries (AdamW steps on the CPU)."""
+    c = facts.counts
+    host = _states(facts, p, shards)
+    host["actor gradients (float32)"] = c.trainable * p.master_bytes // shards
+    if p.critic:
+        host.update(_states(facts, p, shards, "critic"))
+        host["critic gradients (float32)"] = _critic_trainable(facts) * p.master_bytes // shards
+    host["AdamW step temporaries"] = c.trainable * p.master_bytes // shards
+    return host
 
 
 def trainer_phases(facts: ModelFacts, p: PlanInputs, *, shards: int, engine: dict[str, dict[str, int]],
                    reference: bool) -> dict[str, dict[str, int]]:
     """Phases of a GPU that trains (one process, a torchrun rank, a Ray trainer actor). ``engine``: the engine's
-    part in each phase (empty for a Ray trainer); ``reference``: the reference model lives on this GPU."""
-    c, sharded = facts.counts, shards > 1
-    resident = _states(facts, p, shards)
+    part in each phase (empty for a Ray trainer); ``reference``: the reference model lives on this GPU. With
+    ``offload`` the trained states are in host memory (:func:`host_states`) and FSDP2 runs even on one rank: the GPU
+    holds the gathered units, the reduction buffers and the activations."""
+    c, sharded = facts.counts, shards > 1 or p.offload
+    resident = {} if p.offload else _states(facts, p, shards)
     if reference:
         resident["reference (model.dtype)"] = c.total * p.compute_bytes
-    if p.critic:
+    if p.critic and not p.offload:
         resident.update(_states(facts, p, shards, "critic"))
     gathered = {"FSDP gathered parameters": _gathered(facts, p)} if sharded else {}
     reduce = {"FSDP gradient reduction": _reduction(facts, p, shards)} if sharded else {}
-    grads = {"actor gradients (float32)": c.trainable * p.master_bytes // shards}
+    grads = {} if p.offload else {"actor gradients (float32)": c.trainable * p.master_bytes // shards}
+    temporaries = {} if p.offload else {"AdamW step temporaries": c.trainable * p.master_bytes // shards}
     n = numerics(p.compute_bytes, p.master_bytes, sharded=sharded)
     scoring = scoring_bytes(facts, n, p.score.tokens, p.score.response_tokens, p.chunk)
     phases = {
         "generate": {**resident},
         "score": {**resident, **gathered, "scoring forward": scoring},
         "update": {**resident, **grads, **gathered, **reduce, **_activations(facts, p, sharded)},
-        "step": {**resident, **grads, "AdamW step temporaries": c.trainable * p.master_bytes // shards},
+        "step": {**resident, **grads, **temporaries},
         "sync": {**resident},
     }
     if p.critic:
-        critic_grads = _critic_trainable(facts) * p.master_bytes // shards
-        phases["critic"] = {**resident, "critic gradients (float32)": critic_grads, **gathered, **reduce,
+        critic_grads = {} if p.offload else {
+            "critic gradients (float32)": _critic_trainable(facts) * p.master_bytes // shards}
+        phases["critic"] = {**resident, **critic_grads, **gathered, **reduce,
                             **_activations(facts, p, sharded, critic=True)}
     bucket = _sync_bucket(facts, p, sharded)
     if bucket:
@@ -253,16 +276,21 @@ def plan_launch(facts: ModelFacts, p: PlanInputs, mode: str | None = None, ranks
         gpus = [GpuPlan("the GPU", 1, trainer_phases(facts, p, shards=1, engine=colocated_engine(facts, p),
                                                           reference=p.reference))]
         label = "one process, 1 GPU"
+        shards = 1
     elif mode == "torchrun":
-        n = ranks or p.ranks
+        n = shards = ranks or p.ranks
         gpus = [GpuPlan("each rank's GPU", n, trainer_phases(facts, p, shards=n, engine=colocated_engine(facts, p),
                                                               reference=p.reference))]
         label = f"torchrun over {n} GPUs"
     elif mode == "ray":
-        gpus = ray_gpus(facts, p, trainers=ranks or p.trainer_actors)
-        label = f"Ray: {p.rollout_actors * p.rollout_gpus} rollout + {ranks or p.trainer_actors} trainer GPU(s)"
+        shards = ranks or p.trainer_actors
+        gpus = ray_gpus(facts, p, trainers=shards)
+        label = f"Ray: {p.rollout_actors * p.rollout_gpus} rollout + {shards} trainer GPU(s)"
     else:
         raise ValueError(f"unknown launch mode {mode!r}; valid: single, torchrun, ray")
+    if p.offload:  # the trainers' states, in host memory
+        gpus[-1].host = host_states(facts, p, shards)
+        label += ", offload"
     plan = LaunchPlan(mode, label, gpus, p.gpu_bytes)
     for g in gpus:
         if g.peak > p.gpu_bytes:

@@ -80,6 +80,10 @@ def render_text(plan: MemoryPlan, title: str = "") -> str:
         count = "" if g.count == 1 else f" (x{g.count})"
         out += ["", f"{launch.label}: {g.name}{count}"]
         out += table(g, p.gpu_bytes)
+        if g.host:
+            out += textwrap.wrap(f"host memory per process (distributed.offload): {_gib(sum(g.host.values()))} GiB: "
+                                 + ", ".join(f"{n} {_gib(v)}" for n, v in g.host.items()), 118,
+                                 subsequent_indent="  ")
     out += ["", "per launch mode (largest per-GPU peak):"]
     for m in plan.modes:
         g = max(m.gpus, key=lambda g: g.peak)
@@ -87,6 +91,6 @@ def render_text(plan: MemoryPlan, title: str = "") -> str:
         out.append(f"  {m.label:<58} {_gib(g.peak):>6} GiB  {state:<13} ({g.peak_phase}, {g.name})")
     out += [""] + [w for line in plan.verdict.splitlines() for w in textwrap.wrap(line, 118, subsequent_indent="  ")]
     out += [""] + textwrap.wrap("Not counted: the CUDA context and allocator fragmentation (keep a few GiB free), "
-                                "vLLM's CUDA-graph pool during sleep, host memory. Formulas: mmrlhf/models/memory/ "
-                                "(docs/gpu.md).", 118)
+                                "vLLM's CUDA-graph pool during sleep, host memory (but for distributed.offload's "
+                                "states). Formulas: mmrlhf/models/memory/ (docs/gpu.md).", 118)
     return "\n".join(out) + "\n"
