@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "and per launch mode, whether it fits and which key makes it fit")
     show.add_argument("--shape", metavar="NAME", help="plan for a named model shape instead of model.pretrain's "
                       "config.json (" + ", ".join(_shape_names()) + ")")
+    show.add_argument("--teacher-shape", metavar="NAME", help="with --plan and distillation: plan for a teacher of "
+                      "a named shape instead of model.teacher's config.json")
     show.add_argument("--gpu-memory", metavar="GIB", type=float, default=None,
                       help="memory of one GPU in GiB (default: the visible GPU's, else 80)")
     show.add_argument("--ranks", metavar="N", type=int, default=None,
@@ -69,8 +71,8 @@ def _show(args: argparse.Namespace) -> int:
         return 2
     if args.plan:
         return _plan(args, config, path)
-    if args.shape or args.json or args.gpu_memory is not None or args.ranks is not None:
-        print("error: --shape, --gpu-memory, --ranks and --json go with --plan", file=sys.stderr)
+    if args.shape or args.teacher_shape or args.json or args.gpu_memory is not None or args.ranks is not None:
+        print("error: --shape, --teacher-shape, --gpu-memory, --ranks and --json go with --plan", file=sys.stderr)
         return 2
     sys.stdout.write(dump_config(config))
     return 0
@@ -84,7 +86,8 @@ def _plan(args: argparse.Namespace, config, path: str | None) -> int:
     from mmrlhf.models.memory.render import render_text
 
     try:
-        plan = memory_plan(config, shape=args.shape, gpu_gib=args.gpu_memory, ranks=args.ranks)
+        plan = memory_plan(config, shape=args.shape, gpu_gib=args.gpu_memory, ranks=args.ranks,
+                           teacher_shape=args.teacher_shape)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

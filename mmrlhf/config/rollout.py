@@ -10,6 +10,8 @@ from mmrlhf.config.base import Section
 from mmrlhf.config.budget import check_budget
 
 
+GPU_MEMORY_UTILIZATION = 0.35  # an in-process vLLM engine's default share of its GPU (the policy's, a judge's)
+
 class RolloutConfig(Section):
     """Read by the rollout-engine builders (vLLM in-process, or transformers ``generate``)."""
 
@@ -71,7 +73,7 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """vLLM tensor-parallel degree (GPU only; the CPU engine ignores it): in one process, or in a Ray rollout actor,
     which then owns that many GPUs. Refused under torchrun, where each rank runs its own engine on its own GPU."""
-    gpu_memory_utilization: float = Field(default=0.35, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(default=GPU_MEMORY_UTILIZATION, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take for its weights, KV cache and CUDA graphs (ignored on CPU). The default
     gives a 7B engine 28 GiB of an 80 GB GPU beside its trainer (15.4 GiB of bf16 weights, the rest KV cache,
     activations and graphs); whether the trainer fits beside it: ``mmrlhf config show CONFIG --plan``

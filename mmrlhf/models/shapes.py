@@ -12,7 +12,11 @@ Qwen2 tokenizer's (shared by all three families). Sources: the ``config.json`` f
 Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct, Qwen/Qwen3-VL-2B-Instruct and
 Qwen/Qwen3-VL-8B-Instruct on the Hugging Face hub, written down from them (no machine of this project reaches the
 hub); the parameter totals they give are checked against the model cards' (8.29 B for Qwen2.5-VL-7B) in
-``tests/models/test_memory_counts.py``.
+``tests/models/test_memory_counts.py``. Qwen3-VL-30B-A3B-Instruct and Qwen3.5-9B were written down from copies of
+their ``config.json`` in public repositories' test fixtures and training scripts, which agree with each other
+(no copy of the hub's own file was reachable); Qwen3.5-9B's total is checked against a count of its checkpoint's
+tensors (9.41 B without the multi-token-prediction layer). Sizes only: Qwen3.5's bos / eos ids in ``text_config``
+stay Qwen2's, which change no tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ _TOKEN_IDS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_
 _QWEN2_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [16, 24, 24]}
 _QWEN3_ROPE = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [24, 20, 20],
                "mrope_interleaved": True}
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                 "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+# Qwen3.5's tokenizer (a 248k vocabulary) has its own vision token ids
+_QWEN3_5_TOKEN_IDS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                      "vision_end_token_id": 248054}
 
 
 def _text(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, tied: bool,
@@ -91,6 +100,24 @@ SHAPES: dict[str, dict[str, Any]] = {
         text_config=_text(4096, 12288, 36, 32, 8, 151_936, False, _QWEN3_ROPE, 262_144, head_dim=128,
                           attention_bias=False),
         vision_config=_qwen3_vl_vision(27, 1152, 4304, 4096, [8, 16, 24])),
+    # Qwen3-VL-30B-A3B: 48 MoE decoder layers (128 experts of 768, 8 routed per token, every layer sparse), the 8B's
+    # vision tower into a 2,048 hidden size
+    "qwen3_vl_30b_a3b": dict(
+        model_type="qwen3_vl_moe", tie_word_embeddings=False,
+        text_config=_text(2048, 6144, 48, 32, 4, 151_936, False, _QWEN3_ROPE, 262_144, head_dim=128,
+                          attention_bias=False, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+        vision_config=_qwen3_vl_vision(27, 1152, 4304, 2048, [8, 16, 24])),
+    # Qwen3.5-9B: 32 decoder layers, three Gated DeltaNet (linear attention) layers to one gated full-attention layer
+    # (head_dim 256, a quarter of it rotary), the Qwen3-VL tower without deepstack; its own tokenizer's ids. The
+    # checkpoint's multi-token-prediction layer is not part of the transformers model (nor of training here).
+    "qwen3_5_9b": dict(
+        model_type="qwen3_5", tie_word_embeddings=False, **_QWEN3_5_TOKEN_IDS,
+        text_config=_text(4096, 12288, 32, 16, 4, 248_320, False, _QWEN3_5_ROPE, 262_144, head_dim=256,
+                          attention_bias=False, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+                          linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_num_key_heads=16, linear_num_value_heads=32),
+        vision_config=_qwen3_vl_vision(27, 1152, 4304, 4096, [])),
 }
 
 
@@ -103,7 +130,7 @@ def shape_dict(name: str) -> dict[str, Any]:
     """A deep copy of shape ``name``'s config dict (token ids included); unknown names list the valid ones."""
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; valid: {', '.join(shape_names())}")
-    return {**copy.deepcopy(SHAPES[name]), **_TOKEN_IDS}
+    return {**_TOKEN_IDS, **copy.deepcopy(SHAPES[name])}  # a shape's own token ids win
 
 
 def shape_config(name: str, *, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None) -> Any:

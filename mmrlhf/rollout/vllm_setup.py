@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mmrlhf.config.rollout import GPU_MEMORY_UTILIZATION
 from mmrlhf.rollout import vllm_quiet
 from mmrlhf.rollout.vllm_routing import routing_engine_kwargs
 
@@ -176,7 +177,7 @@ def engine_kwargs(
     seed: int = 0,
     limit_mm_per_prompt: dict[str, int] | None = None,
     tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.35,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     enforce_eager: bool = False,
     enable_sleep_mode: bool = False,
     recurrent: bool = False,

@@ -46,6 +46,23 @@ def _random_qwen2_vl(layers: int = 3) -> Qwen2VLForConditionalGeneration:
     return Qwen2VLForConditionalGeneration(cfg).eval()
 
 
+def _random_qwen3_vl_moe(layers: int = 2) -> torch.nn.Module:
+    """Qwen3-VL-MoE with experts that outweigh the rest: 8 experts of 512 per layer, 2 routed per token."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, moe_intermediate_size=512, num_experts=8,
+                num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, max_position_embeddings=4096, decoder_sparse_step=1, mlp_only_layers=[],
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
+                                 "mrope_interleaved": True}, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[])
+    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=VOCAB - 1,
+                           video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3, vision_end_token_id=VOCAB - 4)
+    torch.manual_seed(0)
+    return Qwen3VLMoeForConditionalGeneration(cfg).eval()
+
+
 def _actor(model, mode: str, adapter=None) -> ActorVL:
     if mode == "bf16":
         model = model.to(torch.bfloat16)
@@ -131,3 +148,25 @@ def test_checkpointing_keeps_layer_inputs_and_recomputes_one_layer():
     assert ckpt.recompute >= full.layers // d.layers  # one layer's saved set (and its weight copies) at a time
     assert ckpt.weight_copies < full.weight_copies  # only the lm_head's copy stays for the whole backward
     assert ckpt.total < full.total
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_routed_experts_save_per_chosen_expert_and_autocast_copies_every_expert(mode):
+    """A MoE decoder: the experts' saved tensors per token and chosen expert, and under autocast the cast copies of
+    every expert's weights (within 3% here; 0.1% in float32 and bf16). Control: the dense MLP's formula in their
+    place is off by more than the suite's tolerance."""
+    model = _random_qwen3_vl_moe()
+    model.model.visual.requires_grad_(False)
+    facts = model_facts(model.config, freeze_vision_tower=True, freeze_merger=True)
+    d, c = facts.decoder, facts.counts
+    assert (d.moe_layers, d.experts, d.top_k, d.moe_intermediate) == (2, 8, 2, 512)
+    assert c.expert_weights == 2 * 8 * 3 * 512 * 256  # gate_up [E, 2I, h] and down [E, h, I] per layer
+    actor = _actor(model, mode)
+    batch, mb = text_batch(VOCAB, 2, 300, 150), MicroBatch(2, 300, 300, 0, mask=False)
+    measured = saved_bytes(actor.model, lambda: actor(batch))
+    plan = activation_plan(facts, _numerics(mode), mb, checkpointing=False, chunk=1024)
+    assert plan.saved == pytest.approx(measured, rel=0.03)
+    dense = dataclasses.replace(facts, decoder=dataclasses.replace(d, moe_layers=0),
+                                counts=dataclasses.replace(c, expert_weights=0))
+    wrong = activation_plan(dense, _numerics(mode), mb, checkpointing=False, chunk=1024).saved
+    assert abs(wrong - measured) > TOLERANCE * measured

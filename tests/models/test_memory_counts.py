@@ -85,8 +85,9 @@ def test_the_7b_shape_has_the_released_model_s_parameters():
 
 
 # Totals of the released checkpoints (their model cards / safetensors headers), in billions.
+# Qwen3.5-9B: its checkpoint's tensors without the multi-token-prediction layer (9,409,813,744; 9.65 B with it).
 CARD_TOTALS = {"qwen2_vl_2b": 2.21, "qwen2_vl_7b": 8.29, "qwen2_5_vl_3b": 3.75, "qwen2_5_vl_7b": 8.29,
-               "qwen3_vl_8b": 8.77}
+               "qwen3_vl_8b": 8.77, "qwen3_5_9b": 9.41}
 
 
 @pytest.mark.parametrize("name", shape_names())
@@ -108,3 +109,18 @@ def test_shape_overrides_and_unknown_names():
     assert SHAPES["qwen3_vl_2b"]["text_config"]["num_hidden_layers"] == 28
     with pytest.raises(ValueError, match="unknown model shape 'qwen9'.*qwen2_5_vl_7b"):
         shape_config("qwen9")
+
+
+def test_moe_and_hybrid_shapes_read_their_experts_and_linear_attention_layers():
+    moe = model_facts(shape_config("qwen3_vl_30b_a3b"), freeze_vision_tower=True, freeze_merger=False)
+    d = moe.decoder
+    assert (d.moe_layers, d.experts, d.top_k, d.moe_intermediate, d.linear_layers) == (48, 128, 8, 768, 0)
+    assert moe.counts.expert_weights == 48 * 128 * 3 * 768 * 2048  # gate_up [E, 2I, h] + down [E, h, I]
+    assert moe.counts.total / 1e9 == pytest.approx(31.07, abs=0.01)  # "30B-A3B": 31.07 B counted
+    hybrid = model_facts(shape_config("qwen3_5_9b"), freeze_vision_tower=True, freeze_merger=False)
+    d = hybrid.decoder
+    assert (d.linear_layers, d.attention_layers, d.linear_k_heads, d.linear_v_heads, d.conv_kernel) == (24, 8, 16, 32, 4)
+    assert d.attn_output_gate and not d.moe_layers and hybrid.counts.expert_weights == 0
+    # control: a dense Qwen3-VL has neither (its conv-free layers hold no 3-D expert tensors)
+    dense = model_facts(shape_config("qwen3_vl_8b"), freeze_vision_tower=True, freeze_merger=False).decoder
+    assert (dense.moe_layers, dense.linear_layers, dense.attn_output_gate) == (0, 0, False)

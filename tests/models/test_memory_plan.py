@@ -9,6 +9,8 @@ import pytest
 from mmrlhf.config import build_config, load_config
 from mmrlhf.models.memory.advice import memory_plan, to_json
 from mmrlhf.models.memory.inputs import PlanError, checkpointing, facts_of, plan_inputs, token_budget
+from mmrlhf.models.memory import activations as act
+from mmrlhf.models.memory.activations import numerics
 from mmrlhf.models.memory.plan import GIB, plan_launch
 
 RECIPE_7B = "examples/grpo_geometry3k_qwen2_5_vl_7b.yaml"
@@ -236,3 +238,58 @@ def test_offload_moves_the_trained_states_to_host_memory_and_fits_a_7b_full_fine
     critic = plan_launch(*_plan(["distributed.offload=params", "algorithm.advantage_estimator=gae"]), "single")
     assert "critic gradients (float32)" in critic.gpus[0].host
     assert "critic weights (float32)" not in critic.gpus[0].phases["critic"]
+
+
+def test_a_hybrid_model_caches_kv_for_its_attention_layers_and_a_state_per_sequence():
+    from mmrlhf.models.memory.plan import kv_bytes_per_token, recurrent_state_bytes
+
+    facts, p = _plan(shape="qwen3_5_9b")
+    d = facts.decoder
+    assert kv_bytes_per_token(facts, 2) == 2 * 8 * d.kv_dim * 2  # 8 attention layers of 32
+    state = recurrent_state_bytes(facts, 2)
+    assert state == 24 * (32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3) * 2  # 25 MiB per running sequence
+    assert recurrent_state_bytes(facts_of(_config(), "qwen2_5_vl_7b"), 2) == 0
+    layers = dict(act.layer_bytes(facts, numerics(2, 4, sharded=False), p.train))
+    assert len(layers) == 2  # attention and linear-attention layers save differently
+
+
+def test_experts_are_copied_by_autocast_beside_the_compute_copy_and_routing_replay_is_counted():
+    facts, p = _plan(["rollout.routing_replay=replay"], shape="qwen3_vl_30b_a3b")
+    update = plan_launch(facts, p, "single").gpus[0].phases["update"]
+    c, d = facts.counts, facts.decoder
+    assert update["compute copy (bf16 Linears)"] == 2 * (
+        c.linear_weights + d.vocab * d.hidden + c.merger_linear_weights + c.tower_linear_weights + c.expert_weights)
+    assert update["routing replay (engine's experts)"] == p.train.tokens * 48 * 8 * 8
+    facts, p = _plan(shape="qwen3_vl_30b_a3b")
+    assert "routing replay (engine's experts)" not in plan_launch(facts, p, "single").gpus[0].phases["update"]
+
+
+def test_a_teacher_is_stored_where_scoring_runs_and_must_be_found():
+    distill = "examples/distill_geometry3k_qwen2_5_vl_7b_to_3b.yaml"
+    cfg = _config(path=distill)
+    plan = memory_plan(cfg, shape="qwen2_5_vl_3b", teacher_shape="qwen2_5_vl_7b", gpu_gib=80, suggest=False)
+    teacher = 2 * facts_of(cfg, "qwen2_5_vl_7b").counts.total
+    assert plan.inputs.teacher_bytes == teacher
+    assert all(parts["teacher (model.dtype)"] == teacher for parts in plan.launch.gpus[0].phases.values())
+    ray = plan_launch(plan.facts, plan.inputs, "ray")
+    rollout, trainer = ray.gpus
+    assert rollout.phases["score"]["teacher (model.dtype)"] == teacher
+    assert all("teacher (model.dtype)" not in parts for parts in trainer.phases.values())
+    with pytest.raises(PlanError, match="model.teacher=.*--teacher-shape"):
+        memory_plan(cfg, shape="qwen2_5_vl_3b", gpu_gib=80)
+    off = _config(["algorithm.distill_coef=0", "algorithm.distill_loss_coef=0", "model.teacher="], path=distill)
+    assert memory_plan(off, shape="qwen2_5_vl_3b", gpu_gib=80, suggest=False).inputs.teacher_bytes == 0
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_an_in_process_judge_takes_its_share_while_it_judges(sleep):
+    judge = ("reward.label_map.judge={type: judge, backend: vllm, model: /judge, sleep: %s, "
+             "engine: {gpu_memory_utilization: 0.25}}" % str(sleep).lower())
+    facts, p = _plan([judge])
+    assert p.judges == ((0.25, sleep),)
+    phases = plan_launch(facts, p, "single").gpus[0].phases
+    share = int(0.25 * 80 * GIB)
+    assert phases["generate"]["judge engine (vLLM)"] == share
+    assert ("judge engine (vLLM)" in phases["update"]) == (not sleep)
+    _, none = _plan()
+    assert none.judges == ()

@@ -15,7 +15,10 @@ r = the residual stream's bytes, c = the compute dtype's):
   query head before the kernel (``repeat_kv``), so k and v cost c q instead of c kv; ``eager`` attention also keeps
   the [heads, S, S] probabilities (f + c each);
 * Qwen3's per-head q / k RMSNorms: f + c per element of q and k;
-* the SwiGLU MLP: gate output, its activation, up output and their product (4 c I).
+* the SwiGLU MLP: gate output, its activation, up output and their product (4 c I); a routed-experts MLP (MoE)
+  the same per token and chosen expert at the expert's size, plus the gathered inputs, the outputs and the
+  router's softmax (:func:`moe_mlp_bytes`); under autocast every expert's weights are cast at each forward (a
+  training micro-batch reaches them all) and the copies kept, with or without the compute copy.
 
 With a mask, each layer also keeps its own [rows, 1, S, S] copy of it in c (SDPA converts a boolean mask at every
 call): quadratic in a packed row's length. Per forward: the token ids, the rotary cos / sin, the final norm, and the
@@ -88,12 +91,69 @@ def decoder_layer_bytes(facts: ModelFacts, n: Numerics, mb: MicroBatch) -> dict[
 
     kv = d.q_dim if mask else d.kv_dim
     attention = c * (2 * d.q_dim + 2 * kv) + F32 * d.heads
+    if d.attn_output_gate:  # Qwen3.5: q_proj also yields a gate; sigmoid(gate) and the gated output are kept
+        attention += 2 * c * d.q_dim
     qk_norm = (F32 + c) * (d.q_dim + d.kv_dim) + F32 * (d.heads + d.kv_heads) if d.qk_norm else 0
     # torch's SDPA turns a boolean mask into an additive one in the query's dtype at every call, and the kernel
     # saves it: one [rows, 1, S, S] copy per layer (measured on the CPU; the CUDA kernels convert the same way)
     mask_bytes = mb.rows * mb.row_tokens**2 * c if mask else 0
     return {"norms": tokens * (norm(3) + norm(2)), "attention": tokens * (attention + qk_norm) + mask_bytes,
             "mlp": tokens * 4 * c * d.intermediate}
+
+
+def moe_mlp_bytes(facts: ModelFacts, n: Numerics, tokens: int) -> int:
+    """A routed-experts MLP's saved tensors for ``tokens`` tokens (transformers' experts, as measured on the CPU):
+    per token and chosen expert (k of them) the gathered input and the down projection's output (c h each), the
+    gate / up output, the activation and the product (4 c I), its routing weight and three int64 indices; per
+    token the router's float32 softmax over the E experts and its top-k values. A shared expert (Qwen3.5-MoE) is a
+    dense SwiGLU of its own size plus its gate."""
+    d, c = facts.decoder, n.compute
+    routed = d.top_k * (c * (2 * d.hidden + 4 * d.moe_intermediate) + c + 3 * INT64) + F32 * (d.experts + d.top_k + 1)
+    shared = 4 * c * d.shared_intermediate + 2 * c if d.shared_intermediate else 0
+    return tokens * (routed + shared)
+
+
+KERNEL_CHUNK = 64  # the chunked delta rule's chunk length (fla's chunk_gated_delta_rule)
+
+
+def linear_attention_bytes(facts: ModelFacts, n: Numerics, tokens: int) -> int:
+    """A Gated DeltaNet (linear-attention) token mixer's saved tensors for ``tokens`` tokens, as fla's chunked
+    kernel and causal-conv1d keep them on a GPU (K = key heads x key size, V = value heads x value size, H value
+    heads): the fused q / k / v projection (the convolution's input) and the convolution's output (c (2K + V)
+    each), q and k repeated to the value heads when there are more of those, the output gate z (c V), beta (c H),
+    the decay's float32 input and value (2 f H), the kernel's q / k normalisation statistics (2 f H) and its chunk
+    matrix (c H x 64), the kernel's output (c V), and the gated RMSNorm's float32 input and gate, statistics and
+    output (out_proj's input). An ESTIMATE from those kernels' saved inputs: the CPU's torch fallback keeps its
+    loop's intermediates instead (about twice as much), so it cannot be measured here. The recurrent state itself
+    is recomputed per chunk in the backward (transient)."""
+    d, c = facts.decoder, n.compute
+    k, v, h = d.linear_k_heads * d.linear_k_dim, d.linear_v_heads * d.linear_v_dim, d.linear_v_heads
+    repeat = 2 * h * d.linear_k_dim if d.linear_v_heads > d.linear_k_heads else 0
+    per_token = (2 * c * (2 * k + v) + c * repeat + c * v + c * h + 2 * F32 * h + 2 * F32 * h
+                 + c * h * KERNEL_CHUNK + c * v + 2 * F32 * v + F32 * h + c * v)
+    return tokens * per_token
+
+
+def layer_bytes(facts: ModelFacts, n: Numerics, mb: MicroBatch) -> list[tuple[int, int]]:
+    """(layers, bytes one of them saves) per kind of decoder layer: attention or linear-attention token mixer
+    (:func:`linear_attention_bytes`, whose input norm feeds four projections), dense or routed-expert MLP
+    (:func:`moe_mlp_bytes`; where only some layers route, assumed spread evenly over both mixers)."""
+    d, c = facts.decoder, n.compute
+    parts = decoder_layer_bytes(facts, n, mb)
+    attention = sum(parts.values()) - parts["mlp"] + eager_probabilities_bytes(facts, mb, n)
+    mixers = [(d.attention_layers, attention)]
+    if d.linear_layers:
+        # the input norm's output read by four projections (qkv, z, b, a) instead of attention's three
+        extra_consumer = mb.tokens * c * d.hidden if n.autocast else 0
+        norms = parts["norms"] + extra_consumer
+        mixers.append((d.linear_layers, norms + linear_attention_bytes(facts, n, mb.tokens)))
+    moe_share = d.moe_layers / max(d.layers, 1)
+    kinds = []
+    for count, mixer in mixers:
+        routed = round(count * moe_share)
+        kinds.append((count - routed, mixer + parts["mlp"]))
+        kinds.append((routed, mixer + moe_mlp_bytes(facts, n, mb.tokens)))
+    return [(count, b) for count, b in kinds if count]
 
 
 def eager_probabilities_bytes(facts: ModelFacts, mb: MicroBatch, n: Numerics) -> int:
@@ -140,9 +200,12 @@ def weight_copy_bytes(facts: ModelFacts, n: Numerics, *, checkpointing: bool, co
     if not n.autocast:
         return 0
     d, c = facts.decoder, facts.counts
+    # the routed experts: cast at every forward (checkpointed: in the recomputation, one layer at a time)
+    experts = 0 if checkpointing else c.expert_weights
     if compute_copy:
-        return n.compute * (c.linear_weights + d.vocab * d.hidden + c.merger_linear_weights + c.tower_linear_weights)
-    layers = 0 if checkpointing else c.linear_weights
+        return n.compute * (c.linear_weights + d.vocab * d.hidden + c.merger_linear_weights + c.tower_linear_weights
+                            + experts)
+    layers = 0 if checkpointing else c.linear_weights + experts
     vision = c.merger_linear_weights if c.merger_on_grad_path else 0
     vision += c.tower_linear_weights if c.tower_on_grad_path else 0
     return n.compute * (layers + d.vocab * d.hidden + vision)
@@ -187,16 +250,16 @@ def activation_plan(facts: ModelFacts, n: Numerics, mb: MicroBatch, *, checkpoin
     """Activations of one training forward + backward of ``mb`` (the module docstring's formula); with
     ``compute_copy`` the weight copies are the step's (:func:`weight_copy_bytes`), and a recomputed layer casts
     none of its own."""
-    d = facts.decoder
-    one = sum(decoder_layer_bytes(facts, n, mb).values()) + eager_probabilities_bytes(facts, mb,
-                                                                                                           n)
+    d, c = facts.decoder, facts.counts
+    kinds = layer_bytes(facts, n, mb)
+    one = max(b for _, b in kinds)
     if checkpointing:
         layers = d.layers * mb.tokens * n.residual * d.hidden
-        layer_copies = n.compute * facts.counts.linear_weights // max(d.layers, 1) \
-            if n.autocast and not compute_copy else 0
-        recompute = one + layer_copies
+        linear = 0 if compute_copy else c.linear_weights // max(d.layers, 1)
+        experts = c.expert_weights // max(d.moe_layers, 1)  # never in the compute copy
+        recompute = one + (n.compute * (linear + experts) if n.autocast else 0)
     else:
-        layers, recompute = d.layers * one, 0
+        layers, recompute = sum(count * b for count, b in kinds), 0
     return ActivationPlan(
         layers=layers, per_forward=per_forward_bytes(facts, n, mb),
         vision=vision_bytes(facts, n, mb, checkpointing=checkpointing),
@@ -208,6 +271,6 @@ def activation_plan(facts: ModelFacts, n: Numerics, mb: MicroBatch, *, checkpoin
 def scoring_bytes(facts: ModelFacts, n: Numerics, tokens: int, response_tokens: int, chunk: int) -> int:
     """Peak working memory of a no-grad forward (experience making: old / reference log-probs, values): one
     layer's intermediates at a time, the hidden states, and the head's chunk."""
-    one = sum(decoder_layer_bytes(facts, n, MicroBatch(1, tokens, response_tokens, 0, mask=False)).values())
+    one = max(b for _, b in layer_bytes(facts, n, MicroBatch(1, tokens, response_tokens, 0, mask=False)))
     return one + tokens * n.residual * facts.decoder.hidden + head_working_bytes(facts, n, response_tokens, chunk,
                                                                                   train=False)

@@ -48,19 +48,21 @@ class MemoryPlan:
 
 
 def _plan(config: Any, shape: str | None, gpu_gib: float | None, ranks: int | None,
-          cache: dict[tuple, ModelFacts]) -> tuple[ModelFacts, PlanInputs]:
+          cache: dict[Any, Any]) -> tuple[ModelFacts, PlanInputs]:
     t, lora = config.trainer, config.model.lora
     key = (t.freeze_vision_tower, t.freeze_merger, lora.rank, tuple(lora.target_modules), lora.vision)
     if key not in cache:
         cache[key] = facts_of(config, shape)
-    return cache[key], plan_inputs(config, cache[key], gpu_gib=gpu_gib, ranks=ranks)
+    return cache[key], plan_inputs(config, cache[key], gpu_gib=gpu_gib, ranks=ranks,
+                                   teacher_shape=cache.get("teacher_shape"))
 
 
 def memory_plan(config: Any, *, shape: str | None = None, gpu_gib: float | None = None, ranks: int | None = None,
-                suggest: bool = True) -> MemoryPlan:
-    """The plan of ``config`` (its model from ``shape`` or ``model.pretrain``) on GPUs of ``gpu_gib`` GiB;
-    ``suggest``: search the fixes when it does not fit. Raises :class:`PlanError` naming the key to set."""
-    cache: dict[tuple, ModelFacts] = {}
+                suggest: bool = True, teacher_shape: str | None = None) -> MemoryPlan:
+    """The plan of ``config`` (its model from ``shape`` or ``model.pretrain``, a distillation teacher from
+    ``teacher_shape`` or ``model.teacher``) on GPUs of ``gpu_gib`` GiB; ``suggest``: search the fixes when it does
+    not fit. Raises :class:`PlanError` naming the key to set."""
+    cache: dict[Any, Any] = {"teacher_shape": teacher_shape}
     facts, inputs = _plan(config, shape, gpu_gib, ranks, cache)
     launch = plan_launch(facts, inputs)
     modes = [plan_launch(facts, inputs, mode, n) for mode, n in summary_modes(inputs)]
@@ -120,7 +122,7 @@ def _try(config, overrides, shape, gpu_gib, ranks, cache, build_config, mode=Non
 
 
 def find_fixes(config: Any, shape: str | None, gpu_gib: float | None, ranks: int | None, p: PlanInputs,
-               cache: dict[tuple, ModelFacts], limit: int = 4) -> list[Fix]:
+               cache: dict[Any, Any], limit: int = 4) -> list[Fix]:
     """The smallest changes that make the configured launch fit: single changes (a key, a lower engine share, more
     GPUs) first; pairs only when no single change fits. At most ``limit``, lowest peak first."""
     from mmrlhf.config import build_config
@@ -190,6 +192,7 @@ def to_json(plan: MemoryPlan) -> dict[str, Any]:
                           "phases": g.phases, "host": g.host} for g in lp.gpus]}
 
     inputs = dataclasses.asdict(plan.inputs)
+    inputs["judges"] = [list(j) for j in inputs["judges"]]  # JSON has lists, not tuples
     return {"model": plan.facts.name, "gpu_bytes": plan.inputs.gpu_bytes,
             "parameters": dataclasses.asdict(plan.facts.counts), "decoder": dataclasses.asdict(plan.facts.decoder),
             "vision": dataclasses.asdict(plan.facts.vision), "inputs": inputs, "launch": launch(plan.launch),

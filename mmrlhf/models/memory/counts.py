@@ -35,6 +35,28 @@ class DecoderDims:
     head_dim: int
     vocab: int
     qk_norm: bool  # per-head RMSNorm on queries and keys (Qwen3)
+    # routed experts (a MoE decoder): the layers whose MLP is sparse, experts per layer, experts per token, an
+    # expert's intermediate size, and a shared expert's (Qwen3.5-MoE; 0 without)
+    moe_layers: int = 0
+    experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    # linear-attention (Gated DeltaNet) layers of a hybrid decoder (Qwen3.5): how many, their key / value heads and
+    # head sizes and the causal convolution's kernel; the other layers are attention layers (with an output gate:
+    # q_proj also produces a per-channel gate)
+    linear_layers: int = 0
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
+    attn_output_gate: bool = False
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers with a KV cache (all but the linear-attention ones)."""
+        return self.layers - self.linear_layers
 
     @property
     def q_dim(self) -> int:
@@ -76,6 +98,9 @@ class ParamCounts:
     root_trainable: int
     largest_trainable_tensor: int  # elements of the largest tensor a weight sync sends (a bucket holds at least it)
     linear_weights: int  # weights of the decoder layers' Linear layers (what autocast copies for the backward)
+    # routed experts' weights (3-D tensors outside any Linear: autocast casts them at every forward, and the
+    # compute copy, which holds Linear weights, does not hold them)
+    expert_weights: int
     tower_linear_weights: int  # the same in the vision tower's blocks
     merger_linear_weights: int  # the same in the mergers
     # elements of the Linear layers whose parameters all stay frozen (a head tied to the embeddings excluded): what
@@ -133,16 +158,38 @@ def _frozen_linear(model: nn.Module, trains: dict[int, bool], embed: nn.Paramete
     return total
 
 
-def _decoder_dims(model: nn.Module, layer: nn.Module) -> DecoderDims:
+def _expert_params(layer: nn.Module) -> list[nn.Parameter]:
+    """A decoder layer's routed experts: the 3-D parameters ([experts, out, in], outside any Linear) of its modules
+    that count experts (a router's weight is 2-D; a convolution's 3-D weight belongs to no such module)."""
+    return [p for m in layer.modules() if isinstance(getattr(m, "num_experts", None), int)
+            for p in m.parameters(recurse=False) if p.dim() == 3]
+
+
+def _decoder_dims(model: nn.Module, layers: list[nn.Module]) -> DecoderDims:
     text = model.config.get_text_config()
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    names = {name.rsplit(".", 1)[-1] for name, _ in layer.named_modules()}
+    names = {name.rsplit(".", 1)[-1] for layer in layers for name, _ in layer.named_modules()}
+    moe_layers = sum(bool(_expert_params(layer)) for layer in layers)
+    linear = sum(1 for kind in (getattr(text, "layer_types", None) or []) if kind == "linear_attention")
     return DecoderDims(hidden=int(text.hidden_size), intermediate=int(text.intermediate_size),
                        layers=int(text.num_hidden_layers), heads=heads,
                        kv_heads=int(getattr(text, "num_key_value_heads", None) or heads), head_dim=head_dim,
                        vocab=int(model.get_output_embeddings().weight.shape[0]),
-                       qk_norm="q_norm" in names and "k_norm" in names)
+                       qk_norm="q_norm" in names and "k_norm" in names, moe_layers=moe_layers,
+                       experts=int(getattr(text, "num_experts", 0) or 0) if moe_layers else 0,
+                       top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe_layers else 0,
+                       moe_intermediate=int(getattr(text, "moe_intermediate_size", 0) or 0) if moe_layers else 0,
+                       shared_intermediate=int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+                       if moe_layers and "shared_expert" in names else 0,
+                       linear_layers=linear,
+                       linear_k_heads=int(getattr(text, "linear_num_key_heads", 0) or 0) if linear else 0,
+                       linear_v_heads=int(getattr(text, "linear_num_value_heads", 0) or 0) if linear else 0,
+                       linear_k_dim=int(getattr(text, "linear_key_head_dim", 0) or 0) if linear else 0,
+                       linear_v_dim=int(getattr(text, "linear_value_head_dim", 0) or 0) if linear else 0,
+                       conv_kernel=int(getattr(text, "linear_conv_kernel_dim", 0) or 0) if linear else 0,
+                       attn_output_gate=any(m.out_features == 2 * heads * head_dim for layer in layers
+                                            for name, m in layer.named_modules() if name.endswith("q_proj")))
 
 
 def _vision_dims(adapter: Any, blocks: list[nn.Module], mergers: list[nn.Module]) -> VisionDims:
@@ -218,6 +265,7 @@ def model_facts(hf_config: Any, *, freeze_vision_tower: bool, freeze_merger: boo
         root_trainable=_numel(p for p in root if trains[id(p)]),
         largest_trainable_tensor=max(trainable_tensors, default=0),
         linear_weights=_linear_weights(layers),
+        expert_weights=_numel(p for b in layers for p in _expert_params(b)),
         tower_linear_weights=_linear_weights(vision_blocks),
         merger_linear_weights=_linear_weights(mergers),
         frozen_linear=_frozen_linear(model, trains, embed),
@@ -225,5 +273,5 @@ def model_facts(hf_config: Any, *, freeze_vision_tower: bool, freeze_merger: boo
         tower_on_grad_path=tower_grad,
         merger_on_grad_path=tower_grad or adapted_in_merger or (not use_lora and not freeze_merger),
     )
-    return ModelFacts(name=name or type(model).__name__, decoder=_decoder_dims(model, largest_layer),
+    return ModelFacts(name=name or type(model).__name__, decoder=_decoder_dims(model, layers),
                       vision=_vision_dims(adapter, vision_blocks, mergers), counts=counts, tied=tied)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mmrlhf.models.memory.activations import MicroBatch
+from mmrlhf.models.memory.activations import INT64, MicroBatch
 from mmrlhf.models.memory.counts import ModelFacts, model_facts
 from mmrlhf.models.memory.plan import GIB, PlanInputs
 
@@ -74,6 +74,38 @@ def hf_config(config: Any, shape: str | None = None) -> tuple[Any, str]:
     except (OSError, ValueError, json.JSONDecodeError) as exc:
         raise PlanError(f"model.pretrain={path}: config.json unreadable ({exc})") from exc
     return cfg, folder.name
+
+
+def teacher_bytes(config: Any, compute_bytes: int, teacher_shape: str | None = None) -> int:
+    """The distillation teacher's weights in ``model.dtype`` (0 without distillation): a named shape
+    (``--teacher-shape``) or ``model.teacher``'s ``config.json``."""
+    from mmrlhf.models.memory.counts import meta_model
+    from mmrlhf.models.shapes import shape_config, shape_names
+
+    a, teacher = config.algorithm, config.model.teacher
+    if not (teacher and (a.distill_coef > 0 or a.distill_loss_coef > 0)):
+        return 0
+    if teacher_shape:
+        cfg = shape_config(teacher_shape)
+    else:
+        folder = Path(teacher)
+        if not (folder / "config.json").is_file():
+            raise PlanError(f"model.teacher={teacher}: no config.json there (the plan reads a local folder); give a "
+                            f"local model folder, or --teacher-shape NAME (known: {', '.join(shape_names())})")
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(folder), trust_remote_code=config.model.trust_remote_code)
+    return compute_bytes * sum(p.numel() for p in meta_model(cfg).parameters())
+
+
+def judge_shares(config: Any) -> tuple[tuple[float, bool], ...]:
+    """The in-process vLLM judges (``backend: vllm`` reward sources): (their engine's GPU share, sleeps between
+    calls). A ``ray`` judge runs on GPUs of its own, an ``endpoint`` one elsewhere."""
+    from mmrlhf.config.rollout import GPU_MEMORY_UTILIZATION
+
+    return tuple((float(src.engine.get("gpu_memory_utilization", GPU_MEMORY_UTILIZATION)), bool(src.sleep))
+                 for src in config.reward.label_map.values()
+                 if getattr(src, "type", "") == "judge" and src.backend == "vllm")
 
 
 def sequence_lengths(config: Any) -> tuple[int, int]:
@@ -152,9 +184,10 @@ def visible_gpu_bytes() -> int | None:
 
 
 def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
-                ranks: int | None = None) -> PlanInputs:
+                ranks: int | None = None, teacher_shape: str | None = None) -> PlanInputs:
     """:class:`PlanInputs` of ``config`` for ``facts``' model on GPUs of ``gpu_gib`` GiB (default: the visible
-    accelerator's, else 80) and a torchrun world of ``ranks`` (default ``WORLD_SIZE``, else 8)."""
+    accelerator's, else 80) and a torchrun world of ``ranks`` (default ``WORLD_SIZE``, else 8); a distillation
+    teacher of shape ``teacher_shape`` (default: ``model.teacher``'s config)."""
     from mmrlhf.models.precision import lora_base_dtype, precision
 
     m, t, r, dist, algo = config.model, config.trainer, config.rollout, config.distributed, config.algorithm
@@ -191,7 +224,10 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         rollout_gpus=max(1, int(dist.rollout_actor_gpus or r.tensor_parallel_size)),
         trainer_actors=dist.num_trainer_actors, keys=fix_keys(config), compute_copy=compute_copy(config),
         lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0,  # the plan is a GPU's
-        offload=dist.offload == "params")
+        offload=dist.offload == "params", teacher_bytes=teacher_bytes(config, p.compute.itemsize, teacher_shape),
+        judges=judge_shares(config),
+        routing_bytes=(mb(train_samples).tokens * facts.decoder.layers * facts.decoder.top_k * INT64
+                       if r.routing_replay == "replay" and facts.decoder.moe_layers else 0))
 
 
 def facts_of(config: Any, shape: str | None = None) -> ModelFacts:

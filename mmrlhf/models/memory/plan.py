@@ -16,6 +16,10 @@ What sits on a GPU, by launch mode (``distributed.backend``):
 * ``distributed.offload: params`` (any mode): FSDP2 keeps the trained models' float32 weights, gradients and AdamW
   moments in host memory and steps there; the GPU holds what FSDP2 gathers (as sharded above, one process being a
   world of one rank), the reduction buffers and the activations. The host side is :attr:`GpuPlan.host`;
+* a distillation teacher (``model.teacher``) is stored as the reference is, in ``model.dtype``, wherever the
+  scoring forwards run; an in-process vLLM judge (a ``backend: vllm`` reward source) takes its
+  ``engine.gpu_memory_utilization`` share while it judges, right after generation (always, unless it sleeps);
+  routing replay adds the engine's expert indices of a training micro-batch;
 * Ray: rollout actors hold the engine, a float32 scoring copy of the policy, the reference and a critic copy (no
   gradients) on their GPUs; trainer actors hold the training states (sharded when there are several) and the
   activations, and no engine.
@@ -76,6 +80,10 @@ class PlanInputs:
     compute_copy: bool = False  # ``trainer.compute_copy`` resolved (it applies where a model autocasts)
     lora_base_bytes: int = 0  # ``model.lora.base_dtype`` on a GPU: bytes per frozen Linear element (0: no LoRA)
     offload: bool = False  # ``distributed.offload: params``: the trained models' states in host memory (FSDP2)
+    teacher_bytes: int = 0  # ``model.teacher``: its weights in ``model.dtype`` (0: no distillation)
+    # in-process vLLM judges (``backend: vllm`` reward sources): (gpu_memory_utilization, sleeps between calls)
+    judges: tuple[tuple[float, bool], ...] = ()
+    routing_bytes: int = 0  # ``rollout.routing_replay: replay``: the engine's experts of one training micro-batch
 
 
 @dataclass
@@ -124,9 +132,21 @@ def engine_weight_bytes(facts: ModelFacts, p: PlanInputs) -> int:
 
 
 def kv_bytes_per_token(facts: ModelFacts, dtype_bytes: int, tensor_parallel: int = 1) -> int:
-    """K and V of every layer for one token (what a KV cache holds per token)."""
+    """K and V of every attention layer for one token (what a KV cache holds per token; a linear-attention layer
+    keeps a fixed state per sequence instead, :func:`recurrent_state_bytes`)."""
     d = facts.decoder
-    return 2 * d.layers * d.kv_dim * dtype_bytes // tensor_parallel
+    return 2 * d.attention_layers * d.kv_dim * dtype_bytes // tensor_parallel
+
+
+def recurrent_state_bytes(facts: ModelFacts, dtype_bytes: int, tensor_parallel: int = 1) -> int:
+    """What the engine holds per running sequence for the linear-attention layers, whatever its length: each
+    layer's recurrent state (value heads x key size x value size) and the convolution's last kernel - 1 inputs."""
+    d = facts.decoder
+    if not d.linear_layers:
+        return 0
+    k, v = d.linear_k_heads * d.linear_k_dim, d.linear_v_heads * d.linear_v_dim
+    state = d.linear_v_heads * d.linear_k_dim * d.linear_v_dim + (2 * k + v) * (d.conv_kernel - 1)
+    return d.linear_layers * state * dtype_bytes // tensor_parallel
 
 
 def _states(facts: ModelFacts, p: PlanInputs, shards: int, prefix: str = "actor") -> dict[str, int]:
@@ -203,15 +223,18 @@ def host_states(facts: ModelFacts, p: PlanInputs, shards: int) -> dict[str, int]
 
 
 def trainer_phases(facts: ModelFacts, p: PlanInputs, *, shards: int, engine: dict[str, dict[str, int]],
-                   reference: bool) -> dict[str, dict[str, int]]:
+                   reference: bool, scores: bool = True) -> dict[str, dict[str, int]]:
     """Phases of a GPU that trains (one process, a torchrun rank, a Ray trainer actor). ``engine``: the engine's
-    part in each phase (empty for a Ray trainer); ``reference``: the reference model lives on this GPU. With
+    part in each phase (empty for a Ray trainer); ``reference``: the reference model lives on this GPU; ``scores``:
+    the experience forwards run here (the teacher's with them; not on a Ray trainer). With
     ``offload`` the trained states are in host memory (:func:`host_states`) and FSDP2 runs even on one rank: the GPU
     holds the gathered units, the reduction buffers and the activations."""
     c, sharded = facts.counts, shards > 1 or p.offload
     resident = {} if p.offload else _states(facts, p, shards)
     if reference:
         resident["reference (model.dtype)"] = c.total * p.compute_bytes
+    if scores and p.teacher_bytes:
+        resident["teacher (model.dtype)"] = p.teacher_bytes
     if p.critic and not p.offload:
         resident.update(_states(facts, p, shards, "critic"))
     gathered = {"FSDP gathered parameters": _gathered(facts, p)} if sharded else {}
@@ -223,7 +246,8 @@ def trainer_phases(facts: ModelFacts, p: PlanInputs, *, shards: int, engine: dic
     phases = {
         "generate": {**resident},
         "score": {**resident, **gathered, "scoring forward": scoring},
-        "update": {**resident, **grads, **gathered, **reduce, **_activations(facts, p, sharded)},
+        "update": {**resident, **grads, **gathered, **reduce, **_activations(facts, p, sharded),
+                   "routing replay (engine's experts)": p.routing_bytes},
         "step": {**resident, **grads, **temporaries},
         "sync": {**resident},
     }
@@ -241,15 +265,31 @@ def trainer_phases(facts: ModelFacts, p: PlanInputs, *, shards: int, engine: dic
     return {k: {n_: b for n_, b in phases[k].items() if b} for k in PHASES if k in phases}
 
 
+def judge_engines(p: PlanInputs) -> dict[str, dict[str, int]]:
+    """In-process vLLM judges' shares, per phase: a judge judges right after generation (the rewards), so one that
+    sleeps between calls holds its share in ``generate`` only (sleep level 1: its weights wait in host memory)."""
+    out: dict[str, dict[str, int]] = {}
+    for i, (utilization, sleeps) in enumerate(p.judges):
+        name = "judge engine (vLLM)" + (f" {i + 1}" if len(p.judges) > 1 else "")
+        for phase in (("generate",) if sleeps else PHASES):
+            out.setdefault(phase, {})[name] = int(utilization * p.gpu_bytes)
+    return out
+
+
 def colocated_engine(facts: ModelFacts, p: PlanInputs) -> dict[str, dict[str, int]]:
-    """The engine's part of a GPU it shares with training, per phase."""
+    """The engine's part of a GPU it shares with training, per phase (the in-process judges' too)."""
+    judges = judge_engines(p)
     if p.engine != "vllm":
         kv = p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes)
-        return {"generate": {"generation KV cache (transformers engine)": kv}}
-    awake = {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes)}
-    if not p.sleep:
-        return {phase: dict(awake) for phase in PHASES}
-    return {"generate": dict(awake), "sync": {"engine weights (woken for the sync)": engine_weight_bytes(facts, p)}}
+        parts = {"generate": {"generation KV cache (transformers engine)": kv}}
+    elif not p.sleep:
+        parts = {phase: {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes)} for phase in PHASES}
+    else:
+        parts = {"generate": {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes)},
+                 "sync": {"engine weights (woken for the sync)": engine_weight_bytes(facts, p)}}
+    for phase, share in judges.items():
+        parts.setdefault(phase, {}).update(share)
+    return parts
 
 
 def engine_problem(facts: ModelFacts, p: PlanInputs) -> str | None:
@@ -259,7 +299,8 @@ def engine_problem(facts: ModelFacts, p: PlanInputs) -> str | None:
         return None
     share = p.utilization * p.gpu_bytes
     weights = engine_weight_bytes(facts, p)
-    one = p.max_model_len * kv_bytes_per_token(facts, p.engine_bytes, p.tensor_parallel)
+    one = (p.max_model_len * kv_bytes_per_token(facts, p.engine_bytes, p.tensor_parallel)
+           + recurrent_state_bytes(facts, p.engine_bytes, p.tensor_parallel))
     if share >= weights + one:
         return None
     return (f"vLLM cannot start: rollout.gpu_memory_utilization={p.utilization} gives it {share / GIB:.1f} GiB, "
@@ -310,6 +351,8 @@ def ray_gpus(facts: ModelFacts, p: PlanInputs, *, trainers: int) -> list[GpuPlan
                 "policy scoring copy (float32)": (c.total + c.lora) * p.master_bytes}
     if p.reference:
         resident["reference (model.dtype)"] = c.total * p.compute_bytes
+    if p.teacher_bytes:
+        resident["teacher (model.dtype)"] = p.teacher_bytes
     if p.critic:
         resident["critic scoring copy (float32)"] = (c.total + facts.decoder.hidden + 1) * p.master_bytes
     if p.engine != "vllm":
@@ -317,11 +360,14 @@ def ray_gpus(facts: ModelFacts, p: PlanInputs, *, trainers: int) -> list[GpuPlan
             p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes))
     score = dict(resident)
     score["scoring forward"] = scoring_bytes(facts, n, p.score.tokens, p.score.response_tokens, p.chunk)
+    judges = judge_engines(p)
+    generate = {**resident, **judges.get("generate", {})}
+    score.update(judges.get("score", {}))
     rollout = GpuPlan("a rollout actor's GPU", p.rollout_actors * p.rollout_gpus,
-                      {"generate": {k: v for k, v in resident.items() if v},
+                      {"generate": {k: v for k, v in generate.items() if v},
                        "score": {k: v for k, v in score.items() if v}})
     trainer = GpuPlan("a trainer actor's GPU", trainers,
-                      trainer_phases(facts, p, shards=trainers, engine={}, reference=False))
+                      trainer_phases(facts, p, shards=trainers, engine={}, reference=False, scores=False))
     trainer.phases.pop("generate", None)
     trainer.phases.pop("score", None)
     return [rollout, trainer]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import textwrap
 
 from mmrlhf.models.memory.advice import MemoryPlan
-from mmrlhf.models.memory.plan import GIB, PHASES, GpuPlan, engine_weight_bytes, kv_bytes_per_token
+from mmrlhf.models.memory.plan import (GIB, PHASES, GpuPlan, engine_weight_bytes, kv_bytes_per_token,
+                                       recurrent_state_bytes)
 
 _DTYPE = {2: "bfloat16", 4: "float32"}
 
@@ -45,9 +46,12 @@ def describe(plan: MemoryPlan) -> list[str]:
         per_token = kv_bytes_per_token(f, p.engine_bytes, p.tensor_parallel)
         rest = max(share - weights, 0)
         sleep = "sleeps from generation to the sync" if p.sleep else "stays awake (rollout.enable_sleep off)"
+        state = recurrent_state_bytes(f, p.engine_bytes, p.tensor_parallel)
+        states = (f", plus {state / 2**20:.0f} MiB of linear-attention state per running sequence"
+                  if state else "")
         lines.append(f"engine       vLLM, {p.utilization} x {p.gpu_bytes / GIB:.0f} GiB = {_gib(int(share))} GiB while "
                      f"awake: weights {_gib(weights)}, KV cache + activations + CUDA graphs {_gib(int(rest))} "
-                     f"(at most {int(rest // per_token):,} tokens of KV at {per_token // 1024} KiB); {sleep}")
+                     f"(at most {int(rest // per_token):,} tokens of KV at {per_token // 1024} KiB{states}); {sleep}")
     else:
         lines.append("engine       transformers generate with the actor (KV cache only while generating)")
     return lines
