@@ -264,3 +264,45 @@ def test_a_one_process_checkpoint_resumes_in_the_ray_mode(runs, tmp_path):
     assert update_gap(single, tmp_path) < 0.02
     state = json.loads((tmp_path / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     assert (state["launch"], state["world_size"]) == ("ray", 1)
+
+
+# Running statistics of the rollout side: a reward normaliser and an adaptive KL coefficient that moves every step
+# (a horizon of 4 steps of 256 samples: a few % per step, up or down).
+RUNNING = ("algorithm.reward_normalization=true", "algorithm.kl_controller=adaptive", "algorithm.kl_reward_coef=0.05",
+           "algorithm.kl_target=0.001", "algorithm.kl_horizon=1000")
+
+
+def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cluster, tmp_path):
+    """``algorithm.reward_normalization`` and ``kl_controller: adaptive`` in the Ray mode (one rollout actor, whose
+    maker keeps the one running state): the same training as one process (``max_staleness`` 0), and with
+    ``max_staleness`` 1 a run stopped after its first steps resumes exactly as the straight run, the state restored
+    as of the last trained step (the step generated ahead regenerated from it). The state matters: the KL
+    coefficient moves every step, so a resume that started it afresh would differ."""
+    from mmrlhf.launch import run
+
+    single = tmp_path / "single"
+    assert run(_config(single, *RUNNING)) == 0
+    one, ray_rows = _rows(single), _rows(_ray(tmp_path / "ray", *RUNNING))
+    coef = [r["kl_coef"] for r in one]
+    assert len(set(coef)) == STEPS, coef  # moved at every step
+    gaps = metric_gaps(one, ray_rows)
+    assert {"kl_coef", "reward/mean", "policy/grad_norm"} <= set(gaps)
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(single, tmp_path / "ray") < 0.02
+
+    k1 = ("distributed.max_staleness=1", "trainer.save_steps=1")
+    straight = _ray(tmp_path / "straight", *RUNNING, *k1)
+    part = _ray(tmp_path / "part", *RUNNING, *k1, stop_at=1)
+    stopped = len(_rows(part))
+    assert 1 <= stopped < STEPS
+    state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
+    assert {"kl_controller", "reward_norm"} <= set(state["rollouts"]["maker"])
+    assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(coef[stopped], rel=1e-6)
+    _ray(tmp_path / "part", *RUNNING, *k1, resume=True)
+    a, b = _rows(straight), _rows(part)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    gaps = every_metric_gaps(a[stopped:], b[stopped:])
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(straight, part) < 0.02

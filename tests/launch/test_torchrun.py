@@ -105,6 +105,9 @@ STEP_STATISTICS = [  # collectives over the ranks (tests/launch/test_collectives
 ]
 
 
+RUNNING_STATE = ("algorithm.reward_normalization", "algorithm.kl_controller=adaptive")
+
+
 @pytest.mark.parametrize("override, ray_key", STEP_STATISTICS)
 def test_step_statistics_run_on_several_ranks_and_the_ray_mode_refuses_what_its_rollout_actors_would_split(
         override, ray_key):
@@ -124,6 +127,8 @@ def test_step_statistics_run_on_several_ranks_and_the_ray_mode_refuses_what_its_
     else:
         with pytest.raises(ValueError, match=ray_key.replace(".", r"\.") + ".*(rollout actor|fixed batches)"):
             check_ray_config(two_actors)
+    if ray_key in RUNNING_STATE:  # one rollout actor keeps the one running state, step after step
+        check_ray_config(load_config(TOY, override.split()))
 
 
 class _MirrorGroup:

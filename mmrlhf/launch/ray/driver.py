@@ -32,10 +32,17 @@ def check_ray_config(config: Any) -> None:
         raise ValueError("algorithm.dynamic_sampling is not supported with distributed.backend=ray (the rollout "
                          "actors generate fixed batches); set algorithm.dynamic_sampling=false")
     if a.reward_normalization or a.kl_controller == "adaptive":
+        # The running state lives in the (one) rollout actor's maker, which updates it step after step as one
+        # process does; the checkpoint holds it as of the last trained step (RayRollouts.save).
         key = "algorithm.reward_normalization=true" if a.reward_normalization else "algorithm.kl_controller=adaptive"
-        raise ValueError(f"{key} with distributed.backend=ray: each rollout actor would keep its own running state "
-                         "from its share, and no checkpoint would hold it; use GRPO's group normalisation, a fixed "
-                         "KL coefficient or algorithm.kl_loss_coef, or train in one process or with torchrun")
+        if d.num_rollout_actors > 1:
+            raise ValueError(f"{key} with distributed.num_rollout_actors={d.num_rollout_actors}: each rollout actor "
+                             "would keep its own running state from its own share; use one rollout actor, GRPO's "
+                             "group normalisation, a fixed KL coefficient or algorithm.kl_loss_coef, or torchrun")
+        if d.on_rollout_failure == "restart":
+            raise ValueError(f"{key} with distributed.on_rollout_failure=restart: a restarted rollout actor would "
+                             "start its running state afresh; use on_rollout_failure=stop (the run saves and a "
+                             "resume restores the state)")
     batch_statistics = {"algorithm.advantage_whitening": a.advantage_whitening != "none",
                         f"algorithm.advantage_estimator={a.advantage_estimator}":
                             a.advantage_estimator in ("reinforce", "reinforce_baseline"),

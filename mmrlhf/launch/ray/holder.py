@@ -40,6 +40,12 @@ def holder_name(index: int) -> str:
     return f"{HOLDER_NAME}-{index}"
 
 
+def running_state(maker_state: dict[str, Any]) -> dict[str, Any]:
+    """The part of a maker's state that runs from step to step (the KL controller, the reward normaliser): its
+    sampling call count is not, as a rollout actor sets it per step."""
+    return {k: v for k, v in maker_state.items() if k != "calls"}
+
+
 class ExperienceMakerHolder:
     """Rollout actor ``index`` of ``count`` (wrapped with ``ray.remote`` by the driver).
 
@@ -133,6 +139,8 @@ class ExperienceMakerHolder:
         meta = {"step": step, "share": self.index, "version": version, "samples": len(batch.items),
                 "segment_versions": segments,
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
+                # the maker's running statistics after this step's shaping (reward normalisation, adaptive KL)
+                "maker": running_state(self.maker.state_dict()),
                 "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
         shown = None
@@ -158,6 +166,11 @@ class ExperienceMakerHolder:
         with self._lock:
             self._seek(step)
             return self.stream.state_dict()
+
+    def load_running_state(self, state: dict[str, Any]) -> None:
+        """A checkpoint's running statistics (:func:`running_state`), before this actor generates again."""
+        with self._lock:
+            self.maker.load_state_dict(running_state(state))
 
     def stream_index(self, state: dict[str, Any]) -> int:
         """The prompt index a stream state points at, counted from the first epoch's start."""

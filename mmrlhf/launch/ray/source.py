@@ -30,6 +30,7 @@ from mmrlhf.experience.costs import patch_rows
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.experience.wire import PackedItems, pack_items, unpack_items
 from mmrlhf.launch.ray.delivery import DeliverySettings, WeightDelivery
+from mmrlhf.launch.ray.holder import running_state
 from mmrlhf.launch.ray.ledger import ExperienceLedger, StalenessStats, WaitShares, check_staleness
 from mmrlhf.launch.ray.schedule import RolloutSchedule, ScheduleSettings
 from mmrlhf.parallel.dealing import deal_by_cost, imbalance
@@ -63,13 +64,21 @@ class RayRollouts:
         self.ledger, self.stats = ExperienceLedger(), StalenessStats()
         self.resume: dict[str, Any] | None = None
         self.stream_after: dict[int, dict[str, Any]] = {}  # step -> the prompt stream's state after its prompts
+        # the rollout actor's running statistics (reward normalisation, adaptive KL) after the last trained step's
+        # shaping: what a checkpoint holds (steps generated ahead are regenerated from it at a resume)
+        self.running: dict[str, Any] = {}
         self.waits = WaitShares()
 
     def start(self, step: int, policy: Any, critic: Any | None) -> None:
         self.weights.policy, self.weights.critic = policy, critic
         self.weights.version, self.schedule.submitted = step, step - 1
         if self.world.is_main and self.resume is not None:
+            import ray
+
             check_position(self.pool.handles[0], step, self.resume["stream"])
+            self.running = running_state(self.resume.get("maker", {}))
+            if self.running:  # before anything is generated again, in flight at the save or not
+                ray.get([h.load_running_state.remote(self.running) for h in self.pool.handles])
             for entry in self.resume.get("inflight", []):  # what was in flight at the save, with its version
                 self.weights.send(self.resume["tensors"][entry["version"]], range(self.pool.count), entry["version"])
                 self.schedule.submit_step(entry["step"], self._replays(entry))
@@ -122,6 +131,7 @@ class RayRollouts:
         self.schedule.ask_ahead(step)
         metas = [self.schedule.await_share(step, share) for share in range(self.pool.count)]
         self.stream_after = {step: metas[0]["stream"]}
+        self.running = metas[0].get("maker", {})
         waited = time.perf_counter() - t0
         payloads = self.schedule.take(step)
         staleness = [check_staleness(self.weights.version, p["version"], self.s.max_staleness) for p in payloads]
@@ -177,7 +187,8 @@ class RayRollouts:
         stream = self.stream_after.get(step - 1)  # read from the last step's metadata: its actor may be gone since
         if stream is None:
             stream = ray.get(self.pool.handles[0].stream_state.remote(step))
-        state = {"stream": stream, "maker": {"calls": step * self.pool.count}, "policy_version": self.weights.version,
+        state = {"stream": stream, "maker": {"calls": step * self.pool.count, **self.running},
+                 "policy_version": self.weights.version,
                  "staleness": self.stats.state_dict(), "actor_restarts": self.schedule.restarted(), "inflight": []}
         if self.schedule.deferred is None:  # else a dead actor stopped the run: a resume generates with its version
             state["inflight"] = self.schedule.in_flight()
