@@ -2,7 +2,9 @@
 under torchrun with one rank and in the Ray mode with one rollout actor and one trainer actor (metrics and weights);
 two Ray trainer actors (one FSDP2 group over gloo) equal one process within fp32 reduction noise; a Ray run that
 stops and resumes (``max_staleness`` 0 and 1) continues exactly as the straight run. The control, a Ray run whose
-rollout actor never receives the new weights, must differ."""
+rollout actor never receives the new weights, must differ. The rollout side's running statistics (reward
+normalisation, the adaptive KL coefficient) and dynamic sampling's stream train in the Ray mode as in one process
+and resume exactly."""
 
 from __future__ import annotations
 
@@ -300,6 +302,40 @@ def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cl
     assert {"kl_controller", "reward_norm"} <= set(state["rollouts"]["maker"])
     assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(coef[stopped], rel=1e-6)
     _ray(tmp_path / "part", *RUNNING, *k1, resume=True)
+    a, b = _rows(straight), _rows(part)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    gaps = every_metric_gaps(a[stopped:], b[stopped:])
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(straight, part) < 0.02
+
+
+def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process_and_resumes_exactly(cluster, tmp_path):
+    """``algorithm.dynamic_sampling`` in the Ray mode (one rollout actor): the rounds of a step read the stream and
+    the sampling calls on from where the last step stopped, as in one process, so the same prompts, samples and
+    training follow (``max_staleness`` 0); with ``max_staleness`` 1 a stopped run resumes where its stream and
+    calls stood and continues as the straight run. The toy's first steps need extra rounds (few rewarded groups),
+    so a stream positioned per step would read other prompts."""
+    from mmrlhf.launch import run
+
+    keys = ("algorithm.dynamic_sampling=true",)
+    single = tmp_path / "single"
+    assert run(_config(single, *keys)) == 0
+    one, ray_rows = _rows(single), _rows(_ray(tmp_path / "ray", *keys))
+    rounds = [r["dynamic_sampling/rounds"] for r in one]
+    assert max(rounds) > 1, rounds  # extra rounds: a step reads more than its own batch of prompts
+    gaps = metric_gaps(one, ray_rows)
+    assert {"dynamic_sampling/rounds", "dynamic_sampling/kept_group_frac", "reward/mean"} <= set(gaps)
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    assert worst[0][1] <= 1e-5, worst
+    assert update_gap(single, tmp_path / "ray") < 0.02
+
+    k1 = (*keys, "distributed.max_staleness=1", "trainer.save_steps=1")
+    straight = _ray(tmp_path / "straight", *k1)
+    part = _ray(tmp_path / "part", *k1, stop_at=1)
+    stopped = len(_rows(part))
+    assert 1 <= stopped < STEPS
+    _ray(tmp_path / "part", *k1, resume=True)
     a, b = _rows(straight), _rows(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     gaps = every_metric_gaps(a[stopped:], b[stopped:])

@@ -28,9 +28,15 @@ PLACEMENT_TIMEOUT_S = 600.0  # how long the actors' placement group may wait for
 def check_ray_config(config: Any) -> None:
     """What the Ray mode does not support yet: refused by key, before anything starts."""
     d, t, a = config.distributed, config.trainer, config.algorithm
-    if a.dynamic_sampling:
-        raise ValueError("algorithm.dynamic_sampling is not supported with distributed.backend=ray (the rollout "
-                         "actors generate fixed batches); set algorithm.dynamic_sampling=false")
+    if a.dynamic_sampling and d.num_rollout_actors > 1:
+        raise ValueError(f"algorithm.dynamic_sampling with distributed.num_rollout_actors={d.num_rollout_actors}: "
+                         "each rollout actor would keep the groups with variance of its own share's rounds, not "
+                         "the step's first ones (one rollout actor refills as one process does); use one rollout "
+                         "actor, or torchrun (where the ranks choose together)")
+    if a.dynamic_sampling and d.on_rollout_failure == "restart":
+        raise ValueError("algorithm.dynamic_sampling with distributed.on_rollout_failure=restart: the prompts a "
+                         "step reads depend on the rounds before it, which a new rollout actor would not know; use "
+                         "on_rollout_failure=stop (the run saves, and a resume continues where the stream stood)")
     if a.reward_normalization or a.kl_controller == "adaptive":
         # The running state lives in the (one) rollout actor's maker, which updates it step after step as one
         # process does; the checkpoint holds it as of the last trained step (RayRollouts.save).

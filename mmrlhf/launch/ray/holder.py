@@ -83,6 +83,13 @@ class ExperienceMakerHolder:
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0
         self._lock = threading.Lock()  # held by a generation and by the application of an update
+        # algorithm.dynamic_sampling: a step reads as many prompts (and sampling calls) as its rounds need, so the
+        # stream and the call count run on from one step to the next, as in one process, and the steps are
+        # generated in order (``_turn``); ``_positions``: step -> (stream, maker state) where it begins
+        self.sequential = cfg.algorithm.dynamic_sampling
+        self._turn = threading.Condition(self._lock)
+        self._next_step = 0
+        self._positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._stage_lock = threading.Lock()
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._staged_version: int | None = None
@@ -114,6 +121,11 @@ class ExperienceMakerHolder:
         from mmrlhf.launch.ray.ledger import StaleExperienceError
 
         with self._lock:
+            while self.sequential and step != self._next_step:  # its turn (the steps before it read the stream)
+                if step < self._next_step:
+                    raise RuntimeError(f"{holder_name(self.index)}: step {step} asked again after step "
+                                       f"{self._next_step - 1} (algorithm.dynamic_sampling reads on in order)")
+                self._turn.wait()
             start = time.perf_counter()
             waited = 0.0 if self._last_end is None else start - self._last_end
             if self.version < min_version:
@@ -122,9 +134,10 @@ class ExperienceMakerHolder:
             version = self.version
             # Positioned by step (every actor reads the same stream and keeps its share), and sampling seeds that
             # follow (step, actor), not this process's call count: a restarted actor regenerates a lost batch with
-            # the same prompts and seeds.
-            self._seek(step)
-            self.maker.load_state_dict({"calls": step * self.count + self.index})
+            # the same prompts and seeds. Dynamic sampling reads on where the last step stopped instead.
+            if not self.sequential:
+                self._seek(step)
+                self.maker.load_state_dict({"calls": step * self.count + self.index})
             segments: list[list[int]] = []
             if self.partial:
                 self.maker.engine.calls = segments
@@ -134,13 +147,19 @@ class ExperienceMakerHolder:
             finally:
                 self._generating, self._replay = False, None
             self._last_end = time.perf_counter()
+            maker_state = self.maker.state_dict()
+            if self.sequential:
+                self._next_step = step + 1
+                self._positions[step + 1] = (self.stream.state_dict(), maker_state)
+                self._turn.notify_all()
             if segments:  # the oldest token's version: what the staleness bound reads
                 version = min(v for call in segments for v in call)
         meta = {"step": step, "share": self.index, "version": version, "samples": len(batch.items),
                 "segment_versions": segments,
                 "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
-                # the maker's running statistics after this step's shaping (reward normalisation, adaptive KL)
-                "maker": running_state(self.maker.state_dict()),
+                # the maker's running statistics after this step's shaping (reward normalisation, adaptive KL), and
+                # with dynamic sampling its call count (where the next step's sampling seeds go on)
+                "maker": maker_state if self.sequential else running_state(maker_state),
                 "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
                 "generate_s": self._last_end - start}
         shown = None
@@ -164,8 +183,22 @@ class ExperienceMakerHolder:
     def stream_state(self, step: int) -> dict[str, Any]:
         """The prompt stream's state once ``step`` steps' prompts were read (what a checkpoint records)."""
         with self._lock:
+            if self.sequential:
+                if step not in self._positions:
+                    raise RuntimeError(f"{holder_name(self.index)}: where step {step} begins is not known "
+                                       "(algorithm.dynamic_sampling reads the stream on from step to step)")
+                return self._positions[step][0]
             self._seek(step)
             return self.stream.state_dict()
+
+    def load_position(self, step: int, stream: dict[str, Any], maker: dict[str, Any]) -> None:
+        """Dynamic sampling, a resume: step ``step`` begins where the checkpoint's stream and maker (call count,
+        running statistics) stood."""
+        with self._lock:
+            self.stream.load_state_dict(stream)
+            self.maker.load_state_dict(maker)
+            self._next_step = step
+            self._positions[step] = (self.stream.state_dict(), self.maker.state_dict())
 
     def load_running_state(self, state: dict[str, Any]) -> None:
         """A checkpoint's running statistics (:func:`running_state`), before this actor generates again."""

@@ -51,6 +51,9 @@ class RaySettings:
     scoring_micro_batch_size: int = 16
     scoring_max_tokens: int | str | None = None
     report_steps: int = 0  # trainer.report_steps: rollout actor 0 sends those steps' report samples
+    # algorithm.dynamic_sampling: the (one) rollout actor reads the stream on from step to step (a resume sets
+    # where, rather than checking it)
+    sequential: bool = False
 
 
 class RayRollouts:
@@ -75,10 +78,15 @@ class RayRollouts:
         if self.world.is_main and self.resume is not None:
             import ray
 
-            check_position(self.pool.handles[0], step, self.resume["stream"])
-            self.running = running_state(self.resume.get("maker", {}))
-            if self.running:  # before anything is generated again, in flight at the save or not
-                ray.get([h.load_running_state.remote(self.running) for h in self.pool.handles])
+            maker = self.resume.get("maker", {})
+            if self.s.sequential:  # dynamic sampling: the stream and the sampling calls go on where they stood
+                self.running = dict(maker)
+                ray.get(self.pool.handles[0].load_position.remote(step, self.resume["stream"], maker))
+            else:
+                check_position(self.pool.handles[0], step, self.resume["stream"])
+                self.running = running_state(maker)
+                if self.running:  # before anything is generated again, in flight at the save or not
+                    ray.get([h.load_running_state.remote(self.running) for h in self.pool.handles])
             for entry in self.resume.get("inflight", []):  # what was in flight at the save, with its version
                 self.weights.send(self.resume["tensors"][entry["version"]], range(self.pool.count), entry["version"])
                 self.schedule.submit_step(entry["step"], self._replays(entry))
@@ -142,12 +150,15 @@ class RayRollouts:
         parts[0]["report"] = payloads[0].get("report")  # rollout actor 0's share, on report steps (rank 0 writes it)
         for part in parts:  # each rank's own count: the loop weighs its per-rank metrics by it, and sums it
             part["metrics"]["samples"] = float(len(part["items"]))
+        # what was sampled beyond what trains (dynamic sampling's dropped groups) counts as generated, as in one
+        # process: on rank 0, so the ranks' sum is the step's
+        parts[0]["metrics"]["samples"] += _generated(metas) - sum(len(part["items"]) for part in parts)
         return parts
 
     def _step_metrics(self, step: int, metas: Sequence[dict], staleness: list[int], waited: float) -> dict:
         """The step's shares' rollout metrics merged, its ledger counts, staleness and ``async/*`` timings."""
         out = merge_share_metrics([m["metrics"] for m in metas], [m["samples"] for m in metas])
-        out["samples"] = float(sum(m["samples"] for m in metas))
+        out["samples"] = _generated(metas)
         out["async/generate_s"] = max(m["generate_s"] for m in metas)
         calls = [call for m in metas for call in m.get("segment_versions") or []]
         if calls:  # partial rollouts: segments per engine call, and the calls whose versions changed in between
@@ -250,6 +261,12 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
         parts[rank_of[g]]["fresh"].append(fresh)
     parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
     return parts
+
+
+def _generated(metas: Sequence[dict[str, Any]]) -> float:
+    """The samples the rollout actors generated for a step: what they sent, or with dynamic sampling every round's
+    (their rollout's ``samples``)."""
+    return float(sum(m["metrics"].get("samples", m["samples"]) for m in metas))
 
 
 def inflight_versions(inflight: Sequence[dict[str, Any]]) -> list[int]:

@@ -49,7 +49,7 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                            weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights,
                            scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
                            scoring_max_tokens=config.rollout.max_tokens_per_micro_batch,
-                           report_steps=t.report_steps)
+                           report_steps=t.report_steps, sequential=config.algorithm.dynamic_sampling)
     return Rollouts(actor, RayRollouts(pool, world, settings), processor, processor.tokenizer)
 
 
