@@ -89,7 +89,8 @@ class ExperienceMakerHolder:
         self.sequential = cfg.algorithm.dynamic_sampling
         self._turn = threading.Condition(self._lock)
         self._next_step = 0
-        self._positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {
+            0: (self.stream.state_dict(), self.maker.state_dict())}
         self._stage_lock = threading.Lock()
         self._staged: list[tuple[str, torch.Tensor]] = []
         self._staged_version: int | None = None
@@ -151,6 +152,8 @@ class ExperienceMakerHolder:
             if self.sequential:
                 self._next_step = step + 1
                 self._positions[step + 1] = (self.stream.state_dict(), maker_state)
+                for old in [k for k in self._positions if k < step - 16]:  # a checkpoint asks for recent steps only
+                    del self._positions[old]
                 self._turn.notify_all()
             if segments:  # the oldest token's version: what the staleness bound reads
                 version = min(v for call in segments for v in call)
