@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -274,40 +275,57 @@ RUNNING = ("algorithm.reward_normalization=true", "algorithm.kl_controller=adapt
            "algorithm.kl_target=0.001", "algorithm.kl_horizon=1000")
 
 
-def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cluster, tmp_path):
-    """``algorithm.reward_normalization`` and ``kl_controller: adaptive`` in the Ray mode (one rollout actor, whose
-    maker keeps the one running state): the same training as one process (``max_staleness`` 0), and with
-    ``max_staleness`` 1 a run stopped after its first steps resumes exactly as the straight run, the state restored
-    as of the last trained step (the step generated ahead regenerated from it). The state matters: the KL
-    coefficient moves every step, so a resume that started it afresh would differ."""
+def _ray_as_one_process(tmp_path: Path, *keys: str, compared: tuple[str, ...] = ()) -> list[dict]:
+    """One process and the Ray mode (one rollout actor, ``max_staleness`` 0) with ``keys``: the same metrics (the
+    ``compared`` ones among them) and weights; returns the one process's rows."""
     from mmrlhf.launch import run
 
     single = tmp_path / "single"
-    assert run(_config(single, *RUNNING)) == 0
-    one, ray_rows = _rows(single), _rows(_ray(tmp_path / "ray", *RUNNING))
-    coef = [r["kl_coef"] for r in one]
-    assert len(set(coef)) == STEPS, coef  # moved at every step
+    assert run(_config(single, *keys)) == 0
+    one, ray_rows = _rows(single), _rows(_ray(tmp_path / "ray", *keys))
     gaps = metric_gaps(one, ray_rows)
-    assert {"kl_coef", "reward/mean", "policy/grad_norm"} <= set(gaps)
+    assert {"reward/mean", "policy/grad_norm", *compared} <= set(gaps)
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
     assert worst[0][1] <= 1e-5, worst
     assert update_gap(single, tmp_path / "ray") < 0.02
+    return one
 
-    k1 = ("distributed.max_staleness=1", "trainer.save_steps=1")
-    straight = _ray(tmp_path / "straight", *RUNNING, *k1)
-    part = _ray(tmp_path / "part", *RUNNING, *k1, stop_at=1)
+
+def _ray_resumes_as_straight(tmp_path: Path, *keys: str, at_stop: Any = None) -> None:
+    """A Ray run with ``keys`` and ``max_staleness`` 1, stopped after its first steps (``at_stop(folder, steps)``
+    sees its checkpoint) and resumed, continues exactly as the straight run."""
+    k1 = (*keys, "distributed.max_staleness=1", "trainer.save_steps=1")
+    straight = _ray(tmp_path / "straight", *k1)
+    part = _ray(tmp_path / "part", *k1, stop_at=1)
     stopped = len(_rows(part))
     assert 1 <= stopped < STEPS
-    state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
-    assert {"kl_controller", "reward_norm"} <= set(state["rollouts"]["maker"])
-    assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(coef[stopped], rel=1e-6)
-    _ray(tmp_path / "part", *RUNNING, *k1, resume=True)
+    if at_stop is not None:
+        at_stop(part, stopped)
+    _ray(tmp_path / "part", *k1, resume=True)
     a, b = _rows(straight), _rows(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     gaps = every_metric_gaps(a[stopped:], b[stopped:])
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
     assert worst[0][1] <= 1e-5, worst
     assert update_gap(straight, part) < 0.02
+
+
+def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cluster, tmp_path):
+    """``algorithm.reward_normalization`` and ``kl_controller: adaptive`` in the Ray mode (one rollout actor, whose
+    maker keeps the one running state): the same training as one process (``max_staleness`` 0), and with
+    ``max_staleness`` 1 a run stopped after its first steps resumes exactly as the straight run, the state restored
+    as of the last trained step (the step generated ahead regenerated from it). The state matters: the KL
+    coefficient moves every step, so a resume that started it afresh would differ."""
+    one = _ray_as_one_process(tmp_path, *RUNNING, compared=("kl_coef",))
+    coef = [r["kl_coef"] for r in one]
+    assert len(set(coef)) == STEPS, coef  # moved at every step
+
+    def saved(part: Path, stopped: int) -> None:
+        state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
+        assert {"kl_controller", "reward_norm"} <= set(state["rollouts"]["maker"])
+        assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(coef[stopped], rel=1e-6)
+
+    _ray_resumes_as_straight(tmp_path, *RUNNING, at_stop=saved)
 
 
 def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process_and_resumes_exactly(cluster, tmp_path):
@@ -316,29 +334,8 @@ def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process_and_resum
     training follow (``max_staleness`` 0); with ``max_staleness`` 1 a stopped run resumes where its stream and
     calls stood and continues as the straight run. The toy's first steps need extra rounds (few rewarded groups),
     so a stream positioned per step would read other prompts."""
-    from mmrlhf.launch import run
-
-    keys = ("algorithm.dynamic_sampling=true",)
-    single = tmp_path / "single"
-    assert run(_config(single, *keys)) == 0
-    one, ray_rows = _rows(single), _rows(_ray(tmp_path / "ray", *keys))
+    one = _ray_as_one_process(tmp_path, "algorithm.dynamic_sampling=true",
+                              compared=("dynamic_sampling/rounds", "dynamic_sampling/kept_group_frac"))
     rounds = [r["dynamic_sampling/rounds"] for r in one]
     assert max(rounds) > 1, rounds  # extra rounds: a step reads more than its own batch of prompts
-    gaps = metric_gaps(one, ray_rows)
-    assert {"dynamic_sampling/rounds", "dynamic_sampling/kept_group_frac", "reward/mean"} <= set(gaps)
-    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
-    assert worst[0][1] <= 1e-5, worst
-    assert update_gap(single, tmp_path / "ray") < 0.02
-
-    k1 = (*keys, "distributed.max_staleness=1", "trainer.save_steps=1")
-    straight = _ray(tmp_path / "straight", *k1)
-    part = _ray(tmp_path / "part", *k1, stop_at=1)
-    stopped = len(_rows(part))
-    assert 1 <= stopped < STEPS
-    _ray(tmp_path / "part", *k1, resume=True)
-    a, b = _rows(straight), _rows(part)
-    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
-    gaps = every_metric_gaps(a[stopped:], b[stopped:])
-    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
-    assert worst[0][1] <= 1e-5, worst
-    assert update_gap(straight, part) < 0.02
+    _ray_resumes_as_straight(tmp_path, "algorithm.dynamic_sampling=true")

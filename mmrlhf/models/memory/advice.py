@@ -47,14 +47,24 @@ class MemoryPlan:
         return verdict(self)
 
 
-def _plan(config: Any, shape: str | None, gpu_gib: float | None, ranks: int | None,
-          cache: dict[Any, Any]) -> tuple[ModelFacts, PlanInputs]:
-    t, lora = config.trainer, config.model.lora
-    key = (t.freeze_vision_tower, t.freeze_merger, lora.rank, tuple(lora.target_modules), lora.vision)
-    if key not in cache:
-        cache[key] = facts_of(config, shape)
-    return cache[key], plan_inputs(config, cache[key], gpu_gib=gpu_gib, ranks=ranks,
-                                   teacher_shape=cache.get("teacher_shape"))
+@dataclass
+class _Planner:
+    """Where every plan of one request is computed (the model's shape, the GPU, the ranks, the teacher's shape),
+    and the model facts of each freeze / LoRA setting met so far (the fixes re-plan with changed keys)."""
+
+    shape: str | None
+    gpu_gib: float | None
+    ranks: int | None
+    teacher_shape: str | None
+    facts: dict[tuple, ModelFacts] = field(default_factory=dict)
+
+    def inputs(self, config: Any) -> tuple[ModelFacts, PlanInputs]:
+        t, lora = config.trainer, config.model.lora
+        key = (t.freeze_vision_tower, t.freeze_merger, lora.rank, tuple(lora.target_modules), lora.vision)
+        if key not in self.facts:
+            self.facts[key] = facts_of(config, self.shape)
+        return self.facts[key], plan_inputs(config, self.facts[key], gpu_gib=self.gpu_gib, ranks=self.ranks,
+                                            teacher_shape=self.teacher_shape)
 
 
 def memory_plan(config: Any, *, shape: str | None = None, gpu_gib: float | None = None, ranks: int | None = None,
@@ -62,13 +72,13 @@ def memory_plan(config: Any, *, shape: str | None = None, gpu_gib: float | None 
     """The plan of ``config`` (its model from ``shape`` or ``model.pretrain``, a distillation teacher from
     ``teacher_shape`` or ``model.teacher``) on GPUs of ``gpu_gib`` GiB; ``suggest``: search the fixes when it does
     not fit. Raises :class:`PlanError` naming the key to set."""
-    cache: dict[Any, Any] = {"teacher_shape": teacher_shape}
-    facts, inputs = _plan(config, shape, gpu_gib, ranks, cache)
+    planner = _Planner(shape, gpu_gib, ranks, teacher_shape)
+    facts, inputs = planner.inputs(config)
     launch = plan_launch(facts, inputs)
     modes = [plan_launch(facts, inputs, mode, n) for mode, n in summary_modes(inputs)]
     plan = MemoryPlan(facts, inputs, launch, modes)
     if suggest and not launch.fits:
-        plan.fixes = find_fixes(config, shape, gpu_gib, ranks, inputs, cache)
+        plan.fixes = find_fixes(config, planner, inputs)
     return plan
 
 
@@ -93,7 +103,7 @@ def _candidates(config: Any, p: PlanInputs) -> list[list[str]]:
     return out
 
 
-def _lower_utilization(config: Any, shape, gpu_gib, ranks, cache, base: list[str]) -> Fix | None:
+def _lower_utilization(config: Any, planner: _Planner, base: list[str]) -> Fix | None:
     """The largest ``rollout.gpu_memory_utilization`` below the configured one (steps of 0.05) that fits."""
     from mmrlhf.config import build_config
 
@@ -101,17 +111,17 @@ def _lower_utilization(config: Any, shape, gpu_gib, ranks, cache, base: list[str
     u = round(current - 0.05, 2)
     while u >= 0.05:
         overrides = [*base, f"rollout.gpu_memory_utilization={u}"]
-        fixed = _try(config, overrides, shape, gpu_gib, ranks, cache, build_config)
+        fixed = _try(config, overrides, planner, build_config)
         if fixed is not None:
             return fixed
         u = round(u - 0.05, 2)
     return None
 
 
-def _try(config, overrides, shape, gpu_gib, ranks, cache, build_config, mode=None, n=None) -> Fix | None:
+def _try(config, overrides, planner: _Planner, build_config, mode=None, n=None) -> Fix | None:
     try:
         cfg = build_config(config.model_dump(), overrides)
-        facts, p = _plan(cfg, shape, gpu_gib, ranks, cache)
+        facts, p = planner.inputs(cfg)
     except (ValueError, PlanError):  # an override the schema refuses in this config: not a fix
         return None
     plan = plan_launch(facts, p, mode, n)
@@ -121,14 +131,13 @@ def _try(config, overrides, shape, gpu_gib, ranks, cache, build_config, mode=Non
     return Fix(overrides, launch, plan.peak)
 
 
-def find_fixes(config: Any, shape: str | None, gpu_gib: float | None, ranks: int | None, p: PlanInputs,
-               cache: dict[Any, Any], limit: int = 4) -> list[Fix]:
+def find_fixes(config: Any, planner: _Planner, p: PlanInputs, limit: int = 4) -> list[Fix]:
     """The smallest changes that make the configured launch fit: single changes (a key, a lower engine share, more
     GPUs) first; pairs only when no single change fits. At most ``limit``, lowest peak first."""
     from mmrlhf.config import build_config
 
     def attempt(overrides: list[str], mode: str | None = None, n: int | None = None) -> Fix | None:
-        return _try(config, overrides, shape, gpu_gib, ranks, cache, build_config, mode, n)
+        return _try(config, overrides, planner, build_config, mode, n)
 
     def more_gpus(base: list[str]) -> Fix | None:
         if p.backend == "ray":
@@ -140,7 +149,7 @@ def find_fixes(config: Any, shape: str | None, gpu_gib: float | None, ranks: int
     singles = _candidates(config, p)
     found = [f for c in singles if (f := attempt(c))]
     if p.engine == "vllm" and p.backend != "ray":
-        found += [f for f in [_lower_utilization(config, shape, gpu_gib, ranks, cache, [])] if f]
+        found += [f for f in [_lower_utilization(config, planner, [])] if f]
     found += [f for f in [more_gpus([])] if f]
     if not found:
         found = [f for a, b in itertools.combinations(singles, 2) if (f := attempt([*a, *b]))]
