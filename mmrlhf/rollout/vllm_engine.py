@@ -394,7 +394,15 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("vLLM did not wake up fully (wake_up() returned False)")
 
     def close(self) -> None:
+        """Shut the engine down now. vLLM tears down its process-wide distributed state (the model-parallel groups)
+        when its engine client is finalised, which without this waits for the last reference to go: a reference left
+        elsewhere (a cycle, a frame) would run that teardown at some later collection, under the next engine of this
+        process, whose groups it would destroy. The shutdown runs once (vLLM's finaliser then does nothing)."""
         import gc
 
-        self.llm = None
+        llm, self.llm = self.llm, None
+        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if client is not None and hasattr(client, "shutdown"):
+            client.shutdown()
+        del llm
         gc.collect()

@@ -292,15 +292,15 @@ def _ray_as_one_process(tmp_path: Path, *keys: str, compared: tuple[str, ...] = 
 
 
 def _ray_resumes_as_straight(tmp_path: Path, *keys: str, at_stop: Any = None) -> None:
-    """A Ray run with ``keys`` and ``max_staleness`` 1, stopped after its first steps (``at_stop(folder, steps)``
-    sees its checkpoint) and resumed, continues exactly as the straight run."""
+    """A Ray run with ``keys`` and ``max_staleness`` 1, stopped after its first steps (``at_stop(folder, steps,
+    straight rows)`` sees its checkpoint) and resumed, continues exactly as the straight run."""
     k1 = (*keys, "distributed.max_staleness=1", "trainer.save_steps=1")
     straight = _ray(tmp_path / "straight", *k1)
     part = _ray(tmp_path / "part", *k1, stop_at=1)
     stopped = len(_rows(part))
     assert 1 <= stopped < STEPS
     if at_stop is not None:
-        at_stop(part, stopped)
+        at_stop(part, stopped, _rows(straight))
     _ray(tmp_path / "part", *k1, resume=True)
     a, b = _rows(straight), _rows(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
@@ -320,10 +320,13 @@ def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cl
     coef = [r["kl_coef"] for r in one]
     assert len(set(coef)) == STEPS, coef  # moved at every step
 
-    def saved(part: Path, stopped: int) -> None:
+    def saved(part: Path, stopped: int, straight: list[dict]) -> None:
+        # the coefficient the straight run used at the next step: the state after the last trained step's shaping
+        # (staleness 1 samples other responses than staleness 0 from step 2 on, so its own run is the reference)
         state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
         assert {"kl_controller", "reward_norm"} <= set(state["rollouts"]["maker"])
-        assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(coef[stopped], rel=1e-6)
+        assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(straight[stopped]["kl_coef"],
+                                                                                      rel=1e-6)
 
     _ray_resumes_as_straight(tmp_path, *RUNNING, at_stop=saved)
 
