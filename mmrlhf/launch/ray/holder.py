@@ -148,7 +148,8 @@ class ExperienceMakerHolder:
             finally:
                 self._generating, self._replay = False, None
             self._last_end = time.perf_counter()
-            maker_state = self.maker.state_dict()
+            # read under the lock: another call (the next step's generate, a checkpoint's stream_state) moves them
+            maker_state, stream_state = self.maker.state_dict(), self.stream.state_dict()
             if self.sequential:
                 self._next_step = step + 1
                 self._positions[step + 1] = (self.stream.state_dict(), maker_state)
@@ -159,7 +160,7 @@ class ExperienceMakerHolder:
                 version = min(v for call in segments for v in call)
         meta = {"step": step, "share": self.index, "version": version, "samples": len(batch.items),
                 "segment_versions": segments,
-                "stream": self.stream.state_dict(),  # after this step's prompts (what a checkpoint records)
+                "stream": stream_state,  # after this step's prompts (what a checkpoint records)
                 # the maker's running statistics after this step's shaping (reward normalisation, adaptive KL), and
                 # with dynamic sampling its call count (where the next step's sampling seeds go on)
                 "maker": maker_state if self.sequential else running_state(maker_state),
