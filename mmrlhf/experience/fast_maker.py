@@ -191,10 +191,11 @@ class FastExperienceMaker(ExperienceMaker):
 
         ``micro_batch_size``: samples per experience (default ``settings.micro_batch_size``); the forwards run
         the micro-batches ``settings.max_tokens_per_micro_batch`` plans (:mod:`mmrlhf.experience.scoring_split`:
-        by cost, or these chunks when it is None). ``world``: the training ranks, each holding its share of the
-        step (default: this rollout is the step); the plan agrees on the number of forwards over them (sharded
-        models gather their parameters in collectives inside every forward: :mod:`mmrlhf.parallel.aligned`), and
-        the step-wide statistics of the shaping are theirs (every rank calls this once per step). ``step``: the
+        by cost, or these chunks when it is None). ``world``: the shares of the step, each holding its own (the
+        training ranks, or the Ray rollout actors; default: this rollout is the step): the step-wide statistics of
+        the shaping are theirs (every share calls this once per step), and where the models are sharded
+        (``world.sharded``) the plan agrees on the number of forwards over them (they gather their parameters in
+        collectives inside every forward: :mod:`mmrlhf.parallel.aligned`). ``step``: the
         steps finished before this one (the trainer's), which ``settings.tool_bonus_steps`` anneals the tool bonus
         by."""
         t_start = time.perf_counter()
@@ -202,11 +203,14 @@ class FastExperienceMaker(ExperienceMaker):
         micro = int(micro_batch_size or self.settings.micro_batch_size)
         rows, sampling = rollout.rows, rollout.sampling
         world = world or single()
+        # the forwards pair over the ranks where the models are sharded (each gathers parameters in collectives);
+        # shares of whole models (Ray rollout actors) run their own count
+        aligned = world if world.sharded else single()
         with timer("build"):
             chunks = consecutive(len(rows), micro)
             built = [self._build(rows.select(c)) for c in chunks]
             plan = scoring_plan(rows, micro=micro, max_tokens=self.settings.max_tokens_per_micro_batch,
-                                layout=self._layout(), adapter=self.adapter, world=world)
+                                layout=self._layout(), adapter=self.adapter, world=aligned)
         micros = [m for m in plan.micro_batches[0] if m]
         # The forwards may see another layout than the experience keeps (grouped: each prompt once per row);
         # every layout scores the same [b, A] values in sample order. The chunks' batches serve where they are
@@ -226,12 +230,11 @@ class FastExperienceMaker(ExperienceMaker):
             scored = regroup(scored, micros, chunks, [int(b.samples.response_length.max()) for b in built])
         with timer("advantages"):
             bonus, bonus_metrics = self._tool_bonus(rows, step)
-            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world or single(),
-                                                bonus)
+            shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world, bonus)
         info = dict(rollout.metrics)
         info.update(bonus_metrics)
         info.update(self._experience_metrics(rows, scored, shaped))
-        info.update(split_metrics(plan, world, "scoring/"))
+        info.update(split_metrics(plan, aligned, "scoring/"))
         seconds = dict(rollout.seconds)
         for phase, sec in timer.with_other(time.perf_counter() - t_start).items():
             seconds[phase] = seconds.get(phase, 0.0) + sec

@@ -7,6 +7,7 @@ synchronisation into a live engine needs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -301,6 +302,7 @@ def make_llm(model_path: str, **settings: Any) -> Any:
     kwargs = engine_kwargs(model_path, device_type=device_type, ranks=ranks, host_normalise=host_normalise,
                            **settings)
     device = engine_device(device_type, ranks)
+    collect_orphaned_engines()
     if device_type == "cpu":
         from mmrlhf.rollout.vllm_cpu_gdn import install_float32_gdn
 
@@ -311,6 +313,14 @@ def make_llm(model_path: str, **settings: Any) -> Any:
         llm = vllm.LLM(**kwargs)
     reassert_device(device)
     return llm
+
+
+def collect_orphaned_engines() -> None:
+    """Shut down now any earlier in-process engine that was never closed and is left in a reference cycle. Its
+    shutdown runs when the garbage collector finds it and tears down vLLM's process-wide parallel groups; vLLM
+    collects garbage while it loads a model, after it made the new engine's groups, so without this the new engine's
+    first step could fail ("pipeline model parallel group is not initialized")."""
+    gc.collect()
 
 
 def has_recurrent_layers(model_path: str) -> bool:

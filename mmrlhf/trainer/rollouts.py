@@ -179,14 +179,16 @@ class LocalRollouts:
             metrics.update(variance_metrics([rollout], s.dynamic_sampling_tol, **self._combination))
             return rollout, metrics, True
 
+        shared = self.world.world_size > 1  # the step's shares choose together (torchrun ranks, Ray rollout actors)
+
         def sample_round() -> SampledGroups:
             rollout, asked = self._sample(s.rollout_batch_size)
             rounds.append(rollout)
-            positions = share_positions(rollout.rows, asked) if self.world.sharded else {}
+            positions = share_positions(rollout.rows, asked) if shared else {}
             return SampledGroups(*group_rewards(rollout, **self._combination), payload=_Round(rollout, positions))
 
         fill = fill_batch(sample_round, s.rollout_batch_size, s.dynamic_sampling_max_extra_rounds,
-                          tol=s.dynamic_sampling_tol, choose=self._choose if self.world.sharded else choose_first)
+                          tol=s.dynamic_sampling_tol, choose=self._choose if shared else choose_first)
         metrics = merge_round_metrics([r.metrics for r in rounds], [len(r) for r in rounds])
         metrics.update(variance_metrics(rounds, s.dynamic_sampling_tol, **self._combination))
         metrics.update(fill.metrics())

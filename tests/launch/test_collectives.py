@@ -1,15 +1,20 @@
-"""The step-wide statistics on 2 training ranks equal one process's on the same global step.
+"""The step-wide statistics on 2 training ranks, and on 2 Ray rollout actors, equal one process's on the same
+global step.
 
 Two gloo processes (``torch.multiprocessing``, no model, no engine) each run the real code on their share of a
 synthetic step: the shaping (reward normalisation, the adaptive KL controller, the advantage estimators' batch
 statistics, advantage whitening; ``experience.step_shaping``), the high-entropy token selection
-(``prepare_policy_targets``) and dynamic sampling (``LocalRollouts``). One process runs the same code on the whole
-step; each check has a control that must differ: every rank on its own, with its own share's statistics.
+(``prepare_policy_targets``) and dynamic sampling (``LocalRollouts``). The rollout actors' shares run the same shaping
+and dynamic sampling in two threads, meeting through the step exchange (``launch.ray.exchange``: the real
+``StepExchange`` on an asyncio loop, as its Ray actor runs it). One process runs the same code on the whole step;
+each check has a control that must differ: every rank on its own, with its own share's statistics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,7 @@ from mmrlhf.experience.batching import TrainItem
 from mmrlhf.experience.rollout import Rollout, ScoredRollout
 from mmrlhf.experience.settings import ExperienceSettings
 from mmrlhf.experience.step_shaping import shape_step
+from mmrlhf.launch.ray.exchange import SharesWorld, StepExchange
 from mmrlhf.parallel.world import World, join, leave, single
 from mmrlhf.rewards.types import RewardResult
 from mmrlhf.rollout.types import SamplingSettings
@@ -214,6 +220,56 @@ def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(RANKS)]
 
 
+class _LoopExchange:
+    """A :class:`StepExchange` on an asyncio loop of its own thread, called as a rollout actor calls the Ray one."""
+
+    def __init__(self, count: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.exchange = StepExchange(count)
+
+    def gather(self, step: int, call: int, share: int, part: Any) -> list[Any]:
+        return asyncio.run_coroutine_threadsafe(self.exchange.gather(step, call, share, part), self.loop).result(60)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _actor(rank: int, exchange: _LoopExchange, out: list[Any]) -> None:
+    try:
+        world = lambda step: SharesWorld(rank=rank, world_size=RANKS, launch="ray", exchange=exchange,  # noqa: E731
+                                         step=step)
+        out[rank] = {"shaping": {name: _shape(name, rank, world(k)) for k, name in enumerate(ESTIMATORS)},
+                     "sampling": {case: _sampled(case, world(10 + k)) for k, case in enumerate(ROUNDS)},
+                     "sampling_control": _sampled("mixed", world(20), control=True)}
+    except BaseException as exc:  # noqa: BLE001 (reported by the fixture)
+        out[rank] = exc
+
+
+@pytest.fixture(scope="module")
+def actors() -> list[dict[str, Any]]:
+    """The rollout actors' shares: two threads meeting in one step exchange."""
+    exchange, out = _LoopExchange(RANKS), [None] * RANKS
+    threads = [threading.Thread(target=_actor, args=(r, exchange, out)) for r in range(RANKS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    exchange.close()
+    for r, result in enumerate(out):
+        if not isinstance(result, dict):
+            raise AssertionError(f"rollout actor share {r} failed: {result!r}")
+    assert exchange.exchange.pending() == []  # every collective met
+    return out
+
+
+@pytest.fixture(params=["torchrun_ranks", "rollout_actors"])
+def shares(request) -> list[dict[str, Any]]:
+    return request.getfixturevalue("ranks" if request.param == "torchrun_ranks" else "actors")
+
+
 def _gathered(shares: list[dict[str, Any]], key: str) -> torch.Tensor:
     """A per-sample output of the ranks' shares put back in the step's sample order."""
     first = shares[0][key]
@@ -225,9 +281,11 @@ def _gathered(shares: list[dict[str, Any]], key: str) -> torch.Tensor:
 
 # ---- shaping ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
-def test_shaping_over_ranks_is_the_one_process_shaping(ranks, estimator):
+def test_shaping_over_ranks_is_the_one_process_shaping(shares, estimator):
     """Advantages, returns and shaped rewards of both steps, and the running reward statistics and KL coefficient
-    every rank holds after each, equal one process's; the control (each rank on its own share) does not."""
+    every rank (rollout actor) holds after each, equal one process's; the control (each rank on its own share)
+    does not."""
+    ranks = shares
     alone = _shape(estimator, None, single())
     control = [_shape(estimator, r, single()) for r in range(RANKS)]
     for step, one in enumerate(alone):
@@ -283,9 +341,10 @@ def _step_order(ids: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(ROUNDS))
-def test_dynamic_sampling_over_ranks_keeps_the_one_process_groups(ranks, case):
-    """The groups the ranks keep together are the ones one process keeps on the whole rounds, found in as many
-    rounds; each rank holds its own. A rank that kept none trains one inert sample."""
+def test_dynamic_sampling_over_ranks_keeps_the_one_process_groups(shares, case):
+    """The groups the ranks (rollout actors) keep together are the ones one process keeps on the whole rounds, found
+    in as many rounds; each rank holds its own. A rank that kept none trains one inert sample."""
+    ranks = shares
     alone = _sampled(case, single())
     shares = [ranks[r]["sampling"][case] for r in range(RANKS)]
     assert _step_order(shares[0]["ids"] + shares[1]["ids"]) == _step_order(alone["ids"])
@@ -302,8 +361,9 @@ def test_dynamic_sampling_over_ranks_keeps_the_one_process_groups(ranks, case):
         assert not shares[1]["trains"] and shares[1]["valid"].tolist() == [False]  # inert: trains nothing
 
 
-def test_dynamic_sampling_control_per_rank_decisions_differ(ranks):
+def test_dynamic_sampling_control_per_rank_decisions_differ(shares):
     """Each rank filling the batch from its own share alone keeps other groups (and too many of them)."""
+    ranks = shares
     alone = _sampled("mixed", single())
     control = [ranks[r]["sampling_control"] for r in range(RANKS)]
     assert _step_order(control[0]["ids"] + control[1]["ids"]) != _step_order(alone["ids"])

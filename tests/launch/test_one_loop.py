@@ -26,8 +26,21 @@ STEPS = 4
 LR = 3.0e-4  # examples/grpo_toy_shapes_cpu.yaml
 # Metrics compared at rel 1e-5 of their scale. GRPO's policy loss is a mean of advantage x ratio terms whose sum is
 # ~0 (advantages are centred per group): its scale is the terms' (|A| ~ 1), not its own value (~1e-9). The approximate
-# KL and the KL loss are means of differences of log-probs (O(1) each) that are equal up to summation noise.
-TERM_SCALE = {"policy/pg_loss": 1.0, "policy/approx_kl": 1.0, "policy/kl_loss": 1.0}
+# KL, the KL loss and the KL to the reference are means of differences of log-probs (O(1) each) that are equal up to
+# summation noise; so are the engine-vs-trainer differences (``engine_logprob_diff/*``: float noise, ~1e-7, of O(1)
+# log-probs; relative to themselves, noise compared with noise).
+TERM_SCALE = {"policy/pg_loss": 1.0, "policy/approx_kl": 1.0, "policy/kl_loss": 1.0, "kl": 1.0, "kl/mean": 1.0,
+              "kl_seq": 1.0}
+TERM_SCALE_PREFIXES = ("engine_logprob_diff/",)
+
+
+def _scale(key: str, pairs: list[tuple[float, float]]) -> float:
+    """What a metric's gap is relative to: its terms' scale (above), else its largest |value| over both runs."""
+    if key in TERM_SCALE:
+        return TERM_SCALE[key]
+    if key.startswith(TERM_SCALE_PREFIXES):
+        return 1.0
+    return max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
 # Left out of the comparison: clocks, the engine's own numerics (vLLM in another process), what only one mode has,
 # and the update's micro-batch split (each rank's own forwards: it follows the number of ranks).
 SKIP = ("time/", "sync/", "throughput/", "async/", "engine_logprob_diff/", "rollout_is/abs_log_ratio", "ledger/",
@@ -72,8 +85,7 @@ def metric_gaps(a: list[dict], b: list[dict]) -> dict[str, float]:
         if k == "step" or k.startswith(SKIP):
             continue
         pairs = [(x[k], y[k]) for x, y in zip(a, b) if k in x and k in y]
-        scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
-        gaps[k] = max(abs(u - v) for u, v in pairs) / scale
+        gaps[k] = max(abs(u - v) for u, v in pairs) / _scale(k, pairs)
     return gaps
 
 
@@ -95,8 +107,7 @@ def every_metric_gaps(a: list[dict], b: list[dict]) -> dict[str, float]:
             gaps[k] = float("inf")
             continue
         pairs = [(x[k], y[k]) for x, y in zip(a, b) if k in x]
-        scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
-        gaps[k] = max(abs(u - v) for u, v in pairs) / scale
+        gaps[k] = max(abs(u - v) for u, v in pairs) / _scale(k, pairs)
     return gaps
 
 
@@ -331,14 +342,41 @@ def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cl
     _ray_resumes_as_straight(tmp_path, *RUNNING, at_stop=saved)
 
 
-def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process_and_resumes_exactly(cluster, tmp_path):
+def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process(cluster, tmp_path):
     """``algorithm.dynamic_sampling`` in the Ray mode (one rollout actor): the rounds of a step read the stream and
     the sampling calls on from where the last step stopped, as in one process, so the same prompts, samples and
-    training follow (``max_staleness`` 0); with ``max_staleness`` 1 a stopped run resumes where its stream and
-    calls stood and continues as the straight run. The toy's first steps need extra rounds (few rewarded groups),
-    so a stream positioned per step would read other prompts."""
+    training follow (``max_staleness`` 0). The toy's first steps need extra rounds (few rewarded groups), so a stream
+    positioned per step would read other prompts. (A resume that sets the stream and the calls where a checkpoint
+    stood: the two-actor test below.)"""
     one = _ray_as_one_process(tmp_path, "algorithm.dynamic_sampling=true",
                               compared=("dynamic_sampling/rounds", "dynamic_sampling/kept_group_frac"))
     rounds = [r["dynamic_sampling/rounds"] for r in one]
     assert max(rounds) > 1, rounds  # extra rounds: a step reads more than its own batch of prompts
-    _ray_resumes_as_straight(tmp_path, "algorithm.dynamic_sampling=true")
+
+
+# Two rollout actors (half a CPU each) and one trainer actor on the suite's 2-CPU Ray.
+TWO_ACTORS = ("distributed.num_rollout_actors=2", "distributed.rollout_actor_cpus=0.5")
+
+
+def test_two_rollout_actors_take_the_step_together_and_resume_exactly(cluster, tmp_path):
+    """Two rollout actors with every key that reads the whole step: advantage whitening (a batch statistic), reward
+    normalisation and the adaptive KL coefficient (running state), dynamic sampling (the step's choice of groups).
+    They meet in each step's collectives (``launch.ray.exchange``; exactness against one process on a synthetic step:
+    tests/launch/test_collectives.py), so the shares end every step with the same statistics and state. A run with
+    ``max_staleness`` 1 (each actor generates the next step while its last is trained), stopped after its first
+    steps and resumed, continues exactly as the straight run: the state, the stream and the in-order generation
+    start where the checkpoint stood."""
+    keys = (*TWO_ACTORS, *RUNNING, "algorithm.advantage_whitening=batch", "algorithm.dynamic_sampling=true")
+
+    def saved(part: Path, stopped: int, straight: list[dict]) -> None:
+        state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
+        assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(straight[stopped]["kl_coef"],
+                                                                                      rel=1e-6)
+
+    _ray_resumes_as_straight(tmp_path, *keys, at_stop=saved)
+    rows = _rows(tmp_path / "straight")
+    assert len({r["kl_coef"] for r in rows}) == STEPS  # the coefficient moved at every step, the same on both shares
+    for r in rows:
+        # the step's rounds, decided together (both shares report the same number: the merged one is whole)
+        assert r["dynamic_sampling/rounds"] == int(r["dynamic_sampling/rounds"]) >= 1
+        assert r["ledger/produced"] == r["ledger/consumed"]

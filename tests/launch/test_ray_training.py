@@ -208,10 +208,15 @@ def test_sigterm_stops_after_the_step_and_saves_and_resumes(cluster, tmp_path, c
 
 
 def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, capfd):
+    """Two rollout actors whose steps meet in the step exchange (advantage whitening over the whole step): the
+    killed one is restarted, told its first lost step, and regenerates it; the other, waiting inside that step's
+    collectives (or finished with them), goes on with the same step-wide statistics."""
     from mmrlhf.launch.ray.driver import run_ray
 
     rc = run_ray(toy(tmp_path, "trainer.max_steps=6", "distributed.max_staleness=1",
-                     "distributed.on_rollout_failure=restart"), on_step=kill_rollout_actor_at(1))
+                     "distributed.on_rollout_failure=restart", "distributed.num_rollout_actors=2",
+                     "distributed.rollout_actor_cpus=0.5", "algorithm.advantage_whitening=batch"),
+                 on_step=kill_rollout_actor_at(1))
     # the next batch was generated before the kill or is regenerated: either way each step trains exactly once
     err = capfd.readouterr().err
     assert rc == 0, err[-2000:]

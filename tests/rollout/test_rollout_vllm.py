@@ -10,6 +10,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.adapters import get_adapter
+from mmrlhf.rollout import vllm_setup
 from mmrlhf.rollout.types import GenerationRequest, PromptTooLongError, RequestRejectedError, SamplingSettings
 from mmrlhf.testing.engine_check import default_cases, restricted_copy, solid_image
 from mmrlhf.testing.tiny_models import tiny_model_dir
@@ -255,3 +256,46 @@ def test_seed_modes_per_request_seeds_or_one_seeded_call(small_context_engine):
     finally:
         engine.seed_mode = "per_sample"
         del engine.llm.generate
+
+
+class _Orphan:
+    """What an in-process engine that was never closed leaves behind: an object in a reference cycle whose
+    finaliser (vLLM's engine-core shutdown) destroys vLLM's process-wide parallel groups."""
+
+    def __init__(self, ran: list[str]) -> None:
+        import weakref
+
+        from vllm.distributed import parallel_state
+
+        self.me = self  # a cycle: only the garbage collector frees it
+        weakref.finalize(self, lambda: (ran.append("shutdown"), parallel_state.destroy_model_parallel()))
+
+
+@pytest.mark.parametrize("collect_first", [True, False], ids=["make_llm", "control"])
+def test_an_orphaned_engines_shutdown_goes_before_the_next_engine(monkeypatch, tiny_qwen2_vl, collect_first):
+    """An unclosed engine in a reference cycle is shut down when the collector finds it; vLLM collects garbage while
+    it loads a model, after it made the new engine's groups, so the orphan's shutdown would tear those down and the
+    new engine's first step fail ("pipeline model parallel group is not initialized"; seen when a test leaves an
+    engine behind). make_llm collects before it builds. Control: without that collection the step fails."""
+    import vllm
+
+    if not collect_first:
+        monkeypatch.setattr(vllm_setup, "collect_orphaned_engines", lambda: None)
+    import gc
+
+    ran: list[str] = []
+    held = [_Orphan(ran)]
+    gc.collect()  # it survives into the oldest generation, which only a full collection looks at (as an engine
+    held.clear()  # left by an earlier test), and then becomes garbage
+    llm = vllm_setup.make_llm(str(tiny_qwen2_vl), dtype="float32", max_model_len=256, seed=0)
+    try:
+        assert ran == ["shutdown"]
+        params = vllm.SamplingParams(max_tokens=3, temperature=0.0)
+        if collect_first:
+            assert len(llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+        else:
+            with pytest.raises(AssertionError, match="not initialized"):
+                llm.generate(["hello"], params, use_tqdm=False)
+    finally:
+        client = llm.llm_engine.engine_core
+        client.shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,6 +38,11 @@ class WeightDelivery:
         self.versions: dict[int, Named] = {}  # rank 0: the current version, and with k >= 1 the k before it
         self.policy: Any = None
         self.critic: Any = None
+        # (share, error) of a rollout actor seen dead while a version is pushed, handled at once (restarted, or the
+        # run told to stop: False, and the push waits for no one else). At once, not once every other actor took
+        # the version: several rollout actors meet inside each step (mmrlhf.launch.ray.exchange), so another one
+        # may be waiting for the dead one and take the version only once its step is done.
+        self.on_dead: Callable[[int, str], bool] | None = None
 
     # ---- pushing -----------------------------------------------------------------------------------------------
     def gather(self) -> Named:
@@ -54,7 +59,8 @@ class WeightDelivery:
 
     def push(self, targets: Sequence[int]) -> tuple[dict[str, float], dict[int, str]]:
         """The current version to rollout actors ``targets`` (every rank: the gather is collective): ``sync/*``
-        metrics (rank 0) and ``{share: error}`` of the actors that died receiving it."""
+        metrics (rank 0) and ``{share: error}`` of the actors that died receiving it (each already given to
+        ``on_dead`` where it is set)."""
         t0 = time.perf_counter()
         named = self.gather()
         if not self.world.is_main:
@@ -66,7 +72,7 @@ class WeightDelivery:
                 del self.versions[old]
         else:
             self.versions = {self.version: named}  # a restarted actor gets the current version (no copy needed)
-        failed = self.send(named, targets, self.version)
+        failed = self.send(named, targets, self.version, on_dead=self.on_dead)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         return {"sync/seconds": time.perf_counter() - t0, "sync/megabytes": nbytes / 2**20}, failed
 
@@ -77,9 +83,11 @@ class WeightDelivery:
         """The current version to a restarted rollout actor ``share``."""
         return self.send(self.versions[self.version], [share], self.version).get(share)
 
-    def send(self, named: Named, targets: Sequence[int], version: int) -> dict[int, str]:
+    def send(self, named: Named, targets: Sequence[int], version: int,
+             on_dead: Callable[[int, str], bool] | None = None) -> dict[int, str]:
         """``named`` as ``version`` to the rollout actors ``targets`` in buckets; {index: error} of those that died
-        receiving it."""
+        receiving it, each given to ``on_dead`` as soon as it is seen (which returns whether to go on waiting for
+        the others)."""
         import ray
 
         from mmrlhf.parallel.ray_actors import describe_actor_error
@@ -94,11 +102,18 @@ class WeightDelivery:
                 pending[i].append(self.pool.handles[i].update_experience_maker.remote(
                     ref, version=version, last=b == len(buckets) - 1, kind=self.s.weight_kind))
         failed: dict[int, str] = {}
-        for i, refs in pending.items():
+        waiting = {ref: i for i, refs in pending.items() for ref in refs}
+        while waiting:
+            done, _ = ray.wait(list(waiting), num_returns=1)
+            i = waiting.pop(done[0])
             try:
-                ray.get(refs)
+                ray.get(done[0])
             except ray.exceptions.RayActorError as exc:
                 failed[i] = describe_actor_error(exc)
+                for ref in [r for r, j in waiting.items() if j == i]:
+                    del waiting[ref]
+                if on_dead is not None and not on_dead(i, failed[i]):
+                    break  # the run stops: the others may wait for the dead one and never take the version
         return failed
 
     # ---- the sync check ----------------------------------------------------------------------------------------

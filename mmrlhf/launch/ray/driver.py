@@ -14,6 +14,7 @@ import logging
 import sys
 from typing import Any, Callable
 
+from mmrlhf.launch.ray.exchange import start_step_exchange
 from mmrlhf.launch.ray.pool import HolderPool
 from mmrlhf.launch.ray.runtime import PlacementPlan, plan_placement
 from mmrlhf.parallel.ray_actors import actor_options, actor_threads, connect, describe_actor_error
@@ -26,38 +27,22 @@ PLACEMENT_TIMEOUT_S = 600.0  # how long the actors' placement group may wait for
 
 
 def check_ray_config(config: Any) -> None:
-    """What the Ray mode does not support yet: refused by key, before anything starts."""
+    """What the Ray mode cannot do: refused by key, before anything starts. (Several rollout actors take a step's
+    statistics, running state and dynamic sampling's choice together: :mod:`mmrlhf.launch.ray.exchange`.)"""
     d, t, a = config.distributed, config.trainer, config.algorithm
-    if a.dynamic_sampling and d.num_rollout_actors > 1:
-        raise ValueError(f"algorithm.dynamic_sampling with distributed.num_rollout_actors={d.num_rollout_actors}: "
-                         "each rollout actor would keep the groups with variance of its own share's rounds, not "
-                         "the step's first ones (one rollout actor refills as one process does); use one rollout "
-                         "actor, or torchrun (where the ranks choose together)")
     if a.dynamic_sampling and d.on_rollout_failure == "restart":
         raise ValueError("algorithm.dynamic_sampling with distributed.on_rollout_failure=restart: the prompts a "
                          "step reads depend on the rounds before it, which a new rollout actor would not know; use "
                          "on_rollout_failure=stop (the run saves, and a resume continues where the stream stood)")
     if a.reward_normalization or a.kl_controller == "adaptive":
-        # The running state lives in the (one) rollout actor's maker, which updates it step after step as one
-        # process does; the checkpoint holds it as of the last trained step (RayRollouts.save).
+        # The running state lives in the rollout actors' makers (the same on each: they update it from the whole
+        # step's statistics), step after step as one process does; the checkpoint holds it as of the last trained
+        # step (RayRollouts.save).
         key = "algorithm.reward_normalization=true" if a.reward_normalization else "algorithm.kl_controller=adaptive"
-        if d.num_rollout_actors > 1:
-            raise ValueError(f"{key} with distributed.num_rollout_actors={d.num_rollout_actors}: each rollout actor "
-                             "would keep its own running state from its own share; use one rollout actor, GRPO's "
-                             "group normalisation, a fixed KL coefficient or algorithm.kl_loss_coef, or torchrun")
         if d.on_rollout_failure == "restart":
             raise ValueError(f"{key} with distributed.on_rollout_failure=restart: a restarted rollout actor would "
                              "start its running state afresh; use on_rollout_failure=stop (the run saves and a "
                              "resume restores the state)")
-    batch_statistics = {"algorithm.advantage_whitening": a.advantage_whitening != "none",
-                        f"algorithm.advantage_estimator={a.advantage_estimator}":
-                            a.advantage_estimator in ("reinforce", "reinforce_baseline"),
-                        "algorithm.cpgd_weight=clip_filter": a.advantage_estimator == "cpgd"
-                            and a.cpgd_weight == "clip_filter"}
-    for key in (k for k, on in batch_statistics.items() if on and d.num_rollout_actors > 1):
-        raise ValueError(f"{key} with distributed.num_rollout_actors={d.num_rollout_actors}: each rollout actor's "
-                         "maker would take the step's batch statistics over its own share; use one rollout actor, "
-                         "or train with torchrun (where they are collectives over the ranks)")
     if t.rollout_batch_size < d.num_rollout_actors:
         raise ValueError(f"trainer.rollout_batch_size={t.rollout_batch_size} < distributed.num_rollout_actors="
                          f"{d.num_rollout_actors}: every rollout actor needs at least one prompt a step")
@@ -95,9 +80,12 @@ class RayRun:
         from mmrlhf.rewards.judge.ray_actor import start_judge_actors
 
         self.judges = start_judge_actors(self.config.reward)
+        # several rollout actors meet in each step's collectives (shaping statistics, running state, the choice of
+        # dynamic sampling) through one small actor
+        self.exchange = start_step_exchange(len(self.plan.rollout)) if len(self.plan.rollout) > 1 else None
         dump = self.config.model_dump(mode="json")
         dump["trainer"]["progress_bar"] = False  # the ranks' output reaches the driver only at the end
-        self.pool = HolderPool(dump, self.plan, self.placement_group)
+        self.pool = HolderPool(dump, self.plan, self.placement_group, exchange=self.exchange)
         self.pool.start_all()
         remote = ray.remote(RayTrainerRank)
         n = d.num_trainer_actors
@@ -149,7 +137,7 @@ class RayRun:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in [*self.pool.handles, *self.ranks, *self.judges]:
+        for actor in [*self.pool.handles, *self.ranks, *self.judges, *filter(None, [self.exchange])]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception as exc:  # an actor already gone: nothing to stop

@@ -53,9 +53,12 @@ class ExperienceMakerHolder:
         config: the run's config as a dict (``model_dump``); rebuilt and validated here.
         index, count: this actor's place among the rollout actors (its share of every step's prompts).
         threads: torch threads (the actor's CPU reservation).
+        exchange: with several rollout actors, the run's :class:`~mmrlhf.launch.ray.exchange.StepExchange`: a
+            step's shaping statistics, running state and dynamic sampling's choice are the whole step's, taken over
+            every actor's share as torchrun ranks take them (:class:`~mmrlhf.launch.ray.exchange.SharesWorld`).
     """
 
-    def __init__(self, config: dict[str, Any], index: int, count: int, threads: int) -> None:
+    def __init__(self, config: dict[str, Any], index: int, count: int, threads: int, exchange: Any = None) -> None:
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
         from mmrlhf.parallel.world import single
@@ -64,7 +67,13 @@ class ExperienceMakerHolder:
         from mmrlhf.trainer.state import seed_everything
 
         torch.set_num_threads(threads)
-        self.config = cfg = build_config(config)
+        cfg = build_config(config)
+        r = cfg.rollout
+        if cfg.algorithm.dynamic_sampling and index and r.seed is not None:
+            # its sampling calls run on from step to step as every actor's do (rather than being set per step and
+            # actor): its own seed, as each torchrun rank has, so the actors' samples are not alike
+            cfg = cfg.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + index})})
+        self.config = cfg
         self.index, self.count = index, count
         t = cfg.trainer
         seed_everything(t.seed)
@@ -76,17 +85,22 @@ class ExperienceMakerHolder:
             freeze_vision(actor.model, actor.adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
 
         # One share of every step (whole prompts: GRPO groups never straddle two actors); the engine never sleeps
-        # (weights arrive by push). Its own world: the shaping's statistics are this share's, as they always were.
-        made = local_rollouts(cfg, single(resolve_device(t.device)), critic, None, freeze, share=(index, count),
-                              engine_sleeps=False)
+        # (weights arrive by push). Built in a world of its own (its models are whole); with several actors each
+        # step's collectives then run over every share (``_world``).
+        self._alone = single(resolve_device(t.device))
+        made = local_rollouts(cfg, self._alone, critic, None, freeze, share=(index, count), engine_sleeps=False)
         self.producer, self.actor, self.tokenizer = made.source, made.actor, made.tokenizer
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0
         self._lock = threading.Lock()  # held by a generation and by the application of an update
+        self.exchange = exchange if count > 1 else None
         # algorithm.dynamic_sampling: a step reads as many prompts (and sampling calls) as its rounds need, so the
-        # stream and the call count run on from one step to the next, as in one process, and the steps are
-        # generated in order (``_turn``); ``_positions``: step -> (stream, maker state) where it begins
+        # stream and the call count run on from one step to the next, as in one process; ``_positions``: step ->
+        # (stream, maker state) where it begins
         self.sequential = cfg.algorithm.dynamic_sampling
+        # The steps are generated in order (``_turn``, from ``_next_step``) when the stream reads on, and when the
+        # actors meet inside each step (an actor busy with step t + 1 would leave the others waiting in step t)
+        self.ordered = self.sequential or self.exchange is not None
         self._turn = threading.Condition(self._lock)
         self._next_step = 0
         self._positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -122,10 +136,10 @@ class ExperienceMakerHolder:
         from mmrlhf.launch.ray.ledger import StaleExperienceError
 
         with self._lock:
-            while self.sequential and step != self._next_step:  # its turn (the steps before it read the stream)
+            while self.ordered and step != self._next_step:  # its turn (see ``ordered``)
                 if step < self._next_step:
                     raise RuntimeError(f"{holder_name(self.index)}: step {step} asked again after step "
-                                       f"{self._next_step - 1} (algorithm.dynamic_sampling reads on in order)")
+                                       f"{self._next_step - 1} (the steps are generated in order)")
                 self._turn.wait()
             start = time.perf_counter()
             waited = 0.0 if self._last_end is None else start - self._last_end
@@ -143,18 +157,23 @@ class ExperienceMakerHolder:
             if self.partial:
                 self.maker.engine.calls = segments
                 self._generating, self._replay = True, replay
+            self.producer.world = self._world(step)
             try:
                 batch = self.producer.collect(step)  # CPU tensors whatever the models' device
             finally:
                 self._generating, self._replay = False, None
+                self.producer.world = self._alone
+            if batch.rollout is None and batch.items:  # dynamic sampling kept no group of this share: the
+                batch.items.clear()  # inert sample that paired its forwards with the other shares' trains nothing
             self._last_end = time.perf_counter()
             # read under the lock: another call (the next step's generate, a checkpoint's stream_state) moves them
             maker_state, stream_state = self.maker.state_dict(), self.stream.state_dict()
             if self.sequential:
-                self._next_step = step + 1
                 self._positions[step + 1] = (self.stream.state_dict(), maker_state)
                 for old in [k for k in self._positions if k < step - 16]:  # a checkpoint asks for recent steps only
                     del self._positions[old]
+            if self.ordered:
+                self._next_step = step + 1
                 self._turn.notify_all()
             if segments:  # the oldest token's version: what the staleness bound reads
                 version = min(v for call in segments for v in call)
@@ -174,6 +193,22 @@ class ExperienceMakerHolder:
                                            self.config.trainer.report_groups))
         # columnar: one flat tensor per field (pickling each item's tensors one by one cost more than generating)
         return meta, {**meta, "items": pack_items(batch.items), "report": shown}
+
+    def _world(self, step: int) -> Any:
+        """The world of step ``step``'s collectives: every rollout actor's share (several actors), or this one."""
+        if self.exchange is None:
+            return self._alone
+        from mmrlhf.launch.ray.exchange import RayExchange, SharesWorld
+
+        return SharesWorld(rank=self.index, world_size=self.count, device=self._alone.device, launch="ray",
+                           exchange=RayExchange(self.exchange), step=step)
+
+    def expect(self, step: int) -> None:
+        """The next step this actor is asked for is ``step`` (a resume's first, or a restarted actor's first lost
+        one): the in-order generation starts there."""
+        with self._lock:
+            self._next_step = int(step)
+            self._turn.notify_all()
 
     def _seek(self, step: int) -> None:
         """The stream where step ``step``'s prompts begin."""

@@ -17,6 +17,7 @@ class HolderPool:
     config: dict[str, Any]  # the run's config (model_dump)
     plan: PlacementPlan
     placement_group: Any
+    exchange: Any = None  # several rollout actors: the step exchange they all meet in (mmrlhf.launch.ray.exchange)
     handles: list[Any] = field(default_factory=list)
 
     @property
@@ -43,7 +44,8 @@ class HolderPool:
         remote = ray.remote(ExperienceMakerHolder)
         for attempt in range(20):
             try:
-                return remote.options(**options).remote(self.config, index, self.count, actor_threads(cpus))
+                return remote.options(**options).remote(self.config, index, self.count, actor_threads(cpus),
+                                                        self.exchange)
             except ValueError as exc:  # the dead actor's name is released asynchronously
                 if "already taken" not in str(exc) or attempt == 19:
                     raise

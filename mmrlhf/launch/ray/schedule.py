@@ -131,6 +131,8 @@ class RolloutSchedule:
 
     def on_failure(self, share: int, error: str) -> None:
         """Apply ``distributed.on_rollout_failure`` to the death of rollout actor ``share``."""
+        import ray
+
         message = f"rollout actor {holder_name(share)!r} died: {error}"
         self.failures.append(message)
         logger.error(message)
@@ -147,6 +149,7 @@ class RolloutSchedule:
             self.deferred = f"restarted {holder_name(share)!r} died again: {failed}"
             raise RolloutActorFailure(self.deferred)
         lost = sorted(key for key in self.pending if key[1] == share)
+        ray.get(self.pool.handles[share].expect.remote(lost[0][0] if lost else self.submitted + 1))  # in order
         for step, _ in lost:  # nothing of these reached the trainer (the ledger would refuse a second delivery)
             self._submit(step, share)
         logger.warning("restarted %r (%d/%d); regenerating steps %s", holder_name(share), self.restarts[share],

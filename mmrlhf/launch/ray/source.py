@@ -64,6 +64,7 @@ class RayRollouts:
                                                                     s.push_weights))
         self.schedule = RolloutSchedule(pool, ScheduleSettings(s.max_steps, s.max_staleness, s.on_rollout_failure,
                                                                s.max_actor_restarts, s.report_steps), self.weights)
+        self.weights.on_dead = self._dead
         self.ledger, self.stats = ExperienceLedger(), StalenessStats()
         self.resume: dict[str, Any] | None = None
         self.stream_after: dict[int, dict[str, Any]] = {}  # step -> the prompt stream's state after its prompts
@@ -81,12 +82,13 @@ class RayRollouts:
             maker = self.resume.get("maker", {})
             if self.s.sequential:  # dynamic sampling: the stream and the sampling calls go on where they stood
                 self.running = dict(maker)
-                ray.get(self.pool.handles[0].load_position.remote(step, self.resume["stream"], maker))
+                ray.get([h.load_position.remote(step, self.resume["stream"], maker) for h in self.pool.handles])
             else:
                 check_position(self.pool.handles[0], step, self.resume["stream"])
                 self.running = running_state(maker)
                 if self.running:  # before anything is generated again, in flight at the save or not
                     ray.get([h.load_running_state.remote(self.running) for h in self.pool.handles])
+                ray.get([h.expect.remote(step) for h in self.pool.handles])  # the steps they generate in order
             for entry in self.resume.get("inflight", []):  # what was in flight at the save, with its version
                 self.weights.send(self.resume["tensors"][entry["version"]], range(self.pool.count), entry["version"])
                 self.schedule.submit_step(entry["step"], self._replays(entry))
@@ -178,10 +180,17 @@ class RayRollouts:
         return self._push()
 
     def _push(self) -> dict[str, float]:
-        """The current version to every rollout actor; ``sync/*`` metrics (rank 0)."""
-        metrics, failed = self.weights.push(range(self.pool.count))
-        self.schedule.on_failures(failed)  # one it cannot restart: every rank learns it at the next collect
+        """The current version to every rollout actor; ``sync/*`` metrics (rank 0). An actor that died receiving it
+        is handled at once (:meth:`_dead`)."""
+        metrics, _ = self.weights.push(range(self.pool.count))
         return metrics
+
+    def _dead(self, share: int, error: str) -> bool:
+        """Rollout actor ``share`` died receiving a version: restarted (its lost steps asked for again), or, where
+        the run cannot restart it, the run stops at the next collect (every rank learns it there); whether the push
+        goes on."""
+        self.schedule.on_failures({share: error})
+        return self.schedule.deferred is None
 
     def evaluate(self) -> dict[str, float]:
         import ray
