@@ -47,6 +47,14 @@ class TrainItem:
         return replace(self, token={**self.token, **token})
 
 
+def inert_item(item: TrainItem) -> TrainItem:
+    """A copy of ``item`` that trains nothing: no loss token, and marked invalid (as a sample the reward engine masked
+    out), so it counts in no statistic of the step. What a rank with no sample of its own trains so that its
+    forwards and update pair with the other ranks' (their sharded parameters are gathered in collectives)."""
+    info = {**item.info, "valid": torch.tensor(False)} if "valid" in item.info else dict(item.info)
+    return replace(item.with_token(loss_mask=torch.zeros_like(item.token["loss_mask"])), info=info)
+
+
 @dataclass
 class TrainBatch:
     """A collated selection of items: the samples for the forward plus aligned per-token tensors, on the CPU (the

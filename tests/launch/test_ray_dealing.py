@@ -57,3 +57,32 @@ def test_deal_balances_the_shares_groups_and_keeps_their_order():
     one = deal(3, payloads, [0, 0], 1, ExperienceLedger())[0]  # one rank: every item, in arrival order
     assert [len(it.response_ids) for it in one["items"]] == [20, 20, 5, 6, 30, 30, 4, 3]
     assert one["metrics"]["ray/rank_cost_imbalance"] == 1.0
+
+
+def test_a_rank_without_a_group_trains_an_inert_copy():
+    """Dynamic sampling may keep fewer groups than there are trainer ranks: a rank left without one gets an inert
+    copy (no loss token, marked invalid), so its re-scoring forwards and its update pair with the others' (sharded
+    parameters are gathered in collectives; without it the forward loop refuses a rank with nothing to repeat)."""
+    from mmrlhf.experience.wire import pack_items
+    from mmrlhf.launch.ray.ledger import ExperienceLedger
+    from mmrlhf.launch.ray.source import deal
+
+    items = [_item(10, 5, 0), _item(10, 7, 0)]
+    for it in items:
+        it.info["valid"] = torch.tensor(True)
+    payloads = [{"share": 0, "samples": 2, "items": pack_items(items), "distribution": "d"},
+                {"share": 1, "samples": 0, "items": pack_items([]), "distribution": "d"}]
+    parts = deal(0, payloads, [0, 0], 3, ExperienceLedger())
+    sizes = [len(p["items"]) for p in parts]
+    assert sorted(sizes) == [1, 1, 2]
+    for part in parts:
+        if len(part["items"]) == 1:
+            (inert,) = part["items"]
+            assert part["inert"] == 1 and part["fresh"] == [False]
+            assert not inert.token["loss_mask"].any() and not bool(inert.info["valid"])
+        else:
+            assert "inert" not in part and all(it.token["loss_mask"].all() for it in part["items"])
+    assert all(bool(it.info["valid"]) for it in items)  # the originals are untouched
+    empty = deal(0, [{"share": 0, "samples": 0, "items": pack_items([]), "distribution": "d"}], [0], 2,
+                 ExperienceLedger())
+    assert [p["items"] for p in empty] == [[], []]  # no group anywhere: nothing to pair, every rank skips alike

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mmrlhf.experience.batching import group_keys
+from mmrlhf.experience.batching import group_keys, inert_item
 from mmrlhf.experience.costs import patch_rows
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.experience.wire import PackedItems, pack_items, unpack_items
@@ -151,10 +151,10 @@ class RayRollouts:
         parts[0]["metrics"].update(self._step_metrics(step, metas, staleness, waited))
         parts[0]["report"] = payloads[0].get("report")  # rollout actor 0's share, on report steps (rank 0 writes it)
         for part in parts:  # each rank's own count: the loop weighs its per-rank metrics by it, and sums it
-            part["metrics"]["samples"] = float(len(part["items"]))
+            part["metrics"]["samples"] = float(len(part["items"]) - part.pop("inert", 0))
         # what was sampled beyond what trains (dynamic sampling's dropped groups) counts as generated, as in one
         # process: on rank 0, so the ranks' sum is the step's
-        parts[0]["metrics"]["samples"] += _generated(metas) - sum(len(part["items"]) for part in parts)
+        parts[0]["metrics"]["samples"] += _generated(metas) - sum(p["metrics"]["samples"] for p in parts)
         return parts
 
     def _step_metrics(self, step: int, metas: Sequence[dict], staleness: list[int], waited: float) -> dict:
@@ -268,6 +268,11 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
     for it, g, fresh in dealt:
         parts[rank_of[g]]["items"].append(it)
         parts[rank_of[g]]["fresh"].append(fresh)
+    for part in parts:
+        if dealt and not part["items"]:  # fewer groups than ranks (dynamic sampling kept few): one inert copy pairs
+            part["items"].append(inert_item(dealt[0][0]))  # this rank's forwards and update with the others'
+            part["fresh"].append(False)
+            part["inert"] = 1
     parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
     return parts
 
