@@ -5,30 +5,21 @@ files to its workers: longest first, tests/conftest.py).
     python scripts/test_durations.py run.log
 
 Each file's setup, call and teardown times are summed. Files the run did not time keep their old value; files that
-no longer exist are dropped.
+no longer exist are dropped. The table of a plain run (its 25 slowest tests) is enough to place the long files:
+the suite counts a file the table does not list as short.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from mmrlhf.testing.suite_order import file_seconds  # noqa: E402
+
 TABLE = ROOT / "tests" / "durations.json"
-LINE = re.compile(r"^\s*([0-9.]+)s\s+(setup|call|teardown)\s+(\S+?\.py)::")
-
-
-def file_seconds(log: str) -> dict[str, float]:
-    """Seconds per test file in a pytest log's durations table."""
-    total: dict[str, float] = defaultdict(float)
-    for line in log.splitlines():
-        m = LINE.match(line)
-        if m:
-            total[m.group(3)] += float(m.group(1))
-    return dict(total)
 
 
 def main(argv: list[str]) -> int:

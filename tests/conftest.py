@@ -22,12 +22,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # pass: stop with a usage error rather than pytest's "no tests ran".
     if not items:
         raise pytest.UsageError("no tests were collected: check the paths and the -m / -k expressions")
+    from mmrlhf.testing.suite_order import longest_files_first
+
     items[:] = longest_files_first(items, _file_seconds())
 
 
-# Measured seconds per test file (scripts/test_durations.py writes it from a run with --durations=0). The workers
-# take whole files in collection order (scripts/test.sh: --dist loadfile --no-loadscope-reorder), so the longest go
-# first and the short ones fill in at the end: a long file started last would run alone while the other worker idles.
+# Measured seconds per test file (scripts/test_durations.py writes it): the longest files go to the workers first
+# (mmrlhf.testing.suite_order).
 DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
 
 
@@ -39,16 +40,6 @@ def _file_seconds() -> dict[str, float]:
             return {k: float(v) for k, v in json.load(f).items()}
     except FileNotFoundError:
         return {}
-
-
-def longest_files_first(items: list, seconds: dict[str, float]) -> list:
-    """``items`` with their files ordered by measured seconds, longest first (a file not measured: as the median
-    file), each file's tests in their own order."""
-    known = sorted(seconds.values())
-    default = known[len(known) // 2] if known else 0.0
-    files = list(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items))
-    rank = {f: (-seconds.get(f, default), i) for i, f in enumerate(files)}
-    return sorted(items, key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 @pytest.fixture(scope="session")
