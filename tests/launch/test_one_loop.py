@@ -28,9 +28,10 @@ LR = 3.0e-4  # examples/grpo_toy_shapes_cpu.yaml
 # ~0 (advantages are centred per group): its scale is the terms' (|A| ~ 1), not its own value (~1e-9). The approximate
 # KL, the KL loss and the KL to the reference are means of differences of log-probs (O(1) each) that are equal up to
 # summation noise; so are the engine-vs-trainer differences (``engine_logprob_diff/*``: float noise, ~1e-7, of O(1)
-# log-probs; relative to themselves, noise compared with noise).
+# log-probs; relative to themselves, noise compared with noise). The mean of GRPO's advantages (before whitening) is
+# ~0 for the same reason as the policy loss: its terms are O(1).
 TERM_SCALE = {"policy/pg_loss": 1.0, "policy/approx_kl": 1.0, "policy/kl_loss": 1.0, "kl": 1.0, "kl/mean": 1.0,
-              "kl_seq": 1.0}
+              "kl_seq": 1.0, "advantage_mean": 1.0}
 TERM_SCALE_PREFIXES = ("engine_logprob_diff/",)
 
 
@@ -323,11 +324,12 @@ def _ray_resumes_as_straight(tmp_path: Path, *keys: str, at_stop: Any = None) ->
 
 def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cluster, tmp_path):
     """``algorithm.reward_normalization`` and ``kl_controller: adaptive`` in the Ray mode (one rollout actor, whose
-    maker keeps the one running state): the same training as one process (``max_staleness`` 0), and with
-    ``max_staleness`` 1 a run stopped after its first steps resumes exactly as the straight run, the state restored
-    as of the last trained step (the step generated ahead regenerated from it). The state matters: the KL
-    coefficient moves every step, so a resume that started it afresh would differ."""
-    one = _ray_as_one_process(tmp_path, *RUNNING, compared=("kl_coef",))
+    maker keeps the one running state), with advantage whitening (a batch statistic): the same training as one
+    process (``max_staleness`` 0), and with ``max_staleness`` 1 a run stopped after its first steps resumes exactly
+    as the straight run, the state restored as of the last trained step (the step generated ahead regenerated from
+    it). The state matters: the KL coefficient moves every step, so a resume that started it afresh would differ."""
+    one = _ray_as_one_process(tmp_path, *RUNNING, "algorithm.advantage_whitening=batch",
+                              compared=("kl_coef", "advantage_std"))
     coef = [r["kl_coef"] for r in one]
     assert len(set(coef)) == STEPS, coef  # moved at every step
 
@@ -339,7 +341,7 @@ def test_running_statistics_train_in_ray_as_in_one_process_and_resume_exactly(cl
         assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(straight[stopped]["kl_coef"],
                                                                                       rel=1e-6)
 
-    _ray_resumes_as_straight(tmp_path, *RUNNING, at_stop=saved)
+    _ray_resumes_as_straight(tmp_path, *RUNNING, "algorithm.advantage_whitening=batch", at_stop=saved)
 
 
 def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process(cluster, tmp_path):

@@ -98,9 +98,15 @@ class ExperienceMakerHolder:
         # stream and the call count run on from one step to the next, as in one process; ``_positions``: step ->
         # (stream, maker state) where it begins
         self.sequential = cfg.algorithm.dynamic_sampling
-        # The steps are generated in order (``_turn``, from ``_next_step``) when the stream reads on, and when the
-        # actors meet inside each step (an actor busy with step t + 1 would leave the others waiting in step t)
-        self.ordered = self.sequential or self.exchange is not None
+        # The steps are generated in order (``_turn``, from ``_next_step``; a resume or a restart says where they
+        # start: ``expect``) when the stream reads on, when the maker carries a running state from step to step
+        # (reward normalisation, the adaptive KL coefficient: with ``max_staleness`` >= 1 two steps are asked at
+        # once, and the second could otherwise take the lock first and be shaped with the state before the first),
+        # and when the actors meet inside each step (an actor busy with step t + 1 would leave the others waiting
+        # in step t)
+        a = cfg.algorithm
+        running = a.reward_normalization or a.kl_controller == "adaptive"
+        self.ordered = self.sequential or running or self.exchange is not None
         self._turn = threading.Condition(self._lock)
         self._next_step = 0
         self._positions: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {
