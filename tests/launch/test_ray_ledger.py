@@ -87,13 +87,6 @@ def test_staleness_stats():
 
 @pytest.mark.parametrize("override, key", [
     ({"distributed": {"backend": "ray", "num_trainer_actors": 5}}, "distributed.num_trainer_actors"),
-    ({"algorithm": {"reward_normalization": True},
-      "distributed": {"backend": "ray", "num_rollout_actors": 2, "on_rollout_failure": "restart"}},
-     "algorithm.reward_normalization"),
-    ({"algorithm": {"kl_controller": "adaptive", "kl_reward_coef": 0.05},
-      "distributed": {"backend": "ray", "on_rollout_failure": "restart"}}, "algorithm.kl_controller=adaptive"),
-    ({"algorithm": {"dynamic_sampling": True}, "distributed": {"backend": "ray", "on_rollout_failure": "restart"}},
-     "algorithm.dynamic_sampling"),
     ({"distributed": {"backend": "ray", "max_staleness": 1}, "algorithm": {"rollout_correction": "none"}},
      "algorithm.rollout_correction"),
     ({"distributed": {"backend": "ray", "num_rollout_actors": 5}}, "distributed.num_rollout_actors"),

@@ -30,19 +30,6 @@ def check_ray_config(config: Any) -> None:
     """What the Ray mode cannot do: refused by key, before anything starts. (Several rollout actors take a step's
     statistics, running state and dynamic sampling's choice together: :mod:`mmrlhf.launch.ray.exchange`.)"""
     d, t, a = config.distributed, config.trainer, config.algorithm
-    if a.dynamic_sampling and d.on_rollout_failure == "restart":
-        raise ValueError("algorithm.dynamic_sampling with distributed.on_rollout_failure=restart: the prompts a "
-                         "step reads depend on the rounds before it, which a new rollout actor would not know; use "
-                         "on_rollout_failure=stop (the run saves, and a resume continues where the stream stood)")
-    if a.reward_normalization or a.kl_controller == "adaptive":
-        # The running state lives in the rollout actors' makers (the same on each: they update it from the whole
-        # step's statistics), step after step as one process does; the checkpoint holds it as of the last trained
-        # step (RayRollouts.save).
-        key = "algorithm.reward_normalization=true" if a.reward_normalization else "algorithm.kl_controller=adaptive"
-        if d.on_rollout_failure == "restart":
-            raise ValueError(f"{key} with distributed.on_rollout_failure=restart: a restarted rollout actor would "
-                             "start its running state afresh; use on_rollout_failure=stop (the run saves and a "
-                             "resume restores the state)")
     if t.rollout_batch_size < d.num_rollout_actors:
         raise ValueError(f"trainer.rollout_batch_size={t.rollout_batch_size} < distributed.num_rollout_actors="
                          f"{d.num_rollout_actors}: every rollout actor needs at least one prompt a step")

@@ -359,8 +359,11 @@ class ExperienceMakerHolder:
             sync_weights(self.actor.model, self.producer.engine)
 
     def state(self) -> dict[str, Any]:
-        """Version and identity (the driver's health check)."""
-        return {"name": holder_name(self.index), "version": self.version}
+        """Version and identity (the driver's health check), the next step it generates in order and its maker's
+        running statistics (every actor holds the same)."""
+        with self._lock:
+            return {"name": holder_name(self.index), "version": self.version, "next_step": self._next_step,
+                    "running": running_state(self.maker.state_dict())}
 
     def scoring_weights(self) -> dict[str, torch.Tensor]:
         """The scoring actor copy's trainable tensors (tests compare them with the trainer's)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from mmrlhf.launch.ray.holder import holder_name
 from mmrlhf.launch.ray.ledger import min_rollout_version
@@ -56,6 +56,9 @@ class RolloutSchedule:
         self.restarts_before = 0  # what the runs before a resume restarted (the metric counts the whole run)
         self.failures: list[str] = []
         self.deferred: str | None = None  # why the run must stop (a rollout actor lost): raised at the next collect
+        # (shares, step): rollout actors begin at ``step`` (a restarted one: its running state and stream as they
+        # stood before it, RayRollouts._place); by default only the step they generate in order from
+        self.place: Callable[[Sequence[int], int], None] = self._expect
 
     def ask_ahead(self, step: int) -> None:
         """Every step up to ``step + k`` asked for (the last one the run trains at most); raises when a rollout actor
@@ -131,8 +134,6 @@ class RolloutSchedule:
 
     def on_failure(self, share: int, error: str) -> None:
         """Apply ``distributed.on_rollout_failure`` to the death of rollout actor ``share``."""
-        import ray
-
         message = f"rollout actor {holder_name(share)!r} died: {error}"
         self.failures.append(message)
         logger.error(message)
@@ -149,11 +150,16 @@ class RolloutSchedule:
             self.deferred = f"restarted {holder_name(share)!r} died again: {failed}"
             raise RolloutActorFailure(self.deferred)
         lost = sorted(key for key in self.pending if key[1] == share)
-        ray.get(self.pool.handles[share].expect.remote(lost[0][0] if lost else self.submitted + 1))  # in order
+        self.place([share], lost[0][0] if lost else self.submitted + 1)  # where the new actor begins
         for step, _ in lost:  # nothing of these reached the trainer (the ledger would refuse a second delivery)
             self._submit(step, share)
         logger.warning("restarted %r (%d/%d); regenerating steps %s", holder_name(share), self.restarts[share],
                        s.max_actor_restarts, [st for st, _ in lost])
+
+    def _expect(self, shares: Sequence[int], step: int) -> None:
+        import ray
+
+        ray.get([self.pool.handles[i].expect.remote(step) for i in shares])
 
     def restarted(self) -> int:
         """Rollout actor restarts over the whole run (resumes included)."""

@@ -51,8 +51,8 @@ class RaySettings:
     scoring_micro_batch_size: int = 16
     scoring_max_tokens: int | str | None = None
     report_steps: int = 0  # trainer.report_steps: rollout actor 0 sends those steps' report samples
-    # algorithm.dynamic_sampling: the (one) rollout actor reads the stream on from step to step (a resume sets
-    # where, rather than checking it)
+    # algorithm.dynamic_sampling: the rollout actors read the stream on from step to step (a resume or a restart
+    # sets where, rather than checking it)
     sequential: bool = False
 
 
@@ -65,11 +65,16 @@ class RayRollouts:
         self.schedule = RolloutSchedule(pool, ScheduleSettings(s.max_steps, s.max_staleness, s.on_rollout_failure,
                                                                s.max_actor_restarts, s.report_steps), self.weights)
         self.weights.on_dead = self._dead
+        self.schedule.place = self._place
         self.ledger, self.stats = ExperienceLedger(), StalenessStats()
         self.resume: dict[str, Any] | None = None
-        self.stream_after: dict[int, dict[str, Any]] = {}  # step -> the prompt stream's state after its prompts
-        # the rollout actor's running statistics (reward normalisation, adaptive KL) after the last trained step's
-        # shaping: what a checkpoint holds (steps generated ahead are regenerated from it at a resume)
+        # step -> the rollout actors' prompt stream and maker state after it (the running statistics: reward
+        # normalisation, adaptive KL; with dynamic sampling also the sampling calls), for the last few steps taken:
+        # where a checkpoint says the next step begins, and where a restarted actor regenerates from
+        self.stream_after: dict[int, dict[str, Any]] = {}
+        self.maker_after: dict[int, dict[str, Any]] = {}
+        # the running statistics after the last trained step's shaping: what a checkpoint holds (steps generated
+        # ahead are regenerated from it at a resume)
         self.running: dict[str, Any] = {}
         self.waits = WaitShares()
 
@@ -80,15 +85,12 @@ class RayRollouts:
             import ray
 
             maker = self.resume.get("maker", {})
-            if self.s.sequential:  # dynamic sampling: the stream and the sampling calls go on where they stood
-                self.running = dict(maker)
-                ray.get([h.load_position.remote(step, self.resume["stream"], maker) for h in self.pool.handles])
-            else:
+            if not self.s.sequential:  # (dynamic sampling: the stream goes on where it stood, whatever the step)
                 check_position(self.pool.handles[0], step, self.resume["stream"])
-                self.running = running_state(maker)
-                if self.running:  # before anything is generated again, in flight at the save or not
-                    ray.get([h.load_running_state.remote(self.running) for h in self.pool.handles])
-                ray.get([h.expect.remote(step) for h in self.pool.handles])  # the steps they generate in order
+            # dynamic sampling: the stream and the sampling calls go on where they stood; else the running state
+            self.running = dict(maker) if self.s.sequential else running_state(maker)
+            self.stream_after[step - 1], self.maker_after[step - 1] = self.resume["stream"], self.running
+            self._place(range(self.pool.count), step)  # before anything is generated again, in flight or not
             for entry in self.resume.get("inflight", []):  # what was in flight at the save, with its version
                 self.weights.send(self.resume["tensors"][entry["version"]], range(self.pool.count), entry["version"])
                 self.schedule.submit_step(entry["step"], self._replays(entry))
@@ -140,8 +142,10 @@ class RayRollouts:
         t0 = time.perf_counter()
         self.schedule.ask_ahead(step)
         metas = [self.schedule.await_share(step, share) for share in range(self.pool.count)]
-        self.stream_after = {step: metas[0]["stream"]}
-        self.running = metas[0].get("maker", {})
+        self.stream_after[step], self.maker_after[step] = metas[0]["stream"], metas[0].get("maker", {})
+        self.running = self.maker_after[step]  # (every actor's: they take the step's statistics together)
+        for old in [s for s in self.stream_after if s < step - self.s.max_staleness - 2]:
+            del self.stream_after[old], self.maker_after[old]
         waited = time.perf_counter() - t0
         payloads = self.schedule.take(step)
         staleness = [check_staleness(self.weights.version, p["version"], self.s.max_staleness) for p in payloads]
@@ -184,6 +188,22 @@ class RayRollouts:
         is handled at once (:meth:`_dead`)."""
         metrics, _ = self.weights.push(range(self.pool.count))
         return metrics
+
+    def _place(self, shares: Sequence[int], step: int) -> None:
+        """Rollout actors ``shares`` begin at step ``step`` (a resume: every actor; a restart: the new one, at its
+        first lost step): they generate in order from there, with the running state, and with dynamic sampling the
+        stream and the sampling calls, as they stood after the step before it (the record of that step, taken or
+        read from the checkpoint; a run's very first step needs none)."""
+        import ray
+
+        handles = [self.pool.handles[i] for i in shares]
+        stream, maker = self.stream_after.get(step - 1), self.maker_after.get(step - 1, {})
+        if self.s.sequential and stream is not None:
+            ray.get([h.load_position.remote(step, stream, maker) for h in handles])
+            return
+        if running_state(maker):
+            ray.get([h.load_running_state.remote(running_state(maker)) for h in handles])
+        ray.get([h.expect.remote(step) for h in handles])
 
     def _dead(self, share: int, error: str) -> bool:
         """Rollout actor ``share`` died receiving a version: restarted (its lost steps asked for again), or, where
