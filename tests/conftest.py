@@ -16,6 +16,15 @@ os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Each pytest-xdist worker gets its share of the cores for OpenMP (torch's and vLLM's CPU kernels), and so do the
+# processes it starts (mmrlhf.testing.suite_order.worker_threads says why). OpenMP reads it once, when torch loads.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    assert "torch" not in sys.modules, "torch was imported before tests/conftest.py could size its OpenMP threads"
+    from mmrlhf.testing.suite_order import worker_threads
+
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads(len(os.sched_getaffinity(0)),
+                                                       int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
     # A run that collects nothing is a broken run (wrong path, import-time skip, bad marker expression), never a

@@ -1,12 +1,13 @@
 """The order the suite hands its files to its workers (mmrlhf.testing.suite_order): the longest measured files
 first, the rest after in collection order, each file's tests in their own order; and the measured seconds read from
-a pytest durations table."""
+a pytest durations table; each worker's share of the cores for OpenMP."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from mmrlhf.testing.suite_order import file_seconds, longest_files_first
+from mmrlhf.testing.suite_order import file_seconds, longest_files_first, worker_threads
 
 
 @dataclass
@@ -34,3 +35,13 @@ FAILED tests/launch/test_one_loop.py::test_x - AssertionError: 1.5s
 """
     assert file_seconds(log) == {"tests/launch/test_ray_training.py": 421.33 + 352.71 + 0.5,
                                  "tests/launch/test_torchrun.py": 96.85}
+
+
+def test_each_worker_runs_openmp_on_its_share_of_the_cores():
+    assert [worker_threads(2, 2), worker_threads(16, 2), worker_threads(2, 4), worker_threads(3, 0)] == [1, 8, 1, 3]
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is not None and os.environ.get("OMP_NUM_THREADS") == str(
+            worker_threads(len(os.sched_getaffinity(0)), int(workers))):  # tests/conftest.py set it (not the user)
+        import torch
+
+        assert torch.get_num_threads() == worker_threads(len(os.sched_getaffinity(0)), int(workers))
