@@ -129,6 +129,7 @@ def test_the_in_process_judge_answers_from_any_thread_after_torch_set_its_thread
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     env.pop("VLLM_DIST_IDENT", None)
+    env.pop("OMP_NUM_THREADS", None)  # OpenMP's default for a new thread must be the core count (the suite sets 1)
     done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     out = done.stdout
