@@ -74,10 +74,12 @@ class AlgorithmConfig(Section):
     """How a sample's recipe terms make its reward. ``sum``: ``sum_c w_c s_c`` of the raw scores. ``per_component``
     (GDPO): each term z-scored within the sample's group first, ``sum_c w_c (s_c - mean_g) / (std_g +
     advantage_eps)`` (0 where the term is constant in the group; a term a sample has no score for is left out of the
-    statistics and adds 0), so a term with a large spread (a 0/1 format check) cannot drown the others. Applied
-    before the overlong penalty and everything after it; dynamic sampling filters on this reward; evaluation reports
-    the raw sum. GDPO's own advantage: ``norm_by_std: false`` with ``advantage_whitening: batch``
-    (docs/algorithms.md says why ``grpo``'s group std would partly undo the weights)."""
+    statistics and adds 0), so a term with a large spread (a 0/1 format check) cannot drown the others. The overlong
+    penalty and the agent's tool bonus are two more such terms, weighted by their own size (the penalty's factor,
+    the bonus); reward normalisation, clipping and the estimator follow; dynamic sampling filters on the recipe's
+    terms; evaluation reports the raw sum. GDPO's own advantage: ``norm_by_std: false`` with
+    ``advantage_whitening: batch`` (docs/algorithms.md says why ``grpo``'s group std would partly undo the
+    weights)."""
     reward_clip: float | None = Field(default=None, gt=0.0)
     """Clip rewards to ``[-reward_clip, reward_clip]``; None disables it."""
     advantage_whitening: Literal["none", "batch", "global"] = "none"

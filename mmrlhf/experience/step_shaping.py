@@ -46,26 +46,40 @@ def step_sum(world: World) -> Callable[[Tensor], Tensor]:
     return total
 
 
-def combined_rewards(rewards: RewardResult, groups: Tensor, *, combination: str = "sum",
-                     eps: float = 1e-6) -> Tensor:
+def combined_rewards(rewards: RewardResult, groups: Tensor, *, combination: str = "sum", eps: float = 1e-6,
+                     extra: dict[str, tuple[Tensor, float]] | None = None) -> Tensor:
     """``[N]`` float32 rewards the step trains on, from the reward engine's answer and the ``[N]`` group ids
     (``algorithm.reward_combination``): ``sum``, the engine's weighted sum of raw scores; ``per_component``, the
     weighted sum of each recipe term's z-score within its group (:mod:`mmrlhf.algorithms.reward_components`), over
     the valid samples only (a masked one is alone in its group and gets 0). Group-local, so a rank's share, or a
     round of dynamic sampling, gives each sample what the whole step gives it: groups never straddle either.
 
+    ``extra``: terms the trainer adds to the recipe's (the overlong penalty, the agent's tool bonus), name -> (``[N]``
+    values, weight). ``sum`` adds the values as they are; ``per_component`` makes each one more component, z-scored
+    in its group like the recipe's terms and weighted by its own size (the penalty's factor, the bonus), so it
+    counts beside the recipe's unit-spread terms as the recipe's weights say, not by its raw scale.
+
     Why a function apart: dynamic sampling's group filter and the shaping must rank samples by the same reward, and
     evaluation keeps reporting the raw one (``RewardResult.rewards`` is never overwritten)."""
+    extra = extra or {}
     if combination == "sum":
-        return rewards.rewards.float()
+        out = rewards.rewards.float()
+        for values, _ in extra.values():
+            out = out + values.to(out)
+        return out
     if combination != "per_component":
         raise ValueError(f"reward combination must be 'sum' or 'per_component', got {combination!r}")
     names = sorted(rewards.sources)
     if not rewards.weights or not names:
         raise ValueError("algorithm.reward_combination=per_component needs each sample's recipe weights "
                          "(RewardResult.weights, filled by the RewardComputationEngine)")
-    scores = torch.stack([rewards.sources[k] for k in names], dim=1)  # [N, C]
-    weights = torch.stack([rewards.weights.get(k, torch.zeros_like(rewards.sources[k])) for k in names], dim=1)
+    columns = [rewards.sources[k] for k in names]
+    weighs = [rewards.weights.get(k, torch.zeros_like(rewards.sources[k])) for k in names]
+    for values, weight in extra.values():
+        columns.append(values.to(columns[0]))
+        weighs.append(torch.full_like(columns[0], float(weight)))
+    scores = torch.stack(columns, dim=1)  # [N, C + extra]
+    weights = torch.stack(weighs, dim=1)  # [N, C + extra]
     valid = rewards.valid
     group_ids = isolate_invalid(torch.as_tensor(groups, dtype=torch.long), valid)  # [N]
     out = per_component_rewards(scores, weights, group_ids, eps=eps).float()  # [N]
@@ -80,21 +94,23 @@ def shape_step(s: ExperienceSettings, *, groups: list[int], rewards: RewardResul
     """This rank's share of the step (``[N]`` groups, rewards and response lengths, ``[N, A]`` action mask and
     scores) -> ``[N, A]`` advantages, returns, trained mask and KL, ``[N]`` shaped rewards, validity and groups, and
     metrics. ``reward_norm`` and ``kl_controller`` are updated from the whole step's rewards and KL. ``bonus``
-    (``[N]``, e.g. ``agent.tool_bonus``) is added to the rewards first, with the overlong penalty.
+    (``[N]``, e.g. ``agent.tool_bonus``) joins the recipe's terms with the overlong penalty (:func:`combined_rewards`:
+    added under ``sum``, one more z-scored component each under ``per_component``).
     ``teacher_log_probs`` ``[N, A]`` (``settings.distill_coef > 0``): the teacher's scores of the sampled tokens; the
     distillation advantage they give is added to the estimator's, before whitening and clipping (per token, so no
     step-wide statistic: each rank adds its own share's; the ``distill/*`` metrics are this rank's)."""
     total = step_sum(world)
     valid = rewards.valid.clone()  # [N]
-    seq_reward = combined_rewards(rewards, torch.tensor(groups, dtype=torch.long), combination=s.reward_combination,
-                                  eps=s.reward_component_eps).clone()  # [N]
     metrics: dict[str, float] = {}
+    extra: dict[str, tuple[Tensor, float]] = {}
     if s.overlong_buffer_len > 0:
         pen, m = overlong_penalty(lengths, max_new_tokens, s.overlong_buffer_len, s.overlong_penalty_factor)
-        seq_reward = seq_reward + pen
+        extra["overlong_penalty"] = (pen, s.overlong_penalty_factor)
         metrics.update({k: float(v) for k, v in m.items()})
-    if bonus is not None:
-        seq_reward = seq_reward + bonus.to(seq_reward)
+    if bonus is not None:  # every paid trajectory gets the same bonus: its size is the largest
+        extra["tool_bonus"] = (bonus, float(bonus.abs().max()) if bonus.numel() else 0.0)
+    seq_reward = combined_rewards(rewards, torch.tensor(groups, dtype=torch.long), combination=s.reward_combination,
+                                  eps=s.reward_component_eps, extra=extra).clone()  # [N]
     if reward_norm is not None:
         seq_reward, m = _normalise_rewards(reward_norm, seq_reward, valid, world)
         metrics.update(m)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -102,6 +103,43 @@ def test_the_shaping_trains_on_the_per_component_reward():
     assert (summed["advantages"][:4, 0][right] < 0).all()  # summed: quality's spread outranks correctness
     assert (per_comp["advantages"][:4, 0][right] > 0).all()  # per component: the right answers are reinforced
     assert not per_comp["mask"][6].any() and per_comp["advantages"][6].eq(0).all()  # the failed sample trains nothing
+
+
+def _z(values, eps=1e-6):
+    """Z-scores within one group, written out (unbiased std; 0 for a constant group)."""
+    if max(values) == min(values):
+        return [0.0] * len(values)
+    mean, std = statistics.fmean(values), statistics.stdev(values) + eps
+    return [(v - mean) / std for v in values]
+
+
+def test_the_overlong_penalty_and_the_tool_bonus_are_components_too():
+    """Under ``per_component`` the trainer's own terms are z-scored in their group like the recipe's, each weighted by
+    its size (the penalty's factor 1, the bonus 0.2); under ``sum`` they are added as they are. Lengths 2..8 against
+    8 new tokens with a buffer of 4: penalties 0, -0.5, -1, 0 | -0.25, -0.25, (g: masked), -1."""
+    r = _result()
+    lengths = torch.tensor([2, 6, 8, 4, 5, 5, 7, 8])
+    bonus = torch.tensor([0.2, 0.0, 0.2, 0.0, 0.2, 0.0, 0.0, 0.0])
+
+    def shape(combination):
+        settings = ExperienceSettings(n_samples_per_prompt=4, reward_combination=combination, overlong_buffer_len=4,
+                                      overlong_penalty_factor=1.0)
+        return shape_step(settings, groups=GROUPS, rewards=r, lengths=lengths, max_new_tokens=8,
+                          mask=torch.ones(8, 2, dtype=torch.bool), log_probs=torch.zeros(8, 2), ref_log_probs=None,
+                          values=None, reward_norm=None, kl_controller=None, world=single(), bonus=bonus)
+
+    pen = [0.0, -0.5, -1.0, 0.0, -0.25, -0.25, -0.75, -1.0]
+    valid1 = [4, 5, 7]  # g (6) is masked: alone in its group, reward 0
+    z_pen = _z(pen[:4]) + [0.0] * 4
+    z_bonus = _z(bonus[:4].tolist()) + [0.0] * 4
+    for i, zp, zb in zip(valid1, _z([pen[i] for i in valid1]), _z([float(bonus[i]) for i in valid1])):
+        z_pen[i], z_bonus[i] = zp, zb
+    want = [w + 1.0 * p + 0.2 * b for w, p, b in zip(_want_per_component(), z_pen, z_bonus)]
+    torch.testing.assert_close(shape("per_component")["seq_reward"], torch.tensor(want, dtype=torch.float32))
+    summed = shape("sum")["seq_reward"]
+    torch.testing.assert_close(summed, r.rewards.float() + torch.tensor(pen) + bonus)
+    raw = torch.tensor(_want_per_component()) + torch.tensor(pen) + bonus  # control: the terms added after
+    assert (shape("per_component")["seq_reward"] - raw)[:4].abs().max() > 0.1
 
 
 def test_dynamic_sampling_filters_on_the_reward_it_trains_on():
