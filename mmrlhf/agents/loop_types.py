@@ -6,6 +6,7 @@ finished trajectories it returns (:class:`AgentSample`, :class:`AgentResult`) an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,6 +80,9 @@ class LoopStats:
     calls_by_tool: dict[str, int] = field(default_factory=dict)
     empty: int = 0  # trajectories left out: ended before their first turn
     escaped: int = 0  # shown results whose text held an added token's string (escaped: mmrlhf.agents.plain_text)
+    trajectory_seconds: list[float] = field(default_factory=list)  # per kept trajectory: rollout start to its end
+    tool_wait: list[float] = field(default_factory=list)  # per kept trajectory: seconds waiting on tools
+    engine_busy: float = 0.0  # share of the rollout's seconds the engine was generating
 
     def metrics(self, samples: list[AgentSample]) -> dict[str, float]:
         """Per-step agent metrics (docs/agents.md lists them): means per trajectory and counts."""
@@ -95,6 +99,11 @@ class LoopStats:
             "agent/observation_tokens/mean": sum(len(s.policy_mask) - sum(s.policy_mask) for s in samples) / n,
             "agent/tool_latency/mean": sum(self.latency) / len(self.latency) if self.latency else 0.0,
             "agent/tool_latency/max": max(self.latency, default=0.0),
+            "agent/tool_wait_s/mean": sum(self.tool_wait) / len(self.tool_wait) if self.tool_wait else 0.0,
+            "agent/trajectory_s/p50": quantile(self.trajectory_seconds, 0.5),
+            "agent/trajectory_s/p95": quantile(self.trajectory_seconds, 0.95),
+            "agent/trajectory_s/max": max(self.trajectory_seconds, default=0.0),
+            "agent/engine_busy_frac": self.engine_busy,
         }
         for kind in ERROR_KINDS:
             out[f"agent/errors/{kind}/count"] = float(self.errors.get(kind, 0))
@@ -105,3 +114,11 @@ class LoopStats:
         out["agent/ended/before_first_turn/count"] = float(self.empty)
         out["agent/escaped_texts/count"] = float(self.escaped)
         return out
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of ``values`` (0.0 for none): a value that occurred, never an interpolation."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

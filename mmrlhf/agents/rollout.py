@@ -11,6 +11,8 @@ Invariants (each checked or built in):
 
 - the engine's ids are the truth: a turn's tokens are appended as sampled and never decoded and re-encoded; each
   request's ids are the previous request's ids plus the turn plus the observation (append-only);
+- a turn is sampled from a seed of its trajectory and turn number (group and turn for the shared first turn), so
+  its tokens never depend on which other trajectories share its engine call;
 - policy tokens (mask 1) carry the engine's log-probs; observation tokens (mask 0) are attended to, never trained;
 - an observation is committed only if it fits the context budget with room for one more token, so ids and pixels
   never disagree and no image is ever cut (its failures are counted either way);
@@ -37,7 +39,7 @@ from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, Imag
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
 from mmrlhf.agents.types import ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
-from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed
+from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed, request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class _Live:
     ended: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     last_text: str = ""
+    tool_wait: float = 0.0  # seconds it waited on tools and environments (in lockstep: the step's, every turn)
+    ended_at: float | None = None  # seconds from the rollout's start to its end
 
     @property
     def ids(self) -> list[int]:
@@ -119,12 +123,13 @@ class AgentLoop:
         ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``)."""
         seconds = {"generate": 0.0, "tools": 0.0}
         stats = LoopStats()
+        start = time.perf_counter()
         live = [self._start(batch, k, n, contexts[k // n]) for k in range(len(batch))]
         skipped: dict[int, str] = {}
         if self.environment is not None:
             t_reset = time.perf_counter()
             self._reset_environments(live, stats)
-            seconds["tools"] += time.perf_counter() - t_reset
+            _waited(live, time.perf_counter() - t_reset, seconds)
         first_shared = all(not t.response and t.ended is None for t in live)
         turn = 0
         while True:
@@ -135,12 +140,20 @@ class AgentLoop:
             if turn == 0 and first_shared:
                 skipped = self._first_turn(active, n, sampling, stats)
             else:
-                self._next_turn(active, sampling, turn, stats)
+                self._next_turn(active, sampling, stats)
             seconds["generate"] += time.perf_counter() - t_gen
+            _mark_ended(live, time.perf_counter() - start)
             turn += 1
             t_obs = time.perf_counter()
-            self._observe([t for t in active if t.ended is None], stats)
-            seconds["tools"] += time.perf_counter() - t_obs
+            observing = [t for t in active if t.ended is None]
+            self._observe(observing, stats)
+            # a trajectory its turn ended (an answer, the turn budget) did not wait for the step's tools
+            parsed = ("max_turns",) if self.environment is not None else ("answer", "max_turns")
+            for t in observing:
+                if t.ended in parsed:
+                    t.ended_at = t_obs - start
+            _waited([t for t in observing if t.ended_at is None], time.perf_counter() - t_obs, seconds)
+            _mark_ended(live, time.perf_counter() - start)
         # A trajectory the budget ended before its first turn (an environment's first observation that does not
         # fit) has nothing to train: left out, counted and logged, never silently.
         empty = [t for t in live if t.group not in skipped and not any(t.mask)]
@@ -148,13 +161,18 @@ class AgentLoop:
             logger.warning("%d trajectories ended before their first turn (first: sample %d, %s); left out of the "
                            "step", len(empty), empty[0].sample_index, empty[0].ended)
         stats.empty = len(empty)
-        samples = [self._finish(t) for t in live if t.group not in skipped and any(t.mask)]
+        kept = [t for t in live if t.group not in skipped and any(t.mask)]
+        samples = [self._finish(t) for t in kept]
         if self.environment is not None:  # closed under the tool deadline; a close that fails is counted
             t_close = time.perf_counter()
             closed = self.runner.run_environment_closes([t.env for t in live])
             for failure in (f for f, _ in closed if f is not None):
                 stats.errors[failure.error] = stats.errors.get(failure.error, 0) + 1
             seconds["tools"] += time.perf_counter() - t_close
+        stats.trajectory_seconds = [t.ended_at if t.ended_at is not None else time.perf_counter() - start
+                                    for t in kept]
+        stats.tool_wait = [t.tool_wait for t in kept]
+        stats.engine_busy = seconds["generate"] / max(time.perf_counter() - start, 1e-9)
         return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
 
     def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> _Live:
@@ -179,9 +197,9 @@ class AgentLoop:
             return FailedEnvironment(f"Error: the environment could not be created ({type(exc).__name__}"
                                      f"{detail})"[:500])
 
-    def _request(self, t: _Live) -> GenerationRequest:
-        """The trajectory so far as a request: its ids (the engine takes them as they are: never re-tokenised)
-        and every image so far, with their processor tensors (the transformers engine reads those)."""
+    def _request(self, t: _Live, seed: int | None) -> GenerationRequest:
+        """The trajectory so far as a request: its ids (the engine takes them as they are: never re-tokenised),
+        every image so far, with their processor tensors (the transformers engine reads those), and its own seed."""
         ids = t.ids
         if self.adapter.engine_prompt_ids(ids) is None:
             raise ValueError(
@@ -191,7 +209,16 @@ class AgentLoop:
         return GenerationRequest(
             prompt="", prompt_token_ids=ids, images=list(t.images), vision_inputs=self._vision(t),
             mm_token_type_ids=list(self.adapter.mm_token_type_ids(ids)),
-            request_id=f"{t.context.record.get('id')}#{t.sample_index}")  # record id, then the trajectory
+            request_id=f"{t.context.record.get('id')}#{t.sample_index}",  # record id, then the trajectory
+            seed=seed)
+
+    @staticmethod
+    def _seed(sampling: SamplingSettings, turn: int, index: int, n: int) -> int | None:
+        """The seed of turn ``turn`` of trajectory ``index`` (turn 0: of group ``index``, whose ``n`` trajectories
+        draw from it ``+ j``). Why per trajectory and turn, not per engine call: a turn's tokens then depend on the
+        step's seed and the trajectory alone, never on which other trajectories share its call (the calls are
+        grouped by token cap, and a loop that does not wait for the others groups them by timing)."""
+        return None if sampling.seed is None else request_seed(mix_seed(sampling.seed, turn), index, n)
 
     def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: LoopStats) -> dict[int, str]:
         """One request per prompt with ``n`` completions (the group shares its first turn); returns the prompts the
@@ -200,9 +227,8 @@ class AgentLoop:
         skipped: dict[int, str] = {}
         for cap, members in self._buckets(range(len(heads)), heads):
             settings = self._settings(sampling, n=n, room=cap)
-            settings = dataclasses.replace(settings, seed=None if sampling.seed is None
-                                           else mix_seed(sampling.seed, 0, cap))
-            result = self.engine.generate([self._request(heads[i]) for i in members], settings)
+            result = self.engine.generate([self._request(heads[i], self._seed(sampling, 0, heads[i].group, n))
+                                           for i in members], settings)
             for out in result.outputs:
                 head = members[out.request_index]
                 self._check_echo(heads[head], out.prompt_token_ids)
@@ -215,7 +241,7 @@ class AgentLoop:
                     t.ended = "skipped"
         return skipped
 
-    def _next_turn(self, active: list[_Live], sampling: SamplingSettings, turn: int, stats: LoopStats) -> None:
+    def _next_turn(self, active: list[_Live], sampling: SamplingSettings, stats: LoopStats) -> None:
         """One request per live trajectory; each may generate what is left of its context (capped per turn)."""
         ready = []
         for t in active:
@@ -224,10 +250,10 @@ class AgentLoop:
             else:
                 ready.append(t)
         for cap, members in self._buckets(range(len(ready)), ready):
-            settings = dataclasses.replace(self._settings(sampling, n=1, room=cap), seed=None if sampling.seed is None
-                                           else mix_seed(sampling.seed, turn, cap))
+            settings = self._settings(sampling, n=1, room=cap)
             group = [ready[i] for i in members]
-            result = self.engine.generate([self._request(t) for t in group], settings)
+            result = self.engine.generate([self._request(t, self._seed(sampling, t.num_turns, t.sample_index, 1))
+                                           for t in group], settings)
             for out in result.outputs:
                 self._check_echo(group[out.request_index], out.prompt_token_ids)
                 self._append_turn(group[out.request_index], out.completions[0], stats)
@@ -454,6 +480,21 @@ class AgentLoop:
             sample_index=t.sample_index, group=t.group, prompt_ids=t.prompt_ids, response_ids=t.response,
             policy_mask=t.mask, engine_logprobs=t.logprobs, finished=ended in ("answer", "done"),
             vision=self._vision(t), images=t.images, trajectory=trajectory)
+
+
+def _waited(trajectories: list[_Live], seconds: float, phases: dict[str, float]) -> None:
+    """A tool phase of ``seconds``: every trajectory in it waited that long (the loop goes on when the step's last
+    call returns, so a trajectory waits for the slowest call of any)."""
+    phases["tools"] += seconds
+    for t in trajectories:
+        t.tool_wait += seconds
+
+
+def _mark_ended(live: list[_Live], now: float) -> None:
+    """Stamp the trajectories that ended since the last look with ``now`` (seconds since the rollout began)."""
+    for t in live:
+        if t.ended is not None and t.ended_at is None:
+            t.ended_at = now
 
 
 def _ordered(parsed: Any) -> list[tuple[str, Any]]:

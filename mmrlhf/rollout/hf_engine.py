@@ -125,7 +125,8 @@ class HFGenerateEngine(RolloutEngine):
         stops = sorted(set(self.stop_ids) | set(settings.stop_token_ids))
         sampler = SettingsSampler(
             settings, forbidden=forbidden_token_ids(self.adapter, settings), stop_ids=stops, prompt_width=width,
-            seeds=[stream_seed(base_seed, i, k, n) for i in chunk for k in range(n)],
+            seeds=[(int(requests[i].seed) + k if requests[i].seed is not None else stream_seed(base_seed, i, k, n))
+                   for i in chunk for k in range(n)],
         )
         config = GenerationConfig(
             max_new_tokens=settings.max_new_tokens, do_sample=False, num_beams=1, num_return_sequences=1,

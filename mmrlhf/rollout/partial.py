@@ -11,7 +11,8 @@ weights, so every token is exactly a sample of the version that produced it: tok
 engine reports for it is that distribution's.
 
 Seeds: segment 0 is the caller's call unchanged; a continuation segment ``s`` draws from ``mix_seed(seed, s)``, one
-stream per continued completion (its position among the continued ones, in request then sample order), so the
+stream per continued completion (its position among the continued ones, in request then sample order; a request
+that carries its own seed: sample ``j`` continues from ``mix_seed(request seed + j, s)``), so the
 tokens depend only on the seeds, the weights of each segment and where the versions changed: a checkpoint that
 records the versions per segment (:attr:`SegmentedResult.segment_versions`) regenerates the same tokens
 (``replay``).
@@ -111,7 +112,7 @@ def generate_in_segments(engine: Any, requests: list[GenerationRequest], setting
             break
         segment += 1
         versions.append(boundary(segment))
-        follow = [_continuation(requests[o.request], o) for o in live]
+        follow = [_continuation(requests[o.request], o, segment) for o in live]
         # every live completion filled each segment so far: they all hold segment * segment_tokens tokens
         result = engine.generate(follow, _segment_settings(settings, segment, 1, segment_tokens, len(live[0].ids)))
         seconds += result.seconds
@@ -148,12 +149,14 @@ def _segment_settings(settings: SamplingSettings, segment: int, n: int, segment_
                                min_new_tokens=min(cap, max(0, settings.min_new_tokens - done)), seed=seed)
 
 
-def _continuation(request: GenerationRequest, o: _Open) -> GenerationRequest:
+def _continuation(request: GenerationRequest, o: _Open, segment: int) -> GenerationRequest:
     """The completion so far as a prompt: the processor's prompt ids (vision pads expanded, what the engine takes as
-    ids) and the response, with the prompt's images and videos (token types: the response's tokens are text)."""
+    ids) and the response, with the prompt's images and videos (token types: the response's tokens are text). A
+    request that carries its own seed continues from a stream of its sample's own: ``mix_seed(seed + j, segment)``."""
     types = None if request.mm_token_type_ids is None else list(request.mm_token_type_ids) + [0] * len(o.ids)
+    seed = None if request.seed is None else mix_seed(int(request.seed) + o.sample, segment)
     return dataclasses.replace(request, prompt_token_ids=list(request.prompt_token_ids) + o.ids,
-                               mm_token_type_ids=types,
+                               mm_token_type_ids=types, seed=seed,
                                request_id=f"{request.request_id if request.request_id is not None else o.request}"
                                           f"#{o.sample}")
 

@@ -27,6 +27,11 @@ class GenerationRequest:
     vision_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # processor tensors of this prompt
     mm_token_type_ids: list[int] | None = None  # per prompt token: 0 text, 1 image pad, 2 video pad
     request_id: str | None = None  # the caller's record id, named in errors and skip reasons
+    # The request's own seed: sample j draws from seed + j, whatever the call's other requests and its
+    # SamplingSettings.seed (a multiple of n leaves room for the children: :func:`request_seed` makes one). None: the
+    # call's seed and the request's index decide (SamplingSettings). Why: a caller whose requests go to the engine
+    # in varying batches (an agent's turns) keeps each sample's stream its own.
+    seed: int | None = None
 
     def fps_of(self, i: int) -> float:
         return float(self.video_fps[i] if isinstance(self.video_fps, (list, tuple)) else self.video_fps)
@@ -86,6 +91,15 @@ def request_seed(seed: int, request_index: int, n: int) -> int:
     """Seed of request ``request_index``: a multiple of ``n``, so its samples ``+ 0 .. n-1`` (vLLM seeds the j-th
     child of a request with ``request seed + j``) never reach another request's."""
     return (mix_seed(seed, request_index) % ((1 << 62) // max(n, 1))) * n
+
+
+def seed_of(request: GenerationRequest, settings: SamplingSettings, index: int) -> int | None:
+    """The seed of request ``index`` of a call (its sample ``j`` draws from it ``+ j``): the request's own
+    (:attr:`GenerationRequest.seed`) where the caller set one, else :func:`request_seed` of the call's seed (``None``:
+    the call is unseeded)."""
+    if request.seed is not None:
+        return int(request.seed)
+    return None if settings.seed is None else request_seed(settings.seed, index, settings.n)
 
 
 def stream_seed(seed: int, request_index: int, sample_index: int, n: int) -> int:

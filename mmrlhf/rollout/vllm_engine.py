@@ -20,7 +20,7 @@ from mmrlhf.rollout.types import (
     RequestRejectedError,
     SamplingSettings,
     request_name,
-    request_seed,
+    seed_of,
 )
 from mmrlhf.rollout.vllm_setup import (
     cuda_available,
@@ -180,14 +180,16 @@ class VLLMEngine(RolloutEngine):
         self.lora_enabled = bool(lora_rank)  # weight_sync sends this engine adapters instead of merged weights
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def _sampling_params(self, settings: SamplingSettings, index: int) -> Any:
+    def _sampling_params(self, settings: SamplingSettings, request: GenerationRequest, index: int) -> Any:
         """vLLM parameters of request ``index``. ``per_sample``: vLLM seeds the j-th of its ``n`` children
         ``seed + j`` (``vllm/v1/engine/parallel_sampling.py``), so the request's own seed is ``seed + index * n``:
         sample j of request i then draws from ``seed + i * n + j``, one stream per sample (``SamplingSettings.seed``).
-        ``per_step``: no per-request seed (the call seeds the default generators, see :meth:`generate`)."""
+        ``per_step``: no per-request seed (the call seeds the default generators, see :meth:`generate`). A request
+        that carries its own seed (:attr:`GenerationRequest.seed`) is seeded with it in either mode."""
         from vllm import SamplingParams
 
-        per_request = settings.seed is not None and self.seed_mode == "per_sample"
+        seed = request.seed if request.seed is not None else (
+            seed_of(request, settings, index) if self.seed_mode == "per_sample" else None)
 
         return SamplingParams(
             n=settings.n,
@@ -199,7 +201,7 @@ class VLLMEngine(RolloutEngine):
             min_tokens=settings.min_new_tokens,
             stop=list(settings.stop) or None,
             stop_token_ids=list(settings.stop_token_ids) or None,
-            seed=request_seed(settings.seed, index, settings.n) if per_request else None,
+            seed=seed,
             logprobs=0 if settings.logprobs else None,
             logit_bias=forbid_tokens_bias(forbidden_token_ids(self.adapter, settings)),
         )
@@ -234,7 +236,7 @@ class VLLMEngine(RolloutEngine):
         if not keep:
             return []
         inputs = [self._vllm_input(requests[i]) for i in keep]
-        params = [self._sampling_params(settings, i) for i in keep]
+        params = [self._sampling_params(settings, requests[i], i) for i in keep]
         settle_cpu_threads()  # callers may be on any thread (an agent's rollout, a reward's executor)
         try:
             raw = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._lora_request)

@@ -1,9 +1,12 @@
 """Engine vs trainer on multi-turn trajectories with images in two or more observations, per family: the vLLM
 engine (float32 on the CPU) samples every turn, an environment answers each with an image, and ActorVL scores the
 whole trajectory in every layout at the sampling temperature; the policy tokens' log-probs agree within
-FP32_TOLERANCE. Control: the same trajectories with one observation image's pixels changed must not."""
+FP32_TOLERANCE. Control: the same trajectories with one observation image's pixels changed must not. And the
+trajectories do not depend on how the loop's requests are split into engine calls."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from mmrlhf.experience.agent_rows import encoder_of
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 from mmrlhf.models.actor import ActorVL
-from mmrlhf.rollout.types import SamplingSettings
+from mmrlhf.rollout.types import GenerationResult, SamplingSettings
 from mmrlhf.testing.tiny_models import tiny_model_dir
 from mmrlhf.testing.tolerances import FP32_TOLERANCE
 
@@ -43,6 +46,26 @@ def _diffs(actor, pieces, layout, vision):
     return worst
 
 
+class OneByOne:
+    """The engine asked for each request of a call alone, the last first (what a loop that does not wait for the
+    other trajectories sends it)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, 0
+
+    def generate(self, requests, settings):
+        outputs, skipped = [], {}
+        for i in reversed(range(len(requests))):
+            got = self.engine.generate([requests[i]], settings)
+            self.calls += 1
+            outputs += [dataclasses.replace(o, request_index=i) for o in got.outputs]
+            skipped.update({i: reason for reason in got.skipped.values()})
+        return GenerationResult(sorted(outputs, key=lambda o: o.request_index), skipped)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_multi_turn_log_probs_match_the_engine(family):
     from mmrlhf.rollout.vllm_engine import VLLMEngine
@@ -62,10 +85,18 @@ def test_multi_turn_log_probs_match_the_engine(family):
     tok = processor.tokenizer
     keep = {tok.convert_tokens_to_ids(t) for t in ("red", "blue", "<|im_end|>")}
     forbidden = tuple(i for i in range(model.config.text_config.vocab_size) if i not in keep)
-    result = loop.run(batch, 3, SamplingSettings(n=3, temperature=T, max_new_tokens=16, seed=5,
-                                                 forbidden_token_ids=forbidden),
-                      [ToolContext(record={"id": "r"}, images=[image])])
+    sampling = SamplingSettings(n=3, temperature=T, max_new_tokens=16, seed=5, forbidden_token_ids=forbidden)
+    result = loop.run(batch, 3, sampling, [ToolContext(record={"id": "r"}, images=[image])])
+    # The same step with every engine call split into one call per trajectory, last first: the trajectories are the
+    # same (each turn's seed is its trajectory's), as a loop that sends each turn when it is ready needs.
+    loop.engine = OneByOne(engine)
+    alone = loop.run(batch, 3, sampling, [ToolContext(record={"id": "r"}, images=[image])])
     engine.close()
+    assert loop.engine.calls > 3 and len({len(s.response_ids) for s in result.samples}) > 1
+    for s, a in zip(result.samples, alone.samples, strict=True):
+        assert s.response_ids == a.response_ids and s.policy_mask == a.policy_mask
+        assert max(abs(x - y) for x, y in zip(s.engine_logprobs, a.engine_logprobs)) < FP32_TOLERANCE
+        assert torch.equal(s.vision["pixel_values"], a.vision["pixel_values"])
     pieces = result.samples
     for s in pieces:  # the prompt's image, reset's, then one per step: images in two or more observations
         assert s.vision["image_grid_thw"].shape[0] >= 3, s.trajectory.ended

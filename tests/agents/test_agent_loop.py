@@ -195,6 +195,32 @@ def test_every_failure_is_an_observation_and_counted(tiny):
     assert m["agent/errors/mean"] == 1.0
 
 
+class Slow(Tool):
+    name, description = "slow", "answers after 0.4 s"
+    parameters = {"type": "object", "properties": {}}
+
+    def __call__(self, arguments, context):
+        time.sleep(0.4)
+        return "done"
+
+
+def test_the_long_tail_and_tool_wait_per_trajectory(tiny):
+    """Trajectory 0 calls a tool that takes 0.4 s, trajectory 1 answers at once: 1's time ends with its turn and it
+    waits on no tool; 0 waits the call out. The engine generated for part of the rollout only."""
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    answer = _ids(tok, "red", "<|im_end|>")
+    image = Image.new("RGB", (112, 112), (200, 40, 40))
+    batch = _batch(data, 2, image)
+    engine = ScriptedEngine({0: [_call_ids(tok, '{"name": "slow", "arguments": {}}'), answer], 1: [answer]})
+    loop = _loop(tiny, engine, tools={"slow": Slow()})
+    m = loop.run(batch, 2, SamplingSettings(n=2, max_new_tokens=64), [_context(batch, image)]).metrics
+    assert 0.2 <= m["agent/tool_wait_s/mean"] < 0.2 + 0.5  # (0.4 + 0) / 2, with the thread's own overhead
+    assert m["agent/trajectory_s/max"] >= 0.4 > m["agent/trajectory_s/p50"]  # p50 of two: the shorter
+    assert m["agent/trajectory_s/p95"] == m["agent/trajectory_s/max"]
+    assert 0.0 < m["agent/engine_busy_frac"] < 0.5
+
+
 def test_budgets_end_trajectories_marked_never_cut_an_image(tiny):
     processor, adapter, data = tiny
     tok = processor.tokenizer

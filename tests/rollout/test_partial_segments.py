@@ -100,6 +100,19 @@ def test_unfinished_answers_continue_under_the_version_of_each_segment():
     assert len(engine.calls) == 3 and len(reqs) == 2
 
 
+def test_a_request_with_its_own_seed_continues_from_its_samples_own_streams():
+    """A request carrying its own seed (an agent's turn): sample j's continuation in segment s draws from
+    mix_seed(seed + j, s), whatever its position among the continued answers; a request without one keeps none."""
+    engine = ScriptedEngine({(1, 0): 6, (1, 1): 6, (3, 0): 6, (3, 1): 2})
+    requests = [dataclasses.replace(_requests()[0], seed=700), _requests()[1]]
+    generate_in_segments(engine, requests, SamplingSettings(n=2, max_new_tokens=8, seed=42), segment_tokens=4,
+                         boundary=lambda s: 0)
+    reqs, _ = engine.calls[1]
+    assert [r.request_id for r in reqs] == ["rec-a#0", "rec-a#1", "rec-b#0"]
+    assert [r.seed for r in reqs] == [mix_seed(700, 1), mix_seed(701, 1), None]
+    assert engine.calls[0][0][0].seed == 700  # segment 0 is the caller's request as it is
+
+
 def test_one_segment_when_every_answer_fits_and_no_seed_stays_none():
     engine = ScriptedEngine({(1, 0): 2, (3, 0): 3})
     result = generate_in_segments(engine, _requests(), SamplingSettings(max_new_tokens=8), segment_tokens=4,

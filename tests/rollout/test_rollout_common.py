@@ -151,6 +151,26 @@ def test_hf_engine_gives_every_sample_its_own_stream(hf_setup):
     assert not set(samples(nearby)) & set(samples(result))  # seed 22 is not seed 21 shifted by one sample
 
 
+def test_hf_engine_request_seeds_follow_the_request_not_the_call(hf_setup):
+    """A request that carries its own seed (GenerationRequest.seed) draws its samples from seed + j wherever it
+    sits in a call and whatever the call's seed; control: without it, the same request moved to another position
+    draws other tokens."""
+    import dataclasses
+
+    engine, _, processor = hf_setup
+    ids = processor.tokenizer("red green blue")["input_ids"]
+    own = GenerationRequest("p", prompt_token_ids=list(ids), seed=3000)
+    other = GenerationRequest("q", prompt_token_ids=list(ids))
+    samples = lambda result, i: [tuple(c.token_ids) for c in result.outputs[i].completions]  # noqa: E731
+    first = engine.generate([own, other], SamplingSettings(n=2, max_new_tokens=8, seed=21))
+    moved = engine.generate([other, other, own], SamplingSettings(n=2, max_new_tokens=8, seed=99))
+    assert samples(moved, 2) == samples(first, 0)
+    plain = dataclasses.replace(own, seed=None)
+    a = engine.generate([plain, other], SamplingSettings(n=2, max_new_tokens=8, seed=21))
+    b = engine.generate([other, other, plain], SamplingSettings(n=2, max_new_tokens=8, seed=21))
+    assert samples(a, 0) != samples(b, 2)
+
+
 def test_hf_engine_stop_strings(hf_setup):
     engine, model, processor = hf_setup
     tok = processor.tokenizer

@@ -191,15 +191,18 @@ def test_sampling_params_forbid_the_union_and_stride_seeds_by_n():
     engine.seed_mode = "per_sample"
     vision = engine.adapter.vision_special_token_ids()
     settings = SamplingSettings(n=4, seed=100, forbidden_token_ids=(7, 8))
-    params = [engine._sampling_params(settings, i) for i in range(3)]
+    params = [engine._sampling_params(settings, GenerationRequest("p"), i) for i in range(3)]
     assert all(set(p.logit_bias) == set(vision) | {7, 8} for p in params)
     assert all(v <= -100 for p in params for v in p.logit_bias.values())
     streams = [p.seed + j for p in params for j in range(settings.n)]  # vLLM's child j: request seed + j
     assert streams == [stream_seed(100, i, j, 4) for i in range(3) for j in range(4)]
     assert len(set(streams)) == 12
+    own = GenerationRequest("p", seed=4000)  # a request with its own seed keeps it, at any index, in either mode
+    assert [engine._sampling_params(settings, own, i).seed for i in range(3)] == [4000] * 3
     engine.seed_mode = "per_step"  # the call seeds the default generators instead: no request carries a seed
-    assert [engine._sampling_params(settings, i).seed for i in range(3)] == [None] * 3
-    assert engine._sampling_params(settings, 0).logit_bias == params[0].logit_bias
+    assert [engine._sampling_params(settings, GenerationRequest("p"), i).seed for i in range(3)] == [None] * 3
+    assert engine._sampling_params(settings, own, 2).seed == 4000
+    assert engine._sampling_params(settings, GenerationRequest("p"), 0).logit_bias == params[0].logit_bias
 
 
 def test_make_llm_arguments(monkeypatch):
