@@ -15,7 +15,8 @@ def agent_limits(cfg: AgentConfig, *, max_new_tokens: int, max_model_len: int) -
     context = min(cfg.max_context_tokens or max_model_len, max_model_len)
     return AgentLimits(max_turns=cfg.max_turns, max_tool_calls=cfg.max_tool_calls, max_context_tokens=context,
                        max_new_tokens_per_turn=cfg.max_new_tokens_per_turn or max_new_tokens,
-                       max_images=cfg.max_images, stop_at_tool_call=cfg.stop_at_tool_call)
+                       max_images=cfg.max_images, stop_at_tool_call=cfg.stop_at_tool_call,
+                       max_concurrent_trajectories=cfg.max_concurrent_trajectories)
 
 
 def build_tool_map(cfg: AgentConfig) -> dict[str, Any]:

@@ -33,7 +33,7 @@ raises ``ValueError`` naming the image on one it cannot encode."""
 
 @dataclass(frozen=True)
 class AgentLimits:
-    """The budgets of one trajectory (from :class:`~mmrlhf.config.agent.AgentConfig`)."""
+    """The budgets of one trajectory, and how many run at once (from :class:`~mmrlhf.config.agent.AgentConfig`)."""
 
     max_turns: int = 4
     max_tool_calls: int = 8
@@ -41,6 +41,7 @@ class AgentLimits:
     max_new_tokens_per_turn: int = 1024
     max_images: int = 8
     stop_at_tool_call: bool = True
+    max_concurrent_trajectories: int | None = None  # whole groups per wave; None: the step's batch at once
 
 
 @dataclass

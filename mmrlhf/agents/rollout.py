@@ -120,11 +120,46 @@ class AgentLoop:
     # ---- the loop ----------------------------------------------------------------------------------------------
     def run(self, batch: Any, n: int, sampling: SamplingSettings, contexts: Sequence[ToolContext]) -> AgentResult:
         """Trajectories of every sample of ``batch`` (a processed, n-expanded batch: sample ``k`` belongs to prompt
-        ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``)."""
+        ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``).
+
+        With ``limits.max_concurrent_trajectories`` the groups run in waves of at most that many trajectories (whole
+        groups, one group at least), each wave's environments closed before the next starts; the trajectories are
+        those of one wave (each turn's seed is its trajectory's)."""
         seconds = {"generate": 0.0, "tools": 0.0}
         stats = LoopStats()
         start = time.perf_counter()
-        live = [self._start(batch, k, n, contexts[k // n]) for k in range(len(batch))]
+        skipped: dict[int, str] = {}
+        everyone: list[_Live] = []
+        for wave in self._waves(len(batch), n):
+            live = [self._start(batch, k, n, contexts[k // n]) for k in wave]
+            skipped.update(self._run_wave(live, n, sampling, stats, seconds, start))
+            everyone += live
+        # A trajectory the budget ended before its first turn (an environment's first observation that does not
+        # fit) has nothing to train: left out, counted and logged, never silently.
+        empty = [t for t in everyone if t.group not in skipped and not any(t.mask)]
+        if empty:
+            logger.warning("%d trajectories ended before their first turn (first: sample %d, %s); left out of the "
+                           "step", len(empty), empty[0].sample_index, empty[0].ended)
+        stats.empty = len(empty)
+        kept = [t for t in everyone if t.group not in skipped and any(t.mask)]
+        samples = [self._finish(t) for t in kept]
+        stats.trajectory_seconds = [t.ended_at if t.ended_at is not None else time.perf_counter() - start
+                                    for t in kept]
+        stats.tool_wait = [t.tool_wait for t in kept]
+        stats.engine_busy = seconds["generate"] / max(time.perf_counter() - start, 1e-9)
+        return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
+
+    def _waves(self, size: int, n: int) -> list[range]:
+        """The step's sample indices in waves of whole groups, at most ``max_concurrent_trajectories`` each (one
+        group at least); one wave without a limit."""
+        limit = self.limits.max_concurrent_trajectories
+        per = size if limit is None else max(1, limit // n) * n
+        return [range(lo, min(lo + per, size)) for lo in range(0, size, max(per, 1))]
+
+    def _run_wave(self, live: list[_Live], n: int, sampling: SamplingSettings, stats: LoopStats,
+                  seconds: dict[str, float], start: float) -> dict[int, str]:
+        """Every turn of ``live`` (whole groups), lockstep; returns the groups the engine skipped (group -> reason).
+        The wave's environments are closed at its end."""
         skipped: dict[int, str] = {}
         if self.environment is not None:
             t_reset = time.perf_counter()
@@ -154,26 +189,13 @@ class AgentLoop:
                     t.ended_at = t_obs - start
             _waited([t for t in observing if t.ended_at is None], time.perf_counter() - t_obs, seconds)
             _mark_ended(live, time.perf_counter() - start)
-        # A trajectory the budget ended before its first turn (an environment's first observation that does not
-        # fit) has nothing to train: left out, counted and logged, never silently.
-        empty = [t for t in live if t.group not in skipped and not any(t.mask)]
-        if empty:
-            logger.warning("%d trajectories ended before their first turn (first: sample %d, %s); left out of the "
-                           "step", len(empty), empty[0].sample_index, empty[0].ended)
-        stats.empty = len(empty)
-        kept = [t for t in live if t.group not in skipped and any(t.mask)]
-        samples = [self._finish(t) for t in kept]
         if self.environment is not None:  # closed under the tool deadline; a close that fails is counted
             t_close = time.perf_counter()
             closed = self.runner.run_environment_closes([t.env for t in live])
             for failure in (f for f, _ in closed if f is not None):
                 stats.errors[failure.error] = stats.errors.get(failure.error, 0) + 1
             seconds["tools"] += time.perf_counter() - t_close
-        stats.trajectory_seconds = [t.ended_at if t.ended_at is not None else time.perf_counter() - start
-                                    for t in kept]
-        stats.tool_wait = [t.tool_wait for t in kept]
-        stats.engine_busy = seconds["generate"] / max(time.perf_counter() - start, 1e-9)
-        return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
+        return skipped
 
     def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> _Live:
         ctx = dataclasses.replace(context, images=list(context.images), videos=list(context.videos),
@@ -221,8 +243,8 @@ class AgentLoop:
         return None if sampling.seed is None else request_seed(mix_seed(sampling.seed, turn), index, n)
 
     def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: LoopStats) -> dict[int, str]:
-        """One request per prompt with ``n`` completions (the group shares its first turn); returns the prompts the
-        engine skipped (request index -> reason)."""
+        """One request per prompt with ``n`` completions (the group shares its first turn); returns the groups the
+        engine skipped (the group's index in the step -> reason)."""
         heads = active[::n]  # every trajectory is live before the first turn: whole groups, in order
         skipped: dict[int, str] = {}
         for cap, members in self._buckets(range(len(heads)), heads):
@@ -236,7 +258,7 @@ class AgentLoop:
                     self._append_turn(active[head * n + j], completion, stats)
             for i, reason in result.skipped.items():
                 head = members[i]
-                skipped[head] = reason
+                skipped[heads[head].group] = reason
                 for t in active[head * n: (head + 1) * n]:
                     t.ended = "skipped"
         return skipped

@@ -6,11 +6,12 @@ without a timeout) must not block the others or the step. So every call runs off
 - plain tools in a pool of ``workers`` daemon threads; async tools (``async def __call__``) on one event loop
   running in its own daemon thread. Async tools must await, never block: a blocking one stalls every async call
   (the stalled calls time out, and later async calls get a fresh loop);
-- each call's deadline is ``timeout_s`` from the moment it starts running (a call queued behind busy workers is
-  not charged for the wait). Past it the call is answered with a ``timeout`` error. An async call is cancelled; a
-  thread cannot be stopped, so a late plain call is ABANDONED: its thread keeps running until the call returns (its
-  result is then dropped) and a replacement thread is started at once, so the pool keeps ``workers`` threads
-  available. A batch of n calls thus takes at most about ``ceil(n / workers) * timeout_s``;
+- each call's deadline is ``timeout_s`` from the moment it starts running (a call queued behind busy workers, or
+  behind its tool's ``max_concurrency`` calls already running, is not charged for the wait). Past it the call is
+  answered with a ``timeout`` error. An async call is cancelled; a thread cannot be stopped, so a late plain call is
+  ABANDONED: its thread keeps running until the call returns (its result is then dropped) and a replacement thread
+  is started at once, so the pool keeps ``workers`` threads available (and the call no longer counts against its
+  tool's ``max_concurrency``). A batch of n calls thus takes at most about ``ceil(n / workers) * timeout_s``;
 - the threads are daemons (a hung call never blocks the interpreter's exit; the standard ThreadPoolExecutor joins
   its threads at exit, which is why it is not used here);
 - an exception becomes a ``tool_raised`` answer naming the tool and the exception (the traceback is logged at
@@ -68,6 +69,7 @@ class _Job:
     call: Callable[[], Any]
     is_async: bool
     finish: Callable[[Any], Any]
+    bound: tuple[str, int] | None = None  # (tool name, its max_concurrency): at most that many of its calls run
     submitted: float | None = None
     started: float | None = None
     ended: float | None = None
@@ -166,6 +168,36 @@ class _DaemonPool:
             self._queue.put(None)
 
 
+class _Gate:
+    """Which of a batch's jobs may be submitted now: every job of a tool without a bound; of a bounded tool
+    (``_Job.bound``), at most its ``max_concurrency`` at once, in job order. A call the runner gave up on (its
+    deadline passed) leaves the gate: a hung call cannot keep its tool's later calls from ever starting."""
+
+    def __init__(self, order: list[int], work: Sequence[Any]) -> None:
+        self._queued = list(order)
+        self._work = work
+        self._running: dict[str, int] = {}
+
+    def admit(self) -> list[int]:
+        """The queued jobs that may start now (their tools' counts updated), in job order."""
+        ready, left = [], []
+        for i in self._queued:
+            bound = self._work[i].bound
+            if bound is None:
+                ready.append(i)
+            elif self._running.get(bound[0], 0) < bound[1]:
+                self._running[bound[0]] = self._running.get(bound[0], 0) + 1
+                ready.append(i)
+            else:
+                left.append(i)
+        self._queued = left
+        return ready
+
+    def leave(self, job: Any) -> None:
+        if job.bound is not None:
+            self._running[job.bound[0]] -= 1
+
+
 class ToolRunner:
     """Runs batches of tool calls / environment steps concurrently under a per-call deadline (module docstring).
 
@@ -214,11 +246,13 @@ class ToolRunner:
                 known = ", ".join(self.tools) or "none"
                 work.append(_Failure("unknown_tool", f"Error: unknown tool {call.name!r}. Available tools: {known}."))
                 continue
+            bound = getattr(tool, "max_concurrency", None)
             work.append(_Job(
                 label=call.name,
                 call=self._bind(tool, copy.deepcopy(call.arguments), context),
                 is_async=is_async_tool(tool),
                 finish=self._tool_finisher(call.name),
+                bound=None if bound is None else (call.name, int(bound)),
             ))
         return [(self._as_tool_result(outcome), seconds) for outcome, seconds in self._run(work)]
 
@@ -403,7 +437,8 @@ class ToolRunner:
         if self._closed:
             raise RuntimeError("the tool runner is closed")
         out: list[tuple[Any, float]] = [(item, 0.0) for item in work]
-        pending = {self._submit(item): i for i, item in enumerate(work) if isinstance(item, _Job)}
+        gate = _Gate([i for i, item in enumerate(work) if isinstance(item, _Job)], work)
+        pending = {self._submit(work[i]): i for i in gate.admit()}
         while pending:
             now = time.monotonic()
             deadlines = []
@@ -421,6 +456,9 @@ class ToolRunner:
                     out[i] = self._loop_blocked(future, job)
                 elif job.started is not None:
                     deadlines.append(job.started + self.timeout_s)
+                if future not in pending:  # answered (or given up on): its tool's next queued call may start
+                    gate.leave(job)
+            pending.update({self._submit(work[i]): i for i in gate.admit()})
             if not pending:
                 break
             # every running call has a deadline; a queued one is looked at again soon (it may start any time)

@@ -42,6 +42,10 @@ class Tool:
     name: str = ""
     description: str = ""
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    max_concurrency: int | None = None
+    """At most this many calls of the tool run at once (the runner queues the rest, uncharged, as it queues calls
+    behind busy workers): a bound for a backend that takes only so many requests. None: no bound of its own. The
+    config entry's ``max_concurrency`` overrides it."""
 
     def __call__(self, arguments: dict[str, Any], context: ToolContext) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not implement __call__(arguments, context)")
@@ -87,6 +91,9 @@ def check_tool(tool: Tool, spec: str) -> Tool:
         raise ToolSpecError(f"tool {spec!r}: parameters is not a valid JSON schema: {exc.message}") from exc
     if not callable(getattr(tool, "__call__", None)):
         raise ToolSpecError(f"tool {spec!r} has no __call__(arguments, context)")
+    bound = tool.max_concurrency
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ToolSpecError(f"tool {spec!r}: max_concurrency must be a positive int or None, got {bound!r}")
     return tool
 
 

@@ -63,7 +63,8 @@ def _construct(factory: Any, options: dict[str, Any], spec: str) -> Any:
 
 def build_tool(entry: str | ToolEntry | Mapping[str, Any]) -> Tool:
     """One configured tool: a registered name, ``module:Name`` or ``file.py:Name``, with ``options`` as keyword
-    arguments of its constructor (or factory). Errors name the spec and say what it resolved to."""
+    arguments of its constructor (or factory) and the entry's ``max_concurrency`` set on it. Errors name the spec
+    and say what it resolved to."""
     entry = _entry(entry)
     spec, options = entry.tool, dict(entry.options)
     target = TOOLS.get(spec)
@@ -85,6 +86,8 @@ def build_tool(entry: str | ToolEntry | Mapping[str, Any]) -> Tool:
     else:
         raise ToolSpecError(f"tool {spec!r} resolved to a {type(target).__name__}; expected a Tool subclass, a "
                             "Tool instance or a factory returning a Tool")
+    if entry.max_concurrency is not None:  # the entry's bound wins over the tool's own
+        tool.max_concurrency = entry.max_concurrency
     return check_tool(tool, spec)
 
 

@@ -18,6 +18,10 @@ class ToolEntry(Section):
     or a factory returning one)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the tool's constructor."""
+    max_concurrency: Optional[int] = Field(default=None, ge=1)
+    """At most this many calls of the tool run at once, over every trajectory of the rollout (the rest wait their
+    turn, not charged to their deadline): for a backend that takes only so many requests. None: the tool's own
+    ``Tool.max_concurrency`` (none for the built-ins); ``agent.tool_workers`` bounds every plain tool together."""
 
 
 class AgentConfig(Section):
@@ -58,6 +62,12 @@ class AgentConfig(Section):
     """Deadline of one tool call (or environment step); past it the call is answered with a ``timeout`` error."""
     tool_workers: int = Field(default=16, ge=1)
     """Tool calls run concurrently in a pool of this many threads (async tools on one event loop)."""
+    max_concurrent_trajectories: Optional[int] = Field(default=None, ge=1)
+    """Most trajectories (and so environment sessions) alive at once: the step's groups run in waves of at most this
+    many trajectories, whole groups (one group at least, so ``n`` when it is below ``n``), each wave's environments
+    closed before the next starts. For an environment or tool backend that holds only so many sessions. The
+    trajectories are the same whatever the waves (each turn samples from its own trajectory's seed); the step takes
+    longer (the waves do not overlap). None: the whole step at once."""
     stop_at_tool_call: bool = True
     """End a turn at ``</tool_call>`` (the engine stops there), so nothing the policy writes after a call is kept or
     trained; the template's end-of-turn token is then part of the observation."""

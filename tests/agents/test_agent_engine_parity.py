@@ -77,26 +77,33 @@ def test_multi_turn_log_probs_match_the_engine(family):
                      AgentLimits(max_turns=3, max_context_tokens=1024, max_new_tokens_per_turn=16, max_images=6),
                      [processor.tokenizer.eos_token_id], ToolRunner({}, workers=2, timeout_s=10, max_image_pixels=10**7),
                      environment=Colours)
-    image = colour((200, 40, 40), (112, 84))
-    batch = data.process_multimodal_batch(["<image>What color?"], [[image]], ["red"], n_samples_per_prompt=3,
-                                          record_ids=["r"])
+    image, other = colour((200, 40, 40), (112, 84)), colour((40, 40, 200), (84, 112))
+    batch = data.process_multimodal_batch(["<image>What color?"] * 2, [[image], [other]], ["red", "blue"],
+                                          n_samples_per_prompt=3, record_ids=["r", "s"])
+    contexts = [ToolContext(record={"id": "r"}, images=[image]), ToolContext(record={"id": "s"}, images=[other])]
     # A vocabulary of three tokens (two words, the end of turn): turns end by themselves within the cap. Both sides
     # sample / score that restricted distribution (with the vision tokens, which are never sampled).
     tok = processor.tokenizer
     keep = {tok.convert_tokens_to_ids(t) for t in ("red", "blue", "<|im_end|>")}
     forbidden = tuple(i for i in range(model.config.text_config.vocab_size) if i not in keep)
     sampling = SamplingSettings(n=3, temperature=T, max_new_tokens=16, seed=5, forbidden_token_ids=forbidden)
-    result = loop.run(batch, 3, sampling, [ToolContext(record={"id": "r"}, images=[image])])
-    # The same step with every engine call split into one call per trajectory, last first: the trajectories are the
-    # same (each turn's seed is its trajectory's), as a loop that sends each turn when it is ready needs.
+    result = loop.run(batch, 3, sampling, contexts)
+    # The same step with every engine call split into one call per trajectory, last first, and again in waves of one
+    # group (agent.max_concurrent_trajectories): the trajectories are the same (each turn's seed is its
+    # trajectory's), as a loop that sends each turn when it is ready needs.
+    waves = AgentLoop(engine, processor.tokenizer, adapter, encoder_of(data),
+                      dataclasses.replace(loop.limits, max_concurrent_trajectories=3),
+                      [processor.tokenizer.eos_token_id], loop.runner, environment=Colours)
+    in_waves = waves.run(batch, 3, sampling, contexts)
     loop.engine = OneByOne(engine)
-    alone = loop.run(batch, 3, sampling, [ToolContext(record={"id": "r"}, images=[image])])
+    alone = loop.run(batch, 3, sampling, contexts)
     engine.close()
-    assert loop.engine.calls > 3 and len({len(s.response_ids) for s in result.samples}) > 1
-    for s, a in zip(result.samples, alone.samples, strict=True):
-        assert s.response_ids == a.response_ids and s.policy_mask == a.policy_mask
-        assert max(abs(x - y) for x, y in zip(s.engine_logprobs, a.engine_logprobs)) < FP32_TOLERANCE
-        assert torch.equal(s.vision["pixel_values"], a.vision["pixel_values"])
+    assert loop.engine.calls > 6 and len({len(s.response_ids) for s in result.samples}) > 1
+    for other_run in (alone, in_waves):
+        for s, a in zip(result.samples, other_run.samples, strict=True):
+            assert s.response_ids == a.response_ids and s.policy_mask == a.policy_mask
+            assert max(abs(x - y) for x, y in zip(s.engine_logprobs, a.engine_logprobs)) < FP32_TOLERANCE
+            assert torch.equal(s.vision["pixel_values"], a.vision["pixel_values"])
     pieces = result.samples
     for s in pieces:  # the prompt's image, reset's, then one per step: images in two or more observations
         assert s.vision["image_grid_thw"].shape[0] >= 3, s.trajectory.ended

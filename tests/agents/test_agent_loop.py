@@ -277,6 +277,43 @@ def test_an_environment_answers_every_turn_with_images(tiny):
         assert s.trajectory.num_turns == 3
 
 
+class Sessions(Colours):
+    """Colours that counts its live sessions (made, not yet closed) across instances."""
+
+    live = most = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        Sessions.live += 1
+        Sessions.most = max(Sessions.most, Sessions.live)
+
+    def close(self) -> None:
+        Sessions.live -= 1
+
+
+@pytest.mark.parametrize("limit, most", [(None, 6), (3, 2), (1, 2)])
+def test_waves_bound_the_live_sessions_and_keep_the_trajectories(tiny, limit, most):
+    """Three prompts of two samples under ``max_concurrent_trajectories``: whole groups per wave (3 -> one group of
+    2; 1 -> still one group), every session closed before the next wave opens, the same samples in step order."""
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    image = Image.new("RGB", (112, 112), (200, 40, 40))
+    batch = data.process_multimodal_batch(["<image>What color?"] * 3, [[image]] * 3, ["red"] * 3,
+                                          n_samples_per_prompt=2, record_ids=["a", "b", "c"])
+    turns = {k: [_ids(tok, ("blue", "red", "green")[k % 3], "<|im_end|>")] * 4 for k in range(6)}
+    Sessions.live = Sessions.most = 0
+    loop = _loop(tiny, ScriptedEngine(turns), environment=Sessions,
+                 limits=AgentLimits(max_turns=4, max_new_tokens_per_turn=8, max_concurrent_trajectories=limit))
+    result = loop.run(batch, 2, SamplingSettings(n=2, max_new_tokens=8), [_context(batch, image)] * 3)
+    assert Sessions.most == most and Sessions.live == 0
+    assert [s.sample_index for s in result.samples] == list(range(6))
+    assert [s.group for s in result.samples] == [0, 0, 1, 1, 2, 2]
+    assert all(s.trajectory.ended == "done" for s in result.samples)
+    for s in result.samples:  # each trajectory's policy tokens are its own script's, whatever wave it ran in
+        policy = [t for t, m in zip(s.response_ids, s.policy_mask) if m]
+        assert policy == turns[s.sample_index][0] * s.trajectory.num_turns
+
+
 def test_an_environment_factory_that_raises_fails_its_trajectory_only(tiny):
     """The factory is user code run once per trajectory: one that raises (a sandbox that did not start; here
     ``sys.exit`` for the second trajectory) gives that trajectory its failure as the first observation, counted as

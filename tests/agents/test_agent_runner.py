@@ -252,3 +252,80 @@ def test_environment_resets():
     assert not intro.done and "from 1 to 100" in intro.observation.text
     assert none is None
     assert big.done and big.observation.error == "image_too_large"
+
+
+class Counting(Tool):
+    """Sleeps ``s`` and records how many of its calls ran at once."""
+
+    name = "counting"
+    parameters = {"type": "object", "properties": {"s": {"type": "number"}}}
+
+    def __init__(self, max_concurrency=None):
+        self.max_concurrency = max_concurrency
+        self.lock, self.now, self.most = threading.Lock(), 0, 0
+
+    def __call__(self, arguments, context):
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(arguments.get("s", 0.15))
+        with self.lock:
+            self.now -= 1
+        return "counted"
+
+
+class AsyncCounting(Counting):
+    name = "async_counting"
+
+    async def __call__(self, arguments, context):
+        self.now += 1  # one event loop: no lock needed
+        self.most = max(self.most, self.now)
+        await asyncio.sleep(arguments.get("s", 0.15))
+        self.now -= 1
+        return "counted"
+
+
+@pytest.mark.parametrize("cls", [Counting, AsyncCounting])
+def test_a_tools_max_concurrency_bounds_its_calls_and_not_the_others(cls):
+    """Six calls of a tool bounded to 2 run two at a time, each charged only its own 0.15 s; an unbounded tool's
+    calls in the same batch are not held behind them. Control: unbounded, the six run together."""
+    bounded = cls(max_concurrency=2)
+    with runner(bounded, Sleep(), workers=8) as r:
+        start = time.monotonic()
+        out = r.run([(ToolCall(bounded.name, {"s": 0.15}), CTX)] * 6 + [(ToolCall("sleep", {"s": 0.01}), CTX)])
+        elapsed = time.monotonic() - start
+    assert bounded.most == 2 and [res.text for res, _ in out[:6]] == ["counted"] * 6
+    assert all(seconds < 0.4 for _, seconds in out[:6])  # queued behind its bound: not charged for the wait
+    assert elapsed >= 3 * 0.15 and out[6][0].text == "slept 0.01"
+    free = cls()
+    with runner(free, workers=8) as r:
+        r.run([(ToolCall(free.name, {"s": 0.15}), CTX)] * 6)
+    assert free.most == 6
+
+
+def test_a_hung_call_leaves_its_tools_bound_at_its_deadline(hang):
+    """A tool bounded to one call at a time whose first call hangs: the runner gives up on it at its deadline and
+    the next call of the tool starts then (it does not wait for the abandoned thread)."""
+    hang.max_concurrency = 1
+    with runner(hang, workers=4, timeout_s=0.2) as r:
+        start = time.monotonic()
+        out = r.run([(ToolCall("hang", {}), CTX), (ToolCall("hang", {}), CTX)])
+        elapsed = time.monotonic() - start
+    assert [res.error for res, _ in out] == ["timeout", "timeout"]
+    assert 0.4 <= elapsed < 1.5, elapsed  # one deadline after the other, never forever
+
+
+def test_max_concurrency_from_the_config_entry():
+    from mmrlhf.agents.tool_base import ToolSpecError
+    from mmrlhf.agents.tools import build_tool
+    from mmrlhf.config import ConfigError, build_config
+
+    assert build_tool({"tool": "image_zoom", "max_concurrency": 3}).max_concurrency == 3
+    assert build_tool("image_zoom").max_concurrency is None
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        build_config({}, ["agent.tools=[{tool: image_zoom, max_concurrency: 0}]"])
+    bad = Counting(max_concurrency=0)
+    from mmrlhf.agents.tool_base import check_tool
+
+    with pytest.raises(ToolSpecError, match="max_concurrency must be a positive int"):
+        check_tool(bad, "counting")
