@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mmrlhf.cli import main
+from mmrlhf.rollout.vllm_setup import cpu_has_bf16_kernels
 from mmrlhf.testing import doctor, doctor_bench
 
 
@@ -21,6 +22,9 @@ def test_doctor_on_the_cpu_runs_the_cpu_checks_and_writes_the_table(tmp_path, ca
     rows = {r["name"]: r for r in json.loads((tmp_path / "doctor.json").read_text())["results"]}
     assert list(rows) == ["environment", "environment/patch_embed", "toy_run/sleep_off", "toy_run/sleep_on"]
     assert rows["environment"]["status"] == "pass" and "no CUDA device" in rows["environment"]["reason"]
+    # how this CPU's engine runs linear-attention layers
+    assert ("bf16 through vLLM's kernels" if cpu_has_bf16_kernels() else "a bf16 engine serves float32") in \
+        rows["environment"]["reason"]
     embed = rows["environment/patch_embed"]  # the CPU's ratio is information, never a failure
     assert embed["status"] == "pass" and embed["value"] > 0 and embed["details"]["device"] == "cpu"
     off = rows["toy_run/sleep_off"]

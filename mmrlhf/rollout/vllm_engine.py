@@ -301,9 +301,9 @@ class VLLMEngine(RolloutEngine):
                 yield pair
 
         if self._cpu:
-            from mmrlhf.rollout.vllm_cpu_weights import unpack_experts
+            from mmrlhf.rollout.vllm_cpu_weights import unpack_before_update
 
-            self.llm.apply_model(unpack_experts)
+            self.llm.apply_model(unpack_before_update)
         # Sent in the family's checkpoint form (e.g. fused experts split per expert), what the engine's loader reads.
         for bucket in iter_buckets(self.adapter.engine_weights(counted()), self.bucket_bytes):
             # Every worker gets the same picklable loader (module-level function + payload: vLLM's multiprocess

@@ -299,6 +299,12 @@ def make_llm(model_path: str, **settings: Any) -> Any:
                        "(mm_device_do_normalize=False)", model_path)
         host_normalise = True
     settings.setdefault("recurrent", has_recurrent_layers(model_path))
+    if device_type == "cpu" and settings["recurrent"]:
+        served, note = recurrent_cpu_dtype(engine_dtype(settings.get("dtype", "auto"), on_cuda=False),
+                                           cpu_has_bf16_kernels())
+        if note:
+            logger.warning("%s: %s", model_path, note)
+        settings["dtype"] = served
     kwargs = engine_kwargs(model_path, device_type=device_type, ranks=ranks, host_normalise=host_normalise,
                            **settings)
     device = engine_device(device_type, ranks)
@@ -321,6 +327,28 @@ def collect_orphaned_engines() -> None:
     collects garbage while it loads a model, after it made the new engine's groups, so without this the new engine's
     first step could fail ("pipeline model parallel group is not initialized")."""
     gc.collect()
+
+
+def cpu_has_bf16_kernels() -> bool:
+    """Whether this CPU has the instructions vLLM's bf16 CPU kernels for linear-attention layers are built on
+    (AVX-512 BF16; vLLM's own check for its C++ convolution). Without them bf16 is emulated (measured 4.5x slower
+    than float32 for a whole AVX2-only engine) and those kernels were never run in this project's tests."""
+    import torch
+
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check is not None and check())
+
+
+def recurrent_cpu_dtype(dtype: str, bf16_kernels: bool) -> tuple[str, str | None]:
+    """The dtype a CPU engine of a model with recurrent (Gated DeltaNet) layers serves in, asked for ``dtype``
+    (resolved), and the warning to log when it differs. bfloat16 runs vLLM's own bf16 kernels where the CPU has
+    ``bf16_kernels`` (tested: engine vs trainer at the bf16 tolerance); elsewhere the engine serves float32 through
+    this package's torch path of those layers (:mod:`mmrlhf.rollout.vllm_cpu_gdn`), exact and faster there."""
+    if dtype != "bfloat16" or bf16_kernels:
+        return dtype, None
+    return "float32", ("rollout.dtype=bfloat16 with linear-attention layers on a CPU without AVX-512 BF16: vLLM's "
+                       "bf16 kernels for them need it (they would emulate bf16, untested); serving float32 instead "
+                       "(exact against the trainer; set rollout.dtype=float32 to silence this)")
 
 
 def has_recurrent_layers(model_path: str) -> bool:

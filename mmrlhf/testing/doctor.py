@@ -61,6 +61,15 @@ def check_environment(opts: DoctorOptions) -> list[CheckResult]:
                             details=details)]
     where = details.get("gpu", "no CUDA device: the CPU checks run, the GPU-only ones are skipped")
     reason = f"trainer on {device} ({where}); {details.get('vllm', missing)}"
+    if missing is None and not torch.cuda.is_available():  # the CPU engine: how it runs linear-attention layers
+        from mmrlhf.rollout.vllm_setup import cpu_has_bf16_kernels
+
+        bf16 = cpu_has_bf16_kernels()
+        details["linear_attention_bf16"] = "vllm kernels" if bf16 else "served as float32"
+        reason += ("; linear-attention layers (Qwen3.5): float32 through mmrlhf's torch path, bf16 through vLLM's "
+                   "kernels (AVX-512 BF16 present)" if bf16 else
+                   "; linear-attention layers (Qwen3.5): float32 through mmrlhf's torch path (no AVX-512 BF16: a "
+                   "bf16 engine serves float32)")
     gib = details.get("gpu_memory_gib")
     return [CheckResult("environment", "pass", gib, "GPU GiB" if gib else "", reason, details=details),
             check_patch_embed(device, quick=opts.quick)]

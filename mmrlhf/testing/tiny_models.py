@@ -22,7 +22,9 @@ Variants (keywords of ``tiny_model_dir`` / ``build_tiny_model``):
 - ``tools=True`` with ``tool_calls=[...]`` / ``tool_names=[...]``: also the user's own tools' whole calls as single
   added tokens (:mod:`mmrlhf.testing.tiny_tool_calls`), so a toy task of one's own tool can run on a tiny model as
   the zoom task does; cached under a name that carries the tools' names and a hash of the calls, so the plain tool
-  variant keeps its name (``python -m mmrlhf.testing.tiny_models --help``).
+  variant keeps its name (``python -m mmrlhf.testing.tiny_models --help``);
+- ``linear_head_dim=64`` (hybrid families): the linear-attention layers' key and value head size (32 by default);
+  vLLM's bf16 CPU kernels for those layers take 64 or more (they refuse 32: "Unexpected head dim size").
 
 Why these settings:
 - text ``head_dim`` is 64: vLLM's CPU attention rejects small head sizes (16 fails, 64 works);
@@ -144,7 +146,8 @@ def cache_root() -> Path:
 
 def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *, tied: bool = False,
                    released_generation_config: bool = False, tools: bool = False,
-                   tool_calls: Sequence[str | Mapping[str, Any]] = (), tool_names: Sequence[str] = ()) -> Path:
+                   tool_calls: Sequence[str | Mapping[str, Any]] = (), tool_names: Sequence[str] = (),
+                   linear_head_dim: int | None = None) -> Path:
     """Path of a built tiny model (built on first use, then reused from the cache); variants: module docstring.
     ``tool_calls`` (``{"name": ..., "arguments": {...}}``, or its JSON text) and ``tool_names`` (one call without
     arguments each) need ``tools=True``; :func:`~mmrlhf.testing.tiny_tool_calls.call_token` gives a call's token.
@@ -155,7 +158,7 @@ def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int =
     _check(family, size)
     extra = _extra_calls(tools, tool_calls, tool_names)
     variant = ("-tied" if tied else "") + ("-relgen" if released_generation_config else "") + ("-tools" if tools else "")
-    variant += variant_suffix(extra)
+    variant += variant_suffix(extra) + (f"-lhd{linear_head_dim}" if linear_head_dim is not None else "")
     target = cache_root() / f"{family}-{size}-seed{seed}{variant}-{_factory_hash()}"
     if (target / "config.json").is_file():
         return target
@@ -164,7 +167,7 @@ def tiny_model_dir(family: Family = "qwen2_vl", size: Size = "tiny", seed: int =
     try:
         build_tiny_model(tmp, family=family, size=size, seed=seed, tied=tied,
                          released_generation_config=released_generation_config, tools=tools,
-                         tool_calls=tool_calls, tool_names=tool_names)
+                         tool_calls=tool_calls, tool_names=tool_names, linear_head_dim=linear_head_dim)
         try:
             tmp.rename(target)
         except OSError:
@@ -193,7 +196,8 @@ def _extra_calls(tools: bool, tool_calls: Sequence[str | Mapping[str, Any]], too
 
 def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Size = "tiny", seed: int = 0, *,
                      tied: bool = False, released_generation_config: bool = False, tools: bool = False,
-                     tool_calls: Sequence[str | Mapping[str, Any]] = (), tool_names: Sequence[str] = ()) -> Path:
+                     tool_calls: Sequence[str | Mapping[str, Any]] = (), tool_names: Sequence[str] = (),
+                     linear_head_dim: int | None = None) -> Path:
     """Build a model directory at ``out_dir`` (created if needed). Same arguments -> identical files."""
     import torch
 
@@ -204,7 +208,10 @@ def build_tiny_model(out_dir: str | Path, family: Family = "qwen2_vl", size: Siz
     dims = _DIMS[size]
     tokenizer = _build_tokenizer(dims.vocab, tools=tools, extra_calls=extra, template=chat_template(tools=tools, thinking=family in HYBRID))
     processor = _build_processor(family, tokenizer, chat_template(tools=tools, thinking=family in HYBRID))
-    config = _build_config(family, dims, tokenizer, tied=tied)
+    if linear_head_dim is not None and family not in HYBRID:
+        raise ValueError(f"linear_head_dim is for families with linear-attention layers ({', '.join(HYBRID)}), "
+                         f"not {family!r}")
+    config = _build_config(family, dims, tokenizer, tied=tied, linear_head_dim=linear_head_dim)
 
     model_cls = _model_class(family)
     # Deterministic init: seed the global generator only for the duration of the build.
@@ -341,7 +348,7 @@ def _token_ids(tokenizer) -> dict[str, int]:
     }
 
 
-def _build_config(family: str, dims: _Dims, tokenizer, *, tied: bool = False):
+def _build_config(family: str, dims: _Dims, tokenizer, *, tied: bool = False, linear_head_dim: int | None = None):
     import transformers
 
     ids = _token_ids(tokenizer)
@@ -383,7 +390,7 @@ def _build_config(family: str, dims: _Dims, tokenizer, *, tied: bool = False):
         if family in ("qwen3_vl", "qwen3_vl_moe"):
             vision["deepstack_visual_indexes"] = [0]  # deepstack features from the first vision block
         if family in HYBRID:
-            text.update(_hybrid_text(dims, head_dim))
+            text.update(_hybrid_text(dims, head_dim, linear_head_dim or 32))
         if family in MOE:
             text.update(_moe_text(family, dims))
         cfg_cls = {"qwen3_vl": transformers.Qwen3VLConfig, "qwen3_5": transformers.Qwen3_5Config,
@@ -395,7 +402,7 @@ def _build_config(family: str, dims: _Dims, tokenizer, *, tied: bool = False):
     return config
 
 
-def _hybrid_text(dims: _Dims, head_dim: int) -> dict[str, Any]:
+def _hybrid_text(dims: _Dims, head_dim: int, linear_head_dim: int = 32) -> dict[str, Any]:
     """Qwen3.5's decoder: Gated DeltaNet layers with every ``full_attention_interval``-th layer full attention
     (tiny: [linear, full]; small: three linear then one full, as released), a quarter of each head rotated
     (``partial_rotary_factor``, so the M-RoPE sections sum to ``head_dim / 8``), and more value than key heads in
@@ -408,7 +415,7 @@ def _hybrid_text(dims: _Dims, head_dim: int) -> dict[str, Any]:
         partial_rotary_factor=0.25,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section,
                          "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-        linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
         linear_num_key_heads=dims.heads, linear_num_value_heads=2 * dims.heads,
     )
 

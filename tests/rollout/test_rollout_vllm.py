@@ -11,6 +11,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.adapters import get_adapter
 from mmrlhf.rollout import vllm_setup
+from mmrlhf.rollout.vllm_setup import has_recurrent_layers
 from mmrlhf.rollout.types import GenerationRequest, PromptTooLongError, RequestRejectedError, SamplingSettings
 from mmrlhf.testing.engine_check import default_cases, restricted_copy, solid_image
 from mmrlhf.testing.tiny_models import tiny_model_dir
@@ -31,6 +32,11 @@ T = 0.7
     # tied embeddings; the same with routed experts (per-expert in the checkpoint, fused in transformers' memory) and
     # a gated shared expert; Qwen3-VL-MoE's fused experts, stored transposed in its checkpoints.
     ("qwen3_5", True, "float32", FP32_TOLERANCE),
+    # vLLM's own bf16 CPU kernels for the linear-attention layers (AVX-512 BF16 machines; elsewhere make_llm serves
+    # float32 instead, tested above), against the float32 trainer at the bf16 tolerance.
+    pytest.param("qwen3_5", True, "bfloat16", DEFAULT_TOLERANCE, marks=pytest.mark.skipif(
+        not vllm_setup.cpu_has_bf16_kernels(),
+        reason="vLLM's bf16 linear-attention CPU kernels need AVX-512 BF16; without it the engine serves float32")),
     ("qwen3_5_moe", False, "float32", FP32_TOLERANCE),
     ("qwen3_vl_moe", False, "float32", FP32_TOLERANCE),
 ])
@@ -42,7 +48,9 @@ def test_logprobs_match_the_actor_at_temperature_and_sync_is_verified(family, ti
     (a missed vision tower, a stale encoder cache or, for tied embeddings, a missed head would fail)."""
     from mmrlhf.rollout.vllm_engine import VLLMEngine
 
-    path = str(tiny_model_dir(family, tied=tied))
+    # vLLM's bf16 linear-attention kernels take a head size of 64 or more (the tiny default is 32)
+    hybrid_bf16 = dtype == "bfloat16" and has_recurrent_layers(str(tiny_model_dir(family)))
+    path = str(tiny_model_dir(family, tied=tied, **({"linear_head_dim": 64} if hybrid_bf16 else {})))
     adapter, processor = get_adapter(path), AutoProcessor.from_pretrained(path)
     engine = VLLMEngine(path, adapter, max_model_len=1024, weight_sync_bucket_mb=1, dtype=dtype,
                         limit_mm_per_prompt={"image": 2, "video": 1})
@@ -219,6 +227,34 @@ def test_make_llm_arguments(monkeypatch):
     assert seen["enable_chunked_prefill"] is False and seen["max_num_batched_tokens"] == 8192
     vllm_setup.make_llm(path, max_model_len=64, dtype="bfloat16")
     assert seen["dtype"] == "bfloat16" and seen["max_num_batched_tokens"] == vllm_setup.CPU_MAX_BATCHED_TOKENS
+
+
+def test_a_bf16_engine_of_a_hybrid_model_needs_the_cpus_bf16_kernels_or_serves_float32(monkeypatch, caplog):
+    """vLLM's bf16 CPU kernels for linear-attention layers are built on AVX-512 BF16: on a CPU without it a bf16
+    Qwen3.5 engine serves float32 (this package's torch path) with a warning saying why; with it, bf16 as asked. A
+    model without such layers keeps bf16 either way."""
+    import logging
+
+    import vllm
+
+    from mmrlhf.rollout import vllm_setup
+
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw) or "llm")
+    hybrid, plain = str(tiny_model_dir("qwen3_5")), str(tiny_model_dir("qwen2_vl"))
+    monkeypatch.setattr(vllm_setup, "cpu_has_bf16_kernels", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="mmrlhf.rollout.vllm_setup"):
+        vllm_setup.make_llm(hybrid, max_model_len=256, dtype="bfloat16")
+    assert seen["dtype"] == "float32" and "AVX-512 BF16" in caplog.text and hybrid in caplog.text
+    caplog.clear()
+    vllm_setup.make_llm(plain, max_model_len=256, dtype="bfloat16")
+    assert seen["dtype"] == "bfloat16" and not caplog.text
+    monkeypatch.setattr(vllm_setup, "cpu_has_bf16_kernels", lambda: True)
+    vllm_setup.make_llm(hybrid, max_model_len=256, dtype="bfloat16")
+    assert seen["dtype"] == "bfloat16" and not caplog.text
+    vllm_setup.make_llm(hybrid, max_model_len=256)  # auto on the CPU: float32, no warning
+    assert seen["dtype"] == "float32" and not caplog.text
+    assert vllm_setup.recurrent_cpu_dtype("float32", False) == ("float32", None)
 
 
 def test_seed_modes_per_request_seeds_or_one_seeded_call(small_context_engine):

@@ -24,6 +24,8 @@ def test_known_notices_are_dropped_and_others_kept():
     keep = _Keep()
     worker = logging.getLogger("vllm.v1.worker.cpu_worker")
     worker.addHandler(keep)
+    level = worker.level
+    worker.setLevel(logging.DEBUG)  # whatever VLLM_LOGGING_LEVEL the run has: the filter is what is tested
     try:
         assert sum(isinstance(f, vllm_quiet.DropKnown) for f in worker.filters) == 1
         worker.warning("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.")
@@ -32,15 +34,19 @@ def test_known_notices_are_dropped_and_others_kept():
         worker.warning("skip `torch.set_num_threads`: something new")  # same words, another message: shows
     finally:
         worker.removeHandler(keep)
+        worker.setLevel(level)
     assert keep.messages == ["Node 1 is not in available memory nodes [0].",
                              "skip `torch.set_num_threads`: something new"]
     other = logging.getLogger("vllm.some.other.module")  # a listed message on another logger is not touched
     keep = _Keep()
     other.addHandler(keep)
+    level = other.level
+    other.setLevel(logging.DEBUG)
     try:
         other.warning("Enforce eager set, disabling torch.compile")
     finally:
         other.removeHandler(keep)
+        other.setLevel(level)
     assert keep.messages == ["Enforce eager set, disabling torch.compile"]
 
 
