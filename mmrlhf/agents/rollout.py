@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
 from mmrlhf.agents.calls import parse_turn
 from mmrlhf.agents.environment import EnvironmentSpecError, FailedEnvironment
+from mmrlhf.agents.live import LiveTrajectory, mark_ended, waited
 from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, ImageEncoder, LoopStats
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
@@ -44,39 +44,6 @@ from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed, 
 logger = logging.getLogger(__name__)
 
 CALL_CLOSE = "</tool_call>"  # Qwen's hermes closing tag: a turn that makes calls ends here
-
-
-@dataclass
-class _Live:
-    """A trajectory under construction."""
-
-    sample_index: int
-    group: int
-    prompt_ids: list[int]
-    vision: dict[str, torch.Tensor]
-    images: list[Any]
-    context: ToolContext
-    env: Any = None
-    response: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = field(default_factory=list)
-    tool_pixels: list[torch.Tensor] = field(default_factory=list)
-    tool_grids: list[torch.Tensor] = field(default_factory=list)
-    turns: list[TurnRecord] = field(default_factory=list)
-    calls: int = 0
-    ended: str | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    last_text: str = ""
-    tool_wait: float = 0.0  # seconds it waited on tools and environments (in lockstep: the step's, every turn)
-    ended_at: float | None = None  # seconds from the rollout's start to its end
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt_ids + self.response
-
-    @property
-    def num_turns(self) -> int:
-        return sum(r.role == "assistant" for r in self.turns)
 
 
 class AgentLoop:
@@ -129,7 +96,7 @@ class AgentLoop:
         stats = LoopStats()
         start = time.perf_counter()
         skipped: dict[int, str] = {}
-        everyone: list[_Live] = []
+        everyone: list[LiveTrajectory] = []
         for wave in self._waves(len(batch), n):
             live = [self._start(batch, k, n, contexts[k // n]) for k in wave]
             skipped.update(self._run_wave(live, n, sampling, stats, seconds, start))
@@ -156,7 +123,7 @@ class AgentLoop:
         per = size if limit is None else max(1, limit // n) * n
         return [range(lo, min(lo + per, size)) for lo in range(0, size, max(per, 1))]
 
-    def _run_wave(self, live: list[_Live], n: int, sampling: SamplingSettings, stats: LoopStats,
+    def _run_wave(self, live: list[LiveTrajectory], n: int, sampling: SamplingSettings, stats: LoopStats,
                   seconds: dict[str, float], start: float) -> dict[int, str]:
         """Every turn of ``live`` (whole groups), lockstep; returns the groups the engine skipped (group -> reason).
         The wave's environments are closed at its end."""
@@ -164,7 +131,7 @@ class AgentLoop:
         if self.environment is not None:
             t_reset = time.perf_counter()
             self._reset_environments(live, stats)
-            _waited(live, time.perf_counter() - t_reset, seconds)
+            waited(live, time.perf_counter() - t_reset, seconds)
         first_shared = all(not t.response and t.ended is None for t in live)
         turn = 0
         while True:
@@ -177,7 +144,7 @@ class AgentLoop:
             else:
                 self._next_turn(active, sampling, stats)
             seconds["generate"] += time.perf_counter() - t_gen
-            _mark_ended(live, time.perf_counter() - start)
+            mark_ended(live, time.perf_counter() - start)
             turn += 1
             t_obs = time.perf_counter()
             observing = [t for t in active if t.ended is None]
@@ -187,8 +154,8 @@ class AgentLoop:
             for t in observing:
                 if t.ended in parsed:
                     t.ended_at = t_obs - start
-            _waited([t for t in observing if t.ended_at is None], time.perf_counter() - t_obs, seconds)
-            _mark_ended(live, time.perf_counter() - start)
+            waited([t for t in observing if t.ended_at is None], time.perf_counter() - t_obs, seconds)
+            mark_ended(live, time.perf_counter() - start)
         if self.environment is not None:  # closed under the tool deadline; a close that fails is counted
             t_close = time.perf_counter()
             closed = self.runner.run_environment_closes([t.env for t in live])
@@ -197,10 +164,10 @@ class AgentLoop:
             seconds["tools"] += time.perf_counter() - t_close
         return skipped
 
-    def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> _Live:
+    def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> LiveTrajectory:
         ctx = dataclasses.replace(context, images=list(context.images), videos=list(context.videos),
                                   model_image_sizes=list(context.model_image_sizes), state={}, trajectory_index=k)
-        return _Live(sample_index=k, group=k // n, prompt_ids=list(batch.all_prompt_token_ids[k]),
+        return LiveTrajectory(sample_index=k, group=k // n, prompt_ids=list(batch.all_prompt_token_ids[k]),
                      vision=dict(batch.all_vision_inputs[k]), images=list(batch.all_images[k]), context=ctx,
                      env=self._new_environment(k))
 
@@ -219,7 +186,7 @@ class AgentLoop:
             return FailedEnvironment(f"Error: the environment could not be created ({type(exc).__name__}"
                                      f"{detail})"[:500])
 
-    def _request(self, t: _Live, seed: int | None) -> GenerationRequest:
+    def _request(self, t: LiveTrajectory, seed: int | None) -> GenerationRequest:
         """The trajectory so far as a request: its ids (the engine takes them as they are: never re-tokenised),
         every image so far, with their processor tensors (the transformers engine reads those), and its own seed."""
         ids = t.ids
@@ -242,7 +209,7 @@ class AgentLoop:
         grouped by token cap, and a loop that does not wait for the others groups them by timing)."""
         return None if sampling.seed is None else request_seed(mix_seed(sampling.seed, turn), index, n)
 
-    def _first_turn(self, active: list[_Live], n: int, sampling: SamplingSettings, stats: LoopStats) -> dict[int, str]:
+    def _first_turn(self, active: list[LiveTrajectory], n: int, sampling: SamplingSettings, stats: LoopStats) -> dict[int, str]:
         """One request per prompt with ``n`` completions (the group shares its first turn); returns the groups the
         engine skipped (the group's index in the step -> reason)."""
         heads = active[::n]  # every trajectory is live before the first turn: whole groups, in order
@@ -263,7 +230,7 @@ class AgentLoop:
                     t.ended = "skipped"
         return skipped
 
-    def _next_turn(self, active: list[_Live], sampling: SamplingSettings, stats: LoopStats) -> None:
+    def _next_turn(self, active: list[LiveTrajectory], sampling: SamplingSettings, stats: LoopStats) -> None:
         """One request per live trajectory; each may generate what is left of its context (capped per turn)."""
         ready = []
         for t in active:
@@ -283,7 +250,7 @@ class AgentLoop:
                 group[i].ended = "context"
                 logger.warning("trajectory %s ended: %s", group[i].sample_index, reason)
 
-    def _check_echo(self, t: _Live, engine_ids: Sequence[int]) -> None:
+    def _check_echo(self, t: LiveTrajectory, engine_ids: Sequence[int]) -> None:
         """The engine must have seen exactly the trajectory's ids (vision pads expanded as the processor expands
         them): a difference means the engine's vision expansion or an image count disagrees with the trainer's,
         and every later log-prob would be scored on another sequence."""
@@ -295,7 +262,7 @@ class AgentLoop:
                 f"engine's prompt ids differ from the trajectory's at position {pos} ({len(engine_ids)} vs {len(ids)} "
                 "tokens): its vision expansion or image count disagrees with the processor's")
 
-    def _buckets(self, indices: Sequence[int], trajectories: Sequence[_Live]) -> list[tuple[int, list[int]]]:
+    def _buckets(self, indices: Sequence[int], trajectories: Sequence[LiveTrajectory]) -> list[tuple[int, list[int]]]:
         """Requests grouped by their new-token cap (the engine takes one setting per call): the per-turn cap where
         the context leaves room for it, else the largest power of two that fits (few calls, never past the
         budget)."""
@@ -321,7 +288,7 @@ class AgentLoop:
         return dataclasses.replace(sampling, n=n, max_new_tokens=max(1, room), stop_token_ids=tuple(sorted(stops)),
                                    stop=words, min_new_tokens=min(sampling.min_new_tokens, max(1, room)))
 
-    def _append_turn(self, t: _Live, completion: Any, stats: LoopStats) -> None:
+    def _append_turn(self, t: LiveTrajectory, completion: Any, stats: LoopStats) -> None:
         """Append a turn as sampled, through its first stop token (or, when turns end at their calls, the token that
         closes the first call: what an engine wrote past it is dropped, never trained)."""
         tokens = list(completion.token_ids)
@@ -358,12 +325,12 @@ class AgentLoop:
         return lo
 
     # ---- observations ------------------------------------------------------------------------------------------
-    def _observe(self, active: list[_Live], stats: LoopStats) -> None:
+    def _observe(self, active: list[LiveTrajectory], stats: LoopStats) -> None:
         """Parse every live trajectory's last turn, run all calls of the step together, append observations."""
         if self.environment is not None:
             self._observe_environment(active, stats)
             return
-        plans: list[tuple[_Live, list[Any]]] = []
+        plans: list[tuple[LiveTrajectory, list[Any]]] = []
         jobs: list[tuple[ToolCall, ToolContext]] = []
         for t in active:
             parsed = parse_turn(t.last_text, self.tools, remaining_calls=self.limits.max_tool_calls - t.calls)
@@ -397,7 +364,7 @@ class AgentLoop:
                     results.append(value)
             self._commit(t, results, latency, stats, environment=False)
 
-    def _observe_environment(self, active: list[_Live], stats: LoopStats) -> None:
+    def _observe_environment(self, active: list[LiveTrajectory], stats: LoopStats) -> None:
         ready = []
         for t in active:
             if t.num_turns >= self.limits.max_turns:
@@ -417,7 +384,7 @@ class AgentLoop:
                 continue
             self._commit(t, [step.observation], sec, stats, environment=True)
 
-    def _reset_environments(self, live: list[_Live], stats: LoopStats) -> None:
+    def _reset_environments(self, live: list[LiveTrajectory], stats: LoopStats) -> None:
         """Each environment's first observation, if it gives one, comes before the first turn (which is then
         generated per trajectory); resets run concurrently under the tool deadline. A reset that fails or times
         out gives its error as the first observation (counted by kind, as every failure); the environment's next
@@ -429,7 +396,7 @@ class AgentLoop:
                 t.info.update(first.info or {})
                 self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
 
-    def _commit(self, t: _Live, results: list[ToolResult], latency: float, stats: LoopStats, *, environment: bool,
+    def _commit(self, t: LiveTrajectory, results: list[ToolResult], latency: float, stats: LoopStats, *, environment: bool,
                 opening: bool = False) -> None:
         """Encode the results' images (capped), build the observation's tokens, append it if it fits."""
         results = self._cap_images(t, results)
@@ -471,7 +438,7 @@ class AgentLoop:
                                   images=[im for enc in encoded for im in (e.image for e in enc)], errors=errors,
                                   latency_s=latency))
 
-    def _cap_images(self, t: _Live, results: list[ToolResult]) -> list[ToolResult]:
+    def _cap_images(self, t: LiveTrajectory, results: list[ToolResult]) -> list[ToolResult]:
         """Results whose images would take the trajectory past ``max_images`` become ``too_many_images`` errors."""
         have, out = len(t.images), []
         for r in results:
@@ -484,7 +451,7 @@ class AgentLoop:
         return out
 
     # ---- results -----------------------------------------------------------------------------------------------
-    def _vision(self, t: _Live) -> dict[str, torch.Tensor]:
+    def _vision(self, t: LiveTrajectory) -> dict[str, torch.Tensor]:
         """The prompt's vision tensors with the tool images appended (image order = pad order in the ids)."""
         if not t.tool_pixels:
             return dict(t.vision)
@@ -495,28 +462,13 @@ class AgentLoop:
         out["image_grid_thw"] = torch.cat([g.reshape(-1, 3) for g in grids], dim=0)  # [images, 3]
         return out
 
-    def _finish(self, t: _Live) -> AgentSample:
+    def _finish(self, t: LiveTrajectory) -> AgentSample:
         ended = t.ended or "answer"
         trajectory = Trajectory(turns=t.turns, final_answer=t.last_text, ended=ended, info=t.info)
         return AgentSample(
             sample_index=t.sample_index, group=t.group, prompt_ids=t.prompt_ids, response_ids=t.response,
             policy_mask=t.mask, engine_logprobs=t.logprobs, finished=ended in ("answer", "done"),
             vision=self._vision(t), images=t.images, trajectory=trajectory)
-
-
-def _waited(trajectories: list[_Live], seconds: float, phases: dict[str, float]) -> None:
-    """A tool phase of ``seconds``: every trajectory in it waited that long (the loop goes on when the step's last
-    call returns, so a trajectory waits for the slowest call of any)."""
-    phases["tools"] += seconds
-    for t in trajectories:
-        t.tool_wait += seconds
-
-
-def _mark_ended(live: list[_Live], now: float) -> None:
-    """Stamp the trajectories that ended since the last look with ``now`` (seconds since the rollout began)."""
-    for t in live:
-        if t.ended is not None and t.ended_at is None:
-            t.ended_at = now
 
 
 def _ordered(parsed: Any) -> list[tuple[str, Any]]:
