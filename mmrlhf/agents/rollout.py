@@ -90,8 +90,8 @@ class AgentLoop:
         ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``).
 
         With ``limits.max_concurrent_trajectories`` the groups run in waves of at most that many trajectories (whole
-        groups, one group at least), each wave's environments closed before the next starts; the trajectories are
-        those of one wave (each turn's seed is its trajectory's)."""
+        groups, one group at least), each wave's environments closed before the next starts; the trajectories are the
+        same as in one wave (each turn's seed is its trajectory's)."""
         seconds = {"generate": 0.0, "tools": 0.0}
         stats = LoopStats()
         start = time.perf_counter()
