@@ -117,9 +117,9 @@ class RolloutConfig(Section):
     old-log-prob, reference and update forward (Routing Replay: the trainer's router probabilities still weight
     the chosen experts and get gradients). Engine and trainer kernels differ (bf16, GPUs), near-tie tokens then go
     to other experts in the two, and the ratio of such a token is off by far more than numeric noise; replay
-    removes that term (docs/models.md, measured there). Padded and packed layouts; the shared-prompt
-    layout (``trainer.shared_prompt``) is refused with ``replay``. ``none``: nothing recorded. Refused for a dense
-    model's family and for the transformers engine."""
+    removes that term (docs/models.md, measured there). Every layout (padded, packed, shared-prompt rows, whose
+    prompt replays the group's first sample's routing). ``none``: nothing recorded. Refused for a dense model's
+    family and for the transformers engine."""
     partial: bool = False
     """Partial rollouts (asynchronous Ray mode, ``distributed.max_staleness >= 1``): each rollout actor generates in
     segments of ``partial_segment_tokens`` new tokens, and a weight update that arrives during a batch is applied at

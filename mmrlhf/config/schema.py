@@ -76,16 +76,12 @@ class MMRLHFConfig(Section):
 
     @model_validator(mode="after")
     def _check_routing_replay(self) -> "MMRLHFConfig":
-        """Routing replay needs the vLLM engine (the transformers engine IS the actor's module: nothing to replay)
-        and a layout that carries the engine's routing."""
+        """Routing replay needs the vLLM engine (the transformers engine IS the actor's module: nothing to replay)."""
         if self.rollout.routing_replay == "none":
             return self
         if self.rollout.engine != "vllm":
             raise ValueError(f"rollout.routing_replay={self.rollout.routing_replay} needs rollout.engine=vllm (the "
                              "transformers engine generates with the actor's own module: it routes as the trainer)")
-        if self.rollout.routing_replay == "replay" and self.trainer.shared_prompt is True:
-            raise ValueError("rollout.routing_replay=replay with trainer.shared_prompt=true: the shared-prompt layout "
-                             "carries no engine routing; set trainer.shared_prompt=auto or false")
         return self
 
     @model_validator(mode="after")

@@ -118,16 +118,16 @@ def collate(items: Sequence[TrainItem], *, packed: bool, pad_id: int, adapter: A
     if any(multi_turn) and not all(multi_turn):
         raise ValueError("collate: multi-turn items (with a policy mask) and single-turn items cannot share a batch")
     masks = [it.policy_mask for it in items] if all(multi_turn) else None
+    routed = [it.routed_experts for it in items]
+    routed = None if all(r is None for r in routed) else routed
     if shared_prompt:
         built = build_grouped_samples(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
                                       vision=[{**it.vision, **it.vision_extra} for it in items],
-                                      max_row_tokens=max_row_tokens, response_masks=masks)
+                                      max_row_tokens=max_row_tokens, response_masks=masks, routed_experts=routed)
     else:
         build = build_packed_samples if packed else build_padded_samples
-        routed = [it.routed_experts for it in items]
         built = build(prompts, responses, pad_id=pad_id, eos_id=(), adapter=adapter,
-                      vision=[it.vision for it in items], response_masks=masks,
-                      routed_experts=None if all(r is None for r in routed) else routed)
+                      vision=[it.vision for it in items], response_masks=masks, routed_experts=routed)
     a_max = max(len(it.response_ids) for it in items)
     token: dict[str, torch.Tensor] = {}
     for name in items[0].token:

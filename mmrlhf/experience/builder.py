@@ -61,8 +61,8 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     policy_path = policy_path or model_cfg.pretrain
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
                                    attn_implementation=model_cfg.attn_implementation,
-                                   multi_turn=rollout_kind_class(config).multi_turn, masked_kernel=masked_kernel(model_cfg, target),
-                                   agent=config.agent, recurrent=adapter.recurrent_layers)
+                                   multi_turn=rollout_kind_class(config).multi_turn,
+                                   masked_kernel=masked_kernel(model_cfg, target), agent=config.agent)
     reference = None
     if settings.need_reference and lora.rank and not model_cfg.reference:
         from mmrlhf.models.lora import AdapterOffScorer

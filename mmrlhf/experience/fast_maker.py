@@ -302,7 +302,8 @@ class FastExperienceMaker(ExperienceMaker):
             return build_grouped_samples(rows.prompt_ids, rows.response_ids, pad_id=self.pad_id, eos_id=self.eos_ids,
                                          adapter=self.adapter, vision=rows.vision,
                                          max_row_tokens=self.settings.shared_prompt_max_tokens,
-                                         response_masks=rows.policy_masks or None)
+                                         response_masks=rows.policy_masks or None,
+                                         routed_experts=rows.routed_experts or None)
         except ValueError as exc:
             raise ValueError(f"building shared-prompt rows {rows.describe(0)} .. {rows.describe(len(rows) - 1)}: "
                              f"{exc}") from exc

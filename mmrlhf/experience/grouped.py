@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from mmrlhf.experience.samples import BuiltSamples, _concat_vision, _prepare, mm_token_type_ids
+from mmrlhf.experience.samples import BuiltSamples, _concat_vision, _prepare, mm_token_type_ids, routed_rows
 from mmrlhf.models.adapters import FamilyAdapter
 from mmrlhf.models.batch import PADDING, PROMPT, GroupedSamples
 
@@ -124,8 +124,14 @@ def build_grouped_samples(
     vision: Sequence[dict[str, Any]] | None = None,
     max_row_tokens: int | None = None,
     response_masks: Sequence[Sequence[int]] | None = None,
+    routed_experts: Sequence[Any] | None = None,
 ) -> BuiltSamples:
     """Grouped layout of the samples (same inputs as ``build_padded_samples`` / ``build_packed_samples``).
+
+    ``routed_experts``: per sample the engine's [tokens, L, k] expert choice over its prompt + response
+    (``rollout.routing_replay``), laid out like ``sequences`` ([G, L_row, L, k], -1 at padding): each response's
+    own, and for the shared prompt the row's first sample's (the prompt runs once here; an engine that computes a
+    group's prompt once, with prefix caching, routed it once too).
 
     ``vision``: per-sample processor dicts; per-video extras (e.g. ``second_per_grid_ts``) may ride in them and come
     back, per row, as ``BuiltSamples.vision_extra``. Single-turn samples: raises ``ValueError`` naming the sample
@@ -156,14 +162,21 @@ def build_grouped_samples(
     segments = torch.full((len(rows), width), PADDING, dtype=torch.long)  # [G, L]
     sample_row = torch.zeros(batch, dtype=torch.long)  # [B]
     sample_start = torch.zeros(batch, dtype=torch.long)  # [B]
+    routing = routed_rows(routed_experts, [p + r for p, r in zip(p_len, r_len)])  # [len_i, L, k] each, or None
+    routed = None if routing is None else torch.full((len(rows), width, *routing[0].shape[1:]), -1,
+                                                     dtype=torch.int16)  # [G, L_row, L, k]
     for g, row in enumerate(rows):
         prompt = prompts[row[0]]
         sequences[g, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
         segments[g, : len(prompt)] = PROMPT
+        if routed is not None:
+            routed[g, : len(prompt)] = routing[row[0]][: len(prompt)]
         col = len(prompt)
         for k, i in enumerate(row, start=1):
             sequences[g, col: col + r_len[i]] = torch.tensor(responses[i], dtype=torch.long)
             segments[g, col: col + r_len[i]] = k
+            if routed is not None:
+                routed[g, col: col + r_len[i]] = routing[i][p_len[i]:]
             sample_row[i], sample_start[i] = g, col
             col += r_len[i]
     types = mm_token_type_ids(sequences, adapter)  # [G, L]
@@ -192,6 +205,7 @@ def build_grouped_samples(
         response_length=torch.tensor(r_len, dtype=torch.long),
         total_length=torch.tensor([p + r for p, r in zip(p_len, r_len)], dtype=torch.long),
         action_mask=action_mask,
+        routed_experts=routed,
         **fields,
     )
     return BuiltSamples(samples, truncated, extra)  # type: ignore[arg-type]

@@ -53,13 +53,12 @@ class ExperienceSettings:
 
 def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_implementation: str = "sdpa",
                         multi_turn: bool = False, masked_kernel: str = "dense",
-                        agent: Any = None, recurrent: bool = False) -> ExperienceSettings:
+                        agent: Any = None) -> ExperienceSettings:
     """Derive :class:`ExperienceSettings` from the ``algorithm``, ``rollout`` and ``trainer`` sections
     (``attn_implementation``: ``model.attn_implementation``, and ``masked_kernel``: ``model.masked_attention``
     resolved for the trainer's device, which decide ``trainer.shared_prompt: auto``).
 
-    ``multi_turn`` (``agent`` configured): ``trainer.shared_prompt: auto`` is off (see ``resolve_shared_prompt``);
-    ``recurrent`` (the family's adapter has ``recurrent_layers``): off, and ``true`` refused.
+    ``multi_turn`` (``agent`` configured): ``trainer.shared_prompt: auto`` is off (see ``resolve_shared_prompt``).
     ``agent``: the ``agent`` section, whose ``tool_bonus`` the shaping adds (None: no bonus)."""
     from mmrlhf.models.shared_prompt import resolve_shared_prompt
 
@@ -81,9 +80,7 @@ def experience_settings(algorithm: Any, rollout: Any, trainer: Any, *, attn_impl
         max_tokens_per_micro_batch=rollout.max_tokens_per_micro_batch,
         packing=trainer.packing_samples,
         shared_prompt=resolve_shared_prompt(trainer.shared_prompt, attn_implementation, rollout.n_samples_per_prompt,
-                                            multi_turn=multi_turn, masked_kernel=masked_kernel,
-                                            recurrent=recurrent,
-                                            routing_replay=rollout.routing_replay == "replay"),
+                                            multi_turn=multi_turn, masked_kernel=masked_kernel),
         shared_prompt_max_tokens=trainer.shared_prompt_max_tokens,
         advantage_estimator=name,
         advantage_params=params,

@@ -16,8 +16,8 @@ by its responses, a [G, 1, L, L] mask (:mod:`mmrlhf.models.shared_prompt`) and p
 and its images go through the model once per row instead of once per sample.
 
 Recurrent decoder layers (Gated DeltaNet, ``adapter.recurrent_layers``) read no mask: the actor hands them where each
-sample lies, and they run every sample from its own first token (:mod:`mmrlhf.models.linear_attention`); the
-grouped layout is refused for them.
+sample lies, and they run every sample from its own first token (:mod:`mmrlhf.models.linear_attention`); in the
+grouped layout they run the prompt once and continue every response from its state.
 
 All layouts return [B, A] tensors (A = longest response) in sample order plus the action mask, so callers are
 layout-agnostic.
@@ -36,10 +36,10 @@ Precision (:mod:`mmrlhf.models.precision`): ``compute_dtype`` set (float32 maste
 lm_head in it; None computes in the parameters' own dtype (float32 runs, a model stored in bf16, or FSDP2's
 mixed precision, which casts the parameters itself).
 
-Routed experts (:mod:`mmrlhf.models.routing`): with ``routing_replay="replay"``, a padded or packed batch that
-carries the engine's expert choice (``SamplesVL.routed_experts``) is scored with the routers held to it, in every
-forward (scoring and update); ``return_routing`` hands back what the routers did (the load-balancing loss and the
-routing metrics read it). The grouped layout carries no routing (refused with replay).
+Routed experts (:mod:`mmrlhf.models.routing`): with ``routing_replay="replay"``, a batch of any layout that
+carries the engine's expert choice (``routed_experts``, laid out like its ``sequences``) is scored with the routers
+held to it, in every forward (scoring and update); ``return_routing`` hands back what the routers did (the
+load-balancing loss and the routing metrics read it).
 """
 
 from __future__ import annotations
@@ -236,13 +236,14 @@ class ActorVL(nn.Module):
 
     def _mixer_kwargs(self, samples: SamplesVL | GroupedSamples) -> dict[str, Any]:
         """Extra keywords of the decoder's token mixers, built on the host: where each sample lies (packed row or
-        padded batch), for recurrent layers (:mod:`mmrlhf.models.linear_attention`); none otherwise. A grouped row
-        is refused there: a recurrent state cannot skip the row's other responses the way a tree mask does."""
+        padded batch; a grouped row's prompt and responses), for recurrent layers (:mod:`mmrlhf.models.
+        linear_attention`); none otherwise."""
         if not self.adapter.recurrent_layers:
             return {}
         if isinstance(samples, GroupedSamples):
-            raise ValueError(f"the shared-prompt (grouped) layout cannot run {self.adapter.family}: its recurrent "
-                             "(linear-attention) layers cannot read a tree mask; set trainer.shared_prompt=false")
+            tree = linear_attention.tree_segments(samples.sequences.shape[1], *(x.cpu() for x in (
+                samples.prompt_lengths, samples.sample_row, samples.sample_start, samples.response_length)))
+            return {linear_attention.SEGMENTS_KWARG: tree}
         seg = (linear_attention.segments(samples.packed_seq_lens.cpu()) if samples.packed else
                linear_attention.padded_segments(samples.attention_mask.cpu()))
         return {} if seg is None else {linear_attention.SEGMENTS_KWARG: seg}
@@ -263,6 +264,8 @@ class ActorVL(nn.Module):
             # [G, 1, L, L] (a 4-D mask passes through to every layer as it is) or the block mask of the G rows
             attention_mask = (block_mask(row_segments(samples)) if flex else
                               grouped_attention_mask(samples.segment_ids, base_implementation(self.model), dtype))
+            # recurrent layers read none (their segments carry the tree): a per-layer-type mapping for hybrids
+            attention_mask = linear_attention.layer_masks(self.model, attention_mask)
         elif samples.packed:
             # dense: the block-diagonal causal mask transformers builds from position_ids[0]; flex: its block mask
             # (a per-layer-type mapping where recurrent layers read no block mask: mmrlhf.models.linear_attention)
@@ -270,10 +273,7 @@ class ActorVL(nn.Module):
                               else None)
         else:
             attention_mask = samples.attention_mask  # [B, S] 0/1
-        replay = None if grouped or self.routing_replay != "replay" else samples.routed_experts
-        if grouped and self.routing_replay == "replay":
-            raise ValueError("routing replay is not supported in the grouped (shared-prompt) layout: use padded or "
-                             "packed batches (trainer.shared_prompt=false)")
+        replay = samples.routed_experts if self.routing_replay == "replay" else None  # laid out like sequences
         with routing(self.model, replay=replay, record=trace is not None, keep_logits=trace is not None) as used:
             out = self.model.base_model(
                 input_ids=samples.sequences,

@@ -200,6 +200,7 @@ class GroupedSamples(TensorContainer):
     image_num: list[int] = field(default_factory=list)  # G images per row
     video_num: list[int] = field(default_factory=list)  # G videos per row
     action_mask: torch.Tensor | None = None  # [B, A] bool policy tokens of multi-turn responses (None: all scored)
+    routed_experts: torch.Tensor | None = None  # [G, L, layers, k] int16 the engine's experts per token (-1: none)
 
     @property
     def batch_size(self) -> int:

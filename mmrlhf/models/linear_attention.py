@@ -32,9 +32,13 @@ The keyword travels with the model's own ``**kwargs`` (model -> decoder layer ->
 block recomputes with the same segments. Other modules that receive it (attention functions, the vision tower)
 ignore unknown keywords.
 
-Shared prompts (the grouped layout, :mod:`mmrlhf.models.shared_prompt`) are refused for these layers: a tree mask
-tells an attention layer which tokens a response sees, but a recurrent state cannot skip the other responses of its
-row (see :func:`mmrlhf.models.shared_prompt.resolve_shared_prompt`).
+Shared prompts (the grouped layout, :mod:`mmrlhf.models.shared_prompt`): a tree mask tells an attention layer which
+tokens a response sees, but a recurrent state cannot skip the other responses of its row. So, given
+:class:`TreeSegments` (a grouped batch), the layer runs each row's prompt once, from zero, keeping its convolution tail
+and recurrent state at the prompt's end, then every response of the row continues from a copy of that state
+(:func:`mmrlhf.models.gated_delta.continued_forward`: the layer's own computation with the two states threaded
+through). Each response's tokens are computed exactly as in its own sequence, and autograd sums the responses'
+gradients into the prompt once, as for the attention layers under the tree mask.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from mmrlhf.models.gated_delta import MixerState, continued_forward
+
 SEGMENTS_KWARG = "mmrlhf_segments"  # not a transformers keyword: nothing else reads it
 _PARTS = ("in_proj_qkv", "conv1d", "A_log", "dt_bias")
 
@@ -54,6 +60,28 @@ class Segments(NamedTuple):
 
     index: torch.Tensor  # [n, L] long: flat position (row * S + s) of each sample's token l (clamped past its end)
     valid: torch.Tensor  # [n, L] bool: l < the sample's length
+
+
+class TreeSegments(NamedTuple):
+    """A grouped batch (rows of one prompt and its responses) for the recurrent layers: the prompts, the responses,
+    and which row's prompt each response continues."""
+
+    prompts: Segments  # [G, P] each row's prompt from its first token
+    responses: Segments  # [B, R] each sample's response from its first token
+    owner: torch.Tensor  # [B] long: the row (prompt) each response continues
+
+
+def tree_segments(row_length: int, prompt_lengths: torch.Tensor, sample_row: torch.Tensor,
+                  sample_start: torch.Tensor, response_length: torch.Tensor) -> TreeSegments:
+    """:class:`TreeSegments` of a grouped batch of rows ``row_length`` long (the fields of
+    :class:`mmrlhf.models.batch.GroupedSamples`: prompts start their rows; response i starts at column
+    ``sample_start[i]`` of row ``sample_row[i]``), computed on the host."""
+    prompt_lengths, rows = torch.as_tensor(prompt_lengths).long(), torch.as_tensor(sample_row).long()
+    total = int(prompt_lengths.numel()) * row_length
+    prompts = _gather(torch.arange(prompt_lengths.numel()) * row_length, prompt_lengths, total)
+    responses = _gather(rows * row_length + torch.as_tensor(sample_start).long(),
+                        torch.as_tensor(response_length).long(), total)
+    return TreeSegments(prompts, responses, rows)
 
 
 def segments(lengths: torch.Tensor) -> Segments:
@@ -123,16 +151,34 @@ def layer_masks(model: nn.Module, mask: Any) -> Any:
 def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The layer's class forward, per sample when ``kwargs`` carry :data:`SEGMENTS_KWARG`: ``hidden_states``
     [B, S, H] -> [B, S, H'], zero where no sample lies (as the layer gives at padding)."""
-    seg: Segments | None = kwargs.pop(SEGMENTS_KWARG, None)
+    seg: Segments | TreeSegments | None = kwargs.pop(SEGMENTS_KWARG, None)
     forward = type(layer).forward
     if seg is None:
         return forward(layer, hidden_states, *args, **kwargs)
     if args or kwargs.get("cache_params") is not None:
         raise ValueError("sample segments with a cache: a scored batch is run whole, never continued")
     kwargs.pop("attention_mask", None)  # the padding: outside the gathered samples, or zeroed below
+    if isinstance(seg, TreeSegments):
+        return _tree_forward(layer, hidden_states, seg)
     b, s, _ = hidden_states.shape
     rows = hidden_states.reshape(b * s, -1)[seg.index]  # [n, L, H] each sample from its own first token
     rows = rows * seg.valid[..., None].to(rows.dtype)  # the tail past a sample's end: zeros, never read
     out = forward(layer, rows, **kwargs)  # [n, L, H']
     flat = out.new_zeros(b * s, out.shape[-1]).index_put((seg.index[seg.valid],), out[seg.valid])  # [B * S, H']
     return flat.reshape(b, s, -1)
+
+
+def _tree_forward(layer: nn.Module, hidden_states: torch.Tensor, tree: TreeSegments) -> torch.Tensor:
+    """A grouped batch ``hidden_states`` [G, L, H] -> [G, L, H']: each prompt once, each response continuing from
+    its prompt's state (zero where no token lies)."""
+    g, s, _ = hidden_states.shape
+    flat_in = hidden_states.reshape(g * s, -1)
+    p, r = tree.prompts, tree.responses
+    prompts = flat_in[p.index] * p.valid[..., None].to(hidden_states.dtype)  # [G, P, H]
+    out_p, state = continued_forward(layer, prompts, p.valid, keep_state=True)  # [G, P, H'], per row
+    start = MixerState(state.conv[tree.owner], state.recurrent[tree.owner])  # [B, ...] each response's prompt
+    responses = flat_in[r.index] * r.valid[..., None].to(hidden_states.dtype)  # [B, R, H]
+    out_r, _ = continued_forward(layer, responses, r.valid, start)  # [B, R, H']
+    flat = out_p.new_zeros(g * s, out_p.shape[-1])
+    flat = flat.index_put((p.index[p.valid],), out_p[p.valid]).index_put((r.index[r.valid],), out_r[r.valid])
+    return flat.reshape(g, s, -1)

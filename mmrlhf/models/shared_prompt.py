@@ -29,8 +29,7 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
 def resolve_shared_prompt(setting: str | bool, attn_implementation: str, n_samples_per_prompt: int, *,
-                          multi_turn: bool = False, masked_kernel: str = "dense", recurrent: bool = False,
-                          routing_replay: bool = False) -> bool:
+                          multi_turn: bool = False, masked_kernel: str = "dense") -> bool:
     """``trainer.shared_prompt`` -> on/off. ``masked_kernel``: how grouped rows attend (``model.masked_attention``
     resolved for the trainer's device, :func:`mmrlhf.models.attention.resolve_masked_attention`): ``flex`` expresses
     the group mask over any base kernel, ``dense`` needs a base kernel that reads a mask (``sdpa``, ``eager``).
@@ -43,27 +42,11 @@ def resolve_shared_prompt(setting: str | bool, attn_implementation: str, n_sampl
     trajectories of ~300 tokens with a tool image each trained 1.5x faster grouped than padded (benchmarks/
     bench_trainer.py, ``agent``). ``True`` with a kernel that cannot run it is an error, not a silent off.
 
-    ``recurrent`` (the family's adapter has ``recurrent_layers``: Gated DeltaNet linear attention): never. A tree mask
-    hides the row's other responses from an attention layer, but a recurrent layer reads no mask: its state would
-    carry response 1 into response 2. The exact alternative, running the prompt once and continuing every response
-    from a copy of its recurrent state, conv tail and attention cache with gradients into the prompt, needs a
-    differentiable cache path per family; not built (docs: "Layouts and recurrent layers"). ``auto`` is off and
-    ``True`` an error naming the reason.
+    Families with recurrent (Gated DeltaNet) layers run it too: those layers read no mask, so they run each prompt
+    once and continue every response from its state (:mod:`mmrlhf.models.linear_attention`).
 
-    ``routing_replay`` (``rollout.routing_replay=replay``): a grouped row carries no engine routing, so ``auto`` is
-    off and ``True`` an error."""
-    if recurrent:
-        if setting and setting != "auto":
-            raise ValueError("trainer.shared_prompt=true cannot run a model with recurrent (linear-attention) decoder "
-                             "layers: a recurrent state cannot skip a group's other responses the way a tree mask "
-                             "does, so responses would read each other; set trainer.shared_prompt=auto or false "
-                             "(packed rows restart the state at every sample and stay exact)")
-        return False
-    if routing_replay:
-        if setting is True:
-            raise ValueError("trainer.shared_prompt=true with rollout.routing_replay=replay: the shared-prompt layout "
-                             "carries no engine routing; set trainer.shared_prompt=auto or false")
-        return False
+    Routing replay (``rollout.routing_replay=replay``) holds in grouped rows too: they carry the engine's experts per
+    token (the prompt's from the row's first sample, :func:`mmrlhf.experience.grouped.build_grouped_samples`)."""
     expressible = masked_kernel == "flex" or attn_implementation in SUPPORTED_ATTENTION
     if setting == "auto":
         return n_samples_per_prompt > 1 and expressible and (not multi_turn or masked_kernel == "flex")

@@ -7,7 +7,10 @@ padded losses' gradients are the sums of the samples' own gradients (checkpointe
 Controls that must fail: the same packed row without its boundaries (the layers as transformers ships them on the
 CPU) leaks one sample's state and convolution into the next (measured 0.0055 on qwen3_5, 0.007 on qwen3_5_moe on
 this batch); the padded batch as shipped gets the decay parameters' gradients wrong (3e-3 of their scale).
-The shared-prompt layout is refused for these families (``true``: an error naming the reason; ``auto``: off).
+The shared-prompt layout runs for these families (``auto``: on, as for the others), each prompt once through the
+recurrent layers and every response continuing from its state (exactness per prompt kind, gradients included:
+test_models_shared_prompt.py); here, the grouped row through the block-sparse path, and the control that shows why
+the recurrent layers need the tree: run as shipped, a row's second response reads the first one's state.
 """
 
 from __future__ import annotations
@@ -167,23 +170,32 @@ def test_gradients_are_the_sum_of_sample_gradients(bundles, family, monkeypatch)
     assert not all(close_at_scale(shipped[n], alone[n]) for n in alone if n.endswith("linear_attn.A_log"))
 
 
-def test_shared_prompt_refused_for_recurrent_families(scored):
-    bundle, actor, *_ = scored
+def test_shared_prompt_on_for_recurrent_families(scored):
+    """``auto`` turns the grouped layout on for the hybrids as for any family, and ``true`` is accepted; a grouped
+    row through the block-sparse path (the attention layers get the block mask, the recurrent layers the tree) scores
+    what the samples score alone."""
+    bundle, *_ = scored
     path = tiny_model_dir(bundle.family, "tiny", 0)
     assert has_recurrent_layers(path) and not has_recurrent_layers(path, family="qwen3_vl")
-    assert not resolve_shared_prompt("auto", "sdpa", 4, recurrent=True)
-    assert not resolve_shared_prompt(False, "sdpa", 4, recurrent=True)
-    assert resolve_shared_prompt("auto", "sdpa", 4)  # the same setting for an attention-only family: on
-    with pytest.raises(ValueError, match="recurrent .*tree mask"):
-        resolve_shared_prompt(True, "sdpa", 4, recurrent=True)
-    grouped = _built(bundle, "grouped")
-    with pytest.raises(ValueError, match="recurrent .*tree mask"):
-        actor(grouped.samples, vision_extra=grouped.vision_extra)
+    assert resolve_shared_prompt("auto", "sdpa", 4) and resolve_shared_prompt(True, "sdpa", 4)
+    assert not resolve_shared_prompt(False, "sdpa", 4)
+    prompts, responses, vision, _ = _pieces(bundle)
+    pick = [(0, 0), (1, 1), (1, 0), (2, 2), (2, 1)]  # (prompt, response): two prompts sampled twice
+    kw = dict(pad_id=bundle.processor.tokenizer.pad_token_id, eos_id=bundle.eos_id, adapter=bundle.adapter,
+              vision=[vision[p] for p, _ in pick])
+    args = ([prompts[p] for p, _ in pick], [responses[r] for _, r in pick])
+    grouped, packed = build_grouped_samples(*args, **kw), build_packed_samples(*args, **kw)
+    assert grouped.samples.num_rows == 3  # the repeated prompts share rows
+    flex = ActorVL(copy.deepcopy(bundle.model), bundle.adapter, chunk_size=5, masked_attention="flex")
+    with torch.no_grad():
+        out = flex(grouped.samples, vision_extra=grouped.vision_extra)
+        ref = ActorVL(bundle.model, bundle.adapter, chunk_size=5)(packed.samples, vision_extra=packed.vision_extra)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, rtol=0, atol=ATOL)
 
 
 def test_grouped_row_would_leak_through_recurrent_layers(scored, monkeypatch):
-    """Why the refusal: past it, a group's second response reads the first one's state (its first response, which
-    follows the prompt directly, stays exact)."""
+    """Why the recurrent layers need the tree: run as shipped (no segments), a group's second response reads the
+    first one's state (its first response, which follows the prompt directly, stays exact)."""
     bundle, actor, *_ = scored
     prompts, responses, vision, inputs = _pieces(bundle)
     kw = dict(pad_id=bundle.processor.tokenizer.pad_token_id, eos_id=bundle.eos_id, adapter=bundle.adapter,

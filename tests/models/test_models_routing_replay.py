@@ -7,7 +7,8 @@ other kernels), and a router is discontinuous: a near-tie token goes to other ex
 far more than the numeric noise. The test stands the drift in by perturbing the TRAINER's router weights (relative
 noise ``DRIFT``) and shows: without replay (the control) the gap is large; with replay it shrinks to what the
 perturbed gate WEIGHTS alone cause. Also: replaying the trainer's own routing is exact, gradients reach the router
-under replay, and the packed layout replays the same.
+under replay, and the packed and shared-prompt (grouped) layouts replay the same, on a hybrid (Gated DeltaNet) MoE
+too.
 
 One engine for the module (~15 s to build on the CPU), a few tokens per prompt.
 """
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from mmrlhf.algorithms.moe import routing_agreement
+from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.samples import build_packed_samples, build_padded_samples
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.routing import find_routers, routing
@@ -70,7 +72,7 @@ def rollout(bundles):
 
 
 def _built(bundle, r, layout="padded", routed=True):
-    build = build_padded_samples if layout == "padded" else build_packed_samples
+    build = {"padded": build_padded_samples, "packed": build_packed_samples, "grouped": build_grouped_samples}[layout]
     return build(r["prompts"], r["responses"], pad_id=bundle.processor.tokenizer.pad_token_id, eos_id=(),
                  adapter=bundle.adapter, vision=r["vision"], routed_experts=r["routed"] if routed else None)
 
@@ -101,9 +103,14 @@ def test_engine_routing_layout_and_agreement(rollout):
     every (token, layer) exactly as the engine did."""
     bundle, r = rollout
     text = bundle.model.config.text_config
+    first: dict[tuple, torch.Tensor] = {}
     for p, resp, routed in zip(r["prompts"], r["responses"], r["routed"]):
         assert routed.shape == (len(p) + len(resp) - 1, text.num_hidden_layers, text.num_experts_per_tok)
         assert int(routed.min()) >= 0 and int(routed.max()) < text.num_experts
+        # a group's samples route its prompt alike (what a shared-prompt row replays: the first sample's)
+        prompt_rows = torch.as_tensor(routed)[: len(p)]
+        assert torch.equal(first.setdefault(tuple(p), prompt_rows), prompt_rows)
+    assert len(first) < len(r["prompts"])  # some prompt was sampled more than once
     built = _built(bundle, r)
     actor = ActorVL(bundle.model, bundle.adapter)
     with torch.no_grad():
@@ -115,7 +122,7 @@ def test_engine_routing_layout_and_agreement(rollout):
     assert _gap(out, r) < 1e-4
 
 
-@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("layout", ["padded", "packed", "grouped"])
 def test_replay_closes_the_drift_gap(rollout, drifted, layout):
     """Control (no replay): the drifted routers flip some tokens' experts and the log-probs move far; replay: the
     engine's experts, the drifted gate weights only, a gap ~50x smaller."""
@@ -154,6 +161,48 @@ def test_replaying_own_routing_is_exact_and_trains_the_router(bundles, rollout):
     for router in find_routers(model).values():
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
     model.zero_grad()
+
+
+def test_grouped_rows_replay_as_packed_on_a_hybrid_moe(bundles):
+    """Qwen3.5-MoE (recurrent layers continue each response from its shared prompt's state): the routing its
+    unperturbed routers chose on a packed batch (standing in for the engine's), replayed after a drift, scores a
+    shared-prompt batch as the packed one (float32, another summation order); without replay the drift moves it."""
+    bundle = bundles["qwen3_5_moe"]
+    model = bundle.model
+    prompts = [bundle.prompt_ids[c] for c in (0, 1, 1, 3, 3, 0)]
+    vision = [bundle.vision[c] for c in (0, 1, 1, 3, 3, 0)]
+    g = torch.Generator().manual_seed(2)
+    vocab, banned = model.config.get_text_config().vocab_size, set(bundle.adapter.vision_special_token_ids())
+    responses = [[t for t in torch.randint(0, vocab, (12,), generator=g).tolist() if t not in banned][:n]
+                 for n in (6, 3, 8, 5, 2, 7)]
+    kw = dict(pad_id=bundle.processor.tokenizer.pad_token_id, eos_id=(), adapter=bundle.adapter, vision=vision)
+    layers = model.config.get_text_config().num_hidden_layers
+    packed = build_packed_samples(prompts, responses, **kw)
+    with torch.no_grad():
+        own = ActorVL(model, bundle.adapter)(packed.samples, vision_extra=packed.vision_extra, return_routing=True)
+    flat = own.routing.stacked(layers).to(torch.int16)  # [T, L, k] the packed row's tokens in order
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    routed = list(torch.split(flat, lengths))  # per sample [len_i, L, k]
+    packed = build_packed_samples(prompts, responses, routed_experts=routed, **kw)
+    grouped = build_grouped_samples(prompts, responses, routed_experts=routed, **kw)
+    assert grouped.samples.num_rows == 3 and grouped.samples.routed_experts.shape[:2] == grouped.samples.sequences.shape
+    routers = find_routers(model)
+    saved = {k: m.weight.detach().clone() for k, m in routers.items()}
+    try:
+        with torch.no_grad():
+            for m in routers.values():
+                m.weight.add_(4 * DRIFT * m.weight.abs().mean() * torch.randn(m.weight.shape, generator=g))
+            out = {name: ActorVL(model, bundle.adapter, routing_replay=mode)(b.samples, vision_extra=b.vision_extra)
+                   for name, b, mode in (("packed", packed, "replay"), ("grouped", grouped, "replay"),
+                                         ("control", grouped, "none"))}
+    finally:
+        with torch.no_grad():
+            for k, m in routers.items():
+                m.weight.copy_(saved[k])
+    gap = float((out["grouped"].log_probs - out["packed"].log_probs).abs().max())
+    moved = float((out["control"].log_probs - out["packed"].log_probs).abs().max())
+    print(f"hybrid MoE grouped vs packed under replay: {gap:.3g}; without replay: {moved:.3g}")
+    assert gap < 1e-5 and moved > 1e-3
 
 
 def test_replay_refuses_a_dense_model_and_restores_routers(bundles):

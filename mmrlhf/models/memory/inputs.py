@@ -153,14 +153,11 @@ def micro_batch(samples: int, prompt: int, response: int, *, layout: str, group:
 
 
 def layout_of(config: Any) -> str:
-    from mmrlhf.models.adapters import has_recurrent_layers
     from mmrlhf.models.shared_prompt import resolve_shared_prompt
 
     t, r = config.trainer, config.rollout
     if resolve_shared_prompt(t.shared_prompt, config.model.attn_implementation, r.n_samples_per_prompt,
-                             multi_turn=config.agent.enabled,
-                             recurrent=has_recurrent_layers(config.model.pretrain, config.model.family),
-                             routing_replay=r.routing_replay == "replay"):
+                             multi_turn=config.agent.enabled):
         return "grouped"
     return "packed" if t.packing_samples else "padded"
 
