@@ -26,15 +26,22 @@ forwards). ``--checkpointing off,on``: ``trainer.gradient_checkpointing``; compa
 
 Per row: seconds (median of ``--repeats`` after warm-up: compile time is never in it), decoder tokens, tokens/s,
 achieved TFLOP/s and its share of a bf16 matrix product timed in the same process, peak memory. FLOPs counted:
-6 x decoder-layer parameters x decoder tokens, 6 x lm_head x scored tokens, attention 12 x heads x head_dim x the
-(query, key) pairs the mask allows per layer (forward 4, backward 8), the frozen vision tower's forward (2 x its
-parameters x patches) and the merger's forward and backward. ``--profile DIR`` writes torch.profiler tables of one
+6 x decoder-layer parameters x decoder tokens (mixture-of-experts: the routed experts' share a token uses), 6 x
+lm_head x scored tokens, attention 12 x heads x head_dim x the (query, key) pairs the mask allows per full-attention
+layer (forward 4, backward 8; a hybrid's Gated DeltaNet layers count their projections only), the frozen vision
+tower's forward (2 x its parameters x patches) and the merger's forward and backward.
+
+Shapes (``--shape``, :mod:`mmrlhf.models.shapes`) include the hybrid ``qwen3_5_9b`` and ``qwen3_5_35b_a3b`` (Gated
+DeltaNet layers; grouped rows run each prompt once and continue every response from its state, the packed and
+padded ones run every sample from its first token). ``--quick`` keeps a hybrid's 3:1 layer pattern and a
+mixture-of-experts shape's routing at small widths. ``--profile DIR`` writes torch.profiler tables of one
 micro-batch per layout and kernel.
 
 Run:  python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b        (a GPU; ~100-110 GiB for the 7B in float32)
       python benchmarks/bench_trainer.py --shape qwen2_5_vl_7b --groups mixed --splits count,budget \
           --checkpointing off,on
       python benchmarks/bench_trainer.py --quick                      (CPU smoke run at a small shape)
+      python benchmarks/bench_trainer.py --quick --shape qwen3_5_9b --groups img448 --dtype float32
 """
 
 from __future__ import annotations
@@ -66,13 +73,33 @@ SMALL_IDS = {"image_token_id": 8100, "video_token_id": 8101, "vision_start_token
              "vision_end_token_id": 8103}
 
 
+def small(shape: str) -> dict:
+    """--quick's overrides for ``shape``: :data:`SMALL`, and for a hybrid (Gated DeltaNet) shape its 3:1 pattern in
+    4 layers with partial rotary positions, for a mixture-of-experts shape 8 routed experts (2 per token)."""
+    from mmrlhf.models.shapes import shape_dict
+
+    text = shape_dict(shape)["text_config"]
+    out = {"text": dict(SMALL["text"]), "vision": dict(SMALL["vision"])}
+    if "layer_types" in text:
+        out["text"].update(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                           linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                           linear_num_value_heads=4,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                            "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    if "num_experts" in text:
+        out["text"].update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
+        if "shared_expert_intermediate_size" in text:
+            out["text"]["shared_expert_intermediate_size"] = 128
+    return out
+
+
 def build_model(shape: str, device: torch.device, quick: bool):
     from transformers import AutoModelForImageTextToText
 
     from mmrlhf.models.adapters import get_adapter
     from mmrlhf.models.shapes import shape_config
 
-    cfg = shape_config(shape, **(SMALL if quick else {}))
+    cfg = shape_config(shape, **(small(shape) if quick else {}))
     if quick:  # a small vocabulary: the special tokens move inside it
         for name, value in SMALL_IDS.items():
             setattr(cfg, name, value)
@@ -94,7 +121,10 @@ def param_counts(model, adapter) -> dict[str, float]:
     total = sum(p.numel() for p in model.parameters())
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     decoder = total - vision - merger - embed - (0 if tied else head)
-    return {"decoder": decoder, "head": head, "vision": vision, "merger": merger, "total": total}
+    text = model.config.get_text_config()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)  # routed experts
+    active = decoder - experts * (1 - getattr(text, "num_experts_per_tok", 0) / getattr(text, "num_experts", 1))
+    return {"decoder": decoder, "active": active, "head": head, "vision": vision, "merger": merger, "total": total}
 
 
 # ---- the groups ------------------------------------------------------------------------------------------------
@@ -238,8 +268,10 @@ def flops(group: Group, layout: str, micros, counts: dict[str, float], cfg) -> f
     patches = sum(int(b.samples.image_grid_thws.prod(-1).sum()) for b in micros
                   if b.samples.image_grid_thws is not None)
     merge = 4
-    return (6 * counts["decoder"] * tokens + 6 * counts["head"] * scored
-            + 12 * heads_dim * attention_pairs(group, layout) * text.num_hidden_layers
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    attention_layers = sum(1 for kind in types if kind == "full_attention")
+    return (6 * counts["active"] * tokens + 6 * counts["head"] * scored
+            + 12 * heads_dim * attention_pairs(group, layout) * attention_layers
             + 2 * counts["vision"] * patches + 6 * counts["merger"] * patches / merge)
 
 

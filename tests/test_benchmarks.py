@@ -150,3 +150,25 @@ def test_every_benchmark_script_is_listed_and_those_outside_the_suite_say_so():
     assert unlisted(readme, scripts + ["bench_new.py"], in_suite) == ["bench_new.py"]
     assert unlisted(readme + "\n" + row, ["bench_new.py"], in_suite) == ["bench_new.py"]
     assert unlisted(readme + "\n" + row.replace("target", "Not in `run_all.py`"), ["bench_new.py"], in_suite) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["qwen3_5_9b", "qwen3_5_35b_a3b"])
+def test_the_trainer_benchmark_runs_the_hybrid_shapes_in_every_layout(tmp_path, shape):
+    """bench_trainer.py --quick on the hybrid shapes (Gated DeltaNet layers; the MoE one routed): padded, packed and
+    shared-prompt rows all run and are timed, the shared prompt in one forward over fewer decoder tokens (the speed
+    ratios are the benchmark's to report, docs/performance.md, not a test's)."""
+    import subprocess
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_trainer.py"), "--quick", "--shape", shape,
+                           "--groups", "img896", "--dtype", "float32", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = json.loads(out.read_text())["tables"][0]
+    col = {name: i for i, name in enumerate(table["columns"])}
+    rows = {r[col["layout"]]: r for r in table["rows"]}
+    assert set(rows) == {"padded", "packed", "grouped"}
+    assert all(r[col["s"]] is not None and r[col["s"]] > 0 for r in rows.values())
+    assert rows["grouped"][col["forwards"]] == 1 < rows["packed"][col["forwards"]]
+    assert rows["grouped"][col["decoder tokens"]] < rows["packed"][col["decoder tokens"]] / 2

@@ -15,7 +15,9 @@ hub); the parameter totals they give are checked against the model cards' (8.29 
 ``tests/models/test_memory_counts.py``. Qwen3-VL-30B-A3B-Instruct and Qwen3.5-9B were written down from copies of
 their ``config.json`` in public repositories' test fixtures and training scripts, which agree with each other
 (no copy of the hub's own file was reachable); Qwen3.5-9B's total is checked against a count of its checkpoint's
-tensors (9.41 B without the multi-token-prediction layer). Sizes only: Qwen3.5's bos / eos ids in ``text_config``
+tensors (9.41 B without the multi-token-prediction layer). Qwen3.5-35B-A3B was written down from a public training
+script's model arguments (layers, widths, heads, experts, linear-attention sizes); its vision tower is taken to be
+the 9B's, merged into its 2,048 hidden size. Sizes only: Qwen3.5's bos / eos ids in ``text_config``
 stay Qwen2's, which change no tensor.
 """
 
@@ -118,6 +120,16 @@ SHAPES: dict[str, dict[str, Any]] = {
                           linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                           linear_num_key_heads=16, linear_num_value_heads=32),
         vision_config=_qwen3_vl_vision(27, 1152, 4304, 4096, [])),
+    # Qwen3.5-35B-A3B: 40 decoder layers in the 9B's 3:1 pattern at a 2,048 hidden size, every layer's MLP routed
+    # (256 experts of 512, 8 per token, plus a gated shared expert of 512), 16 query / 2 key-value heads of 256
+    "qwen3_5_35b_a3b": dict(
+        model_type="qwen3_5_moe", tie_word_embeddings=False, **_QWEN3_5_TOKEN_IDS,
+        text_config=_text(2048, 512, 40, 16, 2, 248_320, False, _QWEN3_5_ROPE, 262_144, head_dim=256,
+                          attention_bias=False, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+                          linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+                          num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512),
+        vision_config=_qwen3_vl_vision(27, 1152, 4304, 2048, [])),
 }
 
 

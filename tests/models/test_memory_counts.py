@@ -117,6 +117,10 @@ def test_moe_and_hybrid_shapes_read_their_experts_and_linear_attention_layers():
     assert (d.moe_layers, d.experts, d.top_k, d.moe_intermediate, d.linear_layers) == (48, 128, 8, 768, 0)
     assert moe.counts.expert_weights == 48 * 128 * 3 * 768 * 2048  # gate_up [E, 2I, h] + down [E, h, I]
     assert moe.counts.total / 1e9 == pytest.approx(31.07, abs=0.01)  # "30B-A3B": 31.07 B counted
+    hybrid_moe = model_facts(shape_config("qwen3_5_35b_a3b"), freeze_vision_tower=True, freeze_merger=False)
+    d = hybrid_moe.decoder
+    assert (d.moe_layers, d.experts, d.top_k, d.shared_intermediate, d.linear_layers) == (40, 256, 8, 512, 30)
+    assert hybrid_moe.counts.total / 1e9 == pytest.approx(35.11, abs=0.01)  # "35B-A3B": 35.11 B counted
     hybrid = model_facts(shape_config("qwen3_5_9b"), freeze_vision_tower=True, freeze_merger=False)
     d = hybrid.decoder
     assert (d.linear_layers, d.attention_layers, d.linear_k_heads, d.linear_v_heads, d.conv_kernel) == (24, 8, 16, 32, 4)
