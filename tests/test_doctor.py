@@ -25,6 +25,9 @@ def test_doctor_on_the_cpu_runs_the_cpu_checks_and_writes_the_table(tmp_path, ca
     # how this CPU's engine runs linear-attention layers
     assert ("bf16 through vLLM's kernels" if cpu_has_bf16_kernels() else "a bf16 engine serves float32") in \
         rows["environment"]["reason"]
+    # and the trainer's (model.linear_attention_kernel: auto is the gather path without CUDA)
+    assert "the trainer's linear-attention layers (Qwen3.5): torch (each sequence gathered into a padded batch" in \
+        rows["environment"]["reason"]
     embed = rows["environment/patch_embed"]  # the CPU's ratio is information, never a failure
     assert embed["status"] == "pass" and embed["value"] > 0 and embed["details"]["device"] == "cpu"
     off = rows["toy_run/sleep_off"]

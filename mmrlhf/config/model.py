@@ -80,6 +80,14 @@ class ModelConfig(Section):
     masked kernel measured as fast there); ``dense`` elsewhere (FlexAttention has no CPU backward in torch 2.14),
     with the vision tower's segments in one batched SDPA call per segment length instead of the loop.
     All compute the same values (tested per family and prompt kind; docs/training.md)."""
+    linear_attention_kernel: str = "auto"
+    """How the Gated DeltaNet (linear-attention) layers of the hybrid families (``qwen3_5``, ``qwen3_5_moe``) run a
+    batch of several sequences (packed rows, padded batches, shared-prompt rows). ``torch``: each sequence gathered
+    into a right-padded batch and run through the layer's own functions (transformers' torch fallbacks on the CPU);
+    the reference, exact in every layout. ``fla``: flash-linear-attention's variable-length chunked kernel, the
+    sequences' tokens in one row with their boundaries and initial states (CUDA, bf16 compute; no padding rows).
+    ``auto``: ``fla`` on CUDA where the package is installed, else ``torch``. ``mmrlhf doctor`` reports the path a
+    run takes (docs/models.md)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code (off: only transformers' built-in families)."""
     reference: str = ""

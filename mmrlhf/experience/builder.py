@@ -248,6 +248,7 @@ def load_model(model_cfg: Any, path: str, adapter: Any, *, trainable: bool, rout
                                    compute_dtype=p.autocast_dtype if trainable else None,
                                    attn_implementation=model_cfg.attn_implementation,
                                    masked_attention=model_cfg.masked_attention, routing_replay=routing_replay,
+                                   linear_attention_kernel=model_cfg.linear_attention_kernel,
                                    trust_remote_code=model_cfg.trust_remote_code)
 
 

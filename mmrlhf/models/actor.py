@@ -59,6 +59,7 @@ from mmrlhf.models.logprobs import chunked_sampled_log_probs
 from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.precision import autocast
 from mmrlhf.models.routing import ROUTING_MODES, RoutingTrace, routing
+from mmrlhf.models.delta_kernels import resolve_delta_kernel, varlen_rule
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import grouped_attention_mask
 from mmrlhf.models.truncation import Truncation
@@ -142,7 +143,7 @@ class ActorVL(nn.Module):
 
     def __init__(self, model: Any, adapter: FamilyAdapter | None = None, *, chunk_size: int = 1024,
                  excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
-                 masked_attention: str = "auto", routing_replay: str = "none"):
+                 masked_attention: str = "auto", routing_replay: str = "none", linear_attention_kernel: str = "auto"):
         super().__init__()
         self.model = model
         self.adapter = adapter if adapter is not None else get_adapter(model.config)
@@ -155,6 +156,8 @@ class ActorVL(nn.Module):
         if self.adapter.recurrent_layers and not linear_attention.install(model):
             raise ValueError(f"{self.adapter.family} has recurrent decoder layers but none was found in "
                              f"{type(model).__name__} (in_proj_qkv, conv1d, A_log, dt_bias): packed rows would leak")
+        resolve_delta_kernel(linear_attention_kernel, "cpu")  # refuse an unknown name now
+        self.linear_attention_kernel = linear_attention_kernel  # model.linear_attention_kernel (recurrent layers)
         if routing_replay not in ROUTING_MODES:
             raise ValueError(f"routing_replay must be one of {ROUTING_MODES}, got {routing_replay!r}")
         self.routing_replay = routing_replay  # rollout.routing_replay: "replay" holds the routers to the engine's
@@ -193,7 +196,7 @@ class ActorVL(nn.Module):
     def from_pretrained(cls, path: str, *, chunk_size: int = 1024, adapter: FamilyAdapter | None = None,
                         excluded_token_ids: Sequence[int] | None = None, compute_dtype: torch.dtype | None = None,
                         masked_attention: str = "auto", routing_replay: str = "none",
-                        **model_kwargs: Any) -> "ActorVL":
+                        linear_attention_kernel: str = "auto", **model_kwargs: Any) -> "ActorVL":
         """Load ``path``; ``adapter`` (e.g. an explicitly configured family) defaults to the config's own.
         ``model_kwargs`` go to transformers (``dtype`` there is the STORAGE dtype; ``compute_dtype`` the autocast
         one)."""
@@ -202,7 +205,8 @@ class ActorVL(nn.Module):
         model = AutoModelForImageTextToText.from_pretrained(path, **model_kwargs)
         return cls(model, adapter if adapter is not None else get_adapter(model.config), chunk_size=chunk_size,
                    excluded_token_ids=excluded_token_ids, compute_dtype=compute_dtype,
-                   masked_attention=masked_attention, routing_replay=routing_replay)
+                   masked_attention=masked_attention, routing_replay=routing_replay,
+                   linear_attention_kernel=linear_attention_kernel)
 
     # ---- one micro-batch ----------------------------------------------------------------------------------
     @property
@@ -240,13 +244,20 @@ class ActorVL(nn.Module):
         linear_attention`); none otherwise."""
         if not self.adapter.recurrent_layers:
             return {}
+        rule = varlen_rule(self.delta_kernel())
+        varlen = {} if rule is None else {linear_attention.VARLEN_KWARG: rule}
         if isinstance(samples, GroupedSamples):
             tree = linear_attention.tree_segments(samples.sequences.shape[1], *(x.cpu() for x in (
                 samples.prompt_lengths, samples.sample_row, samples.sample_start, samples.response_length)))
-            return {linear_attention.SEGMENTS_KWARG: tree}
+            return {linear_attention.SEGMENTS_KWARG: tree, **varlen}
         seg = (linear_attention.segments(samples.packed_seq_lens.cpu()) if samples.packed else
                linear_attention.padded_segments(samples.attention_mask.cpu()))
-        return {} if seg is None else {linear_attention.SEGMENTS_KWARG: seg}
+        return {} if seg is None else {linear_attention.SEGMENTS_KWARG: seg, **varlen}
+
+    def delta_kernel(self) -> str:
+        """How this actor's recurrent layers run a batch of sequences on the device it computes on now: ``torch``
+        (gathered) or a variable-length kernel's name (:func:`mmrlhf.models.delta_kernels.resolve_delta_kernel`)."""
+        return resolve_delta_kernel(self.linear_attention_kernel, self.device)
 
     def _hidden_states(self, samples: SamplesVL, vision_extra: dict[str, torch.Tensor] | None,
                        position_ids: torch.Tensor, mixer: dict[str, Any],

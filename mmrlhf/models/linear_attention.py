@@ -23,10 +23,12 @@ on it (each state and convolution starts from zero, exactly as alone; right padd
 a causal layer) and scatters the real tokens back (zeros elsewhere, which is what the layer gives at padding).
 Gradients flow through the gather and the scatter; the kernels are whatever transformers picked (fla / causal-conv1d
 on CUDA where installed, the torch fallbacks elsewhere), never bypassed. Cost: ``n * L_max`` token rows instead of
-``T`` for a packed row (linear in length; similar lengths waste little), the same rows for a padded batch. A varlen
-call (fla's ``cu_seqlens``, causal-conv1d's ``seq_idx``) would avoid the padding but needs its own copy of the
-layer's forward per transformers version; left for when a GPU run shows the padding matters. Without the keyword
-(generation, a direct model call) the layer runs as shipped.
+``T`` for a packed row (linear in length; similar lengths waste little), the same rows for a padded batch. With a
+variable-length kernel (``model.linear_attention_kernel``, :mod:`mmrlhf.models.delta_kernels`: fla's
+``cu_seqlens`` on CUDA), handed over under :data:`VARLEN_KWARG`, the samples' tokens run as one row with their
+boundaries instead (:func:`mmrlhf.models.gated_delta.varlen_forward`: the layer's computation with the states
+threaded through), no padding rows. Without the keywords (generation, a direct model call) the layer runs as
+shipped.
 
 The keyword travels with the model's own ``**kwargs`` (model -> decoder layer -> token mixer), so a checkpointed
 block recomputes with the same segments. Other modules that receive it (attention functions, the vision tower)
@@ -49,9 +51,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from mmrlhf.models.gated_delta import MixerState, continued_forward
+from mmrlhf.models.gated_delta import MixerState, continued_forward, varlen_forward
 
 SEGMENTS_KWARG = "mmrlhf_segments"  # not a transformers keyword: nothing else reads it
+VARLEN_KWARG = "mmrlhf_varlen_rule"  # a variable-length delta rule (mmrlhf.models.delta_kernels); absent: gather
 _PARTS = ("in_proj_qkv", "conv1d", "A_log", "dt_bias")
 
 
@@ -60,6 +63,7 @@ class Segments(NamedTuple):
 
     index: torch.Tensor  # [n, L] long: flat position (row * S + s) of each sample's token l (clamped past its end)
     valid: torch.Tensor  # [n, L] bool: l < the sample's length
+    lengths: tuple[int, ...] = ()  # n sample lengths, on the host (a varlen kernel's boundaries)
 
 
 class TreeSegments(NamedTuple):
@@ -109,7 +113,7 @@ def _gather(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> Segments
     steps = torch.arange(width)[None]  # [1, L]
     valid = steps < lengths[:, None]  # [n, L]
     index = (starts[:, None] + steps).clamp(max=max(total - 1, 0))  # [n, L]
-    return Segments(index, valid)
+    return Segments(index, valid, tuple(int(n) for n in lengths.tolist()))
 
 
 def recurrent_layers(model: nn.Module) -> list[nn.Module]:
@@ -152,6 +156,7 @@ def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any
     """The layer's class forward, per sample when ``kwargs`` carry :data:`SEGMENTS_KWARG`: ``hidden_states``
     [B, S, H] -> [B, S, H'], zero where no sample lies (as the layer gives at padding)."""
     seg: Segments | TreeSegments | None = kwargs.pop(SEGMENTS_KWARG, None)
+    rule = kwargs.pop(VARLEN_KWARG, None)
     forward = type(layer).forward
     if seg is None:
         return forward(layer, hidden_states, *args, **kwargs)
@@ -159,7 +164,9 @@ def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any
         raise ValueError("sample segments with a cache: a scored batch is run whole, never continued")
     kwargs.pop("attention_mask", None)  # the padding: outside the gathered samples, or zeroed below
     if isinstance(seg, TreeSegments):
-        return _tree_forward(layer, hidden_states, seg)
+        return _tree_forward(layer, hidden_states, seg, rule)
+    if rule is not None:
+        return _varlen_samples(layer, hidden_states, seg, rule)
     b, s, _ = hidden_states.shape
     rows = hidden_states.reshape(b * s, -1)[seg.index]  # [n, L, H] each sample from its own first token
     rows = rows * seg.valid[..., None].to(rows.dtype)  # the tail past a sample's end: zeros, never read
@@ -168,17 +175,35 @@ def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any
     return flat.reshape(b, s, -1)
 
 
-def _tree_forward(layer: nn.Module, hidden_states: torch.Tensor, tree: TreeSegments) -> torch.Tensor:
+def _tree_forward(layer: nn.Module, hidden_states: torch.Tensor, tree: TreeSegments, rule: Any = None
+                  ) -> torch.Tensor:
     """A grouped batch ``hidden_states`` [G, L, H] -> [G, L, H']: each prompt once, each response continuing from
-    its prompt's state (zero where no token lies)."""
+    its prompt's state (zero where no token lies); through the varlen ``rule`` where given, else gathered."""
     g, s, _ = hidden_states.shape
     flat_in = hidden_states.reshape(g * s, -1)
     p, r = tree.prompts, tree.responses
-    prompts = flat_in[p.index] * p.valid[..., None].to(hidden_states.dtype)  # [G, P, H]
-    out_p, state = continued_forward(layer, prompts, p.valid, keep_state=True)  # [G, P, H'], per row
-    start = MixerState(state.conv[tree.owner], state.recurrent[tree.owner])  # [B, ...] each response's prompt
-    responses = flat_in[r.index] * r.valid[..., None].to(hidden_states.dtype)  # [B, R, H]
-    out_r, _ = continued_forward(layer, responses, r.valid, start)  # [B, R, H']
+    if rule is not None:
+        out_p, state = varlen_forward(layer, flat_in[p.index[p.valid]][None], p.lengths, rule, keep_state=True)
+        start = MixerState(state.conv[tree.owner], state.recurrent[tree.owner])  # [B, ...] each response's prompt
+        out_r, _ = varlen_forward(layer, flat_in[r.index[r.valid]][None], r.lengths, rule, start)
+        out_p, out_r = out_p[0], out_r[0]  # [T_p, H'], [T_r, H'] in sequence order
+    else:
+        prompts = flat_in[p.index] * p.valid[..., None].to(hidden_states.dtype)  # [G, P, H]
+        out_p, state = continued_forward(layer, prompts, p.valid, keep_state=True)  # [G, P, H'], per row
+        start = MixerState(state.conv[tree.owner], state.recurrent[tree.owner])  # [B, ...] each response's prompt
+        responses = flat_in[r.index] * r.valid[..., None].to(hidden_states.dtype)  # [B, R, H]
+        out_r, _ = continued_forward(layer, responses, r.valid, start)  # [B, R, H']
+        out_p, out_r = out_p[p.valid], out_r[r.valid]
     flat = out_p.new_zeros(g * s, out_p.shape[-1])
-    flat = flat.index_put((p.index[p.valid],), out_p[p.valid]).index_put((r.index[r.valid],), out_r[r.valid])
+    flat = flat.index_put((p.index[p.valid],), out_p).index_put((r.index[r.valid],), out_r)
     return flat.reshape(g, s, -1)
+
+
+def _varlen_samples(layer: nn.Module, hidden_states: torch.Tensor, seg: Segments, rule: Any) -> torch.Tensor:
+    """A packed row or padded batch [B, S, H] -> [B, S, H'] through the varlen ``rule``: the samples' tokens in one
+    row, their boundaries to the kernel (zero where no sample lies)."""
+    b, s, _ = hidden_states.shape
+    where = seg.index[seg.valid]  # [T] flat positions of the samples' tokens, sample after sample
+    out, _ = varlen_forward(layer, hidden_states.reshape(b * s, -1)[where][None], seg.lengths, rule)  # [1, T, H']
+    flat = out.new_zeros(b * s, out.shape[-1]).index_put((where,), out[0])
+    return flat.reshape(b, s, -1)

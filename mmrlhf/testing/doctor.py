@@ -70,6 +70,10 @@ def check_environment(opts: DoctorOptions) -> list[CheckResult]:
                    "kernels (AVX-512 BF16 present)" if bf16 else
                    "; linear-attention layers (Qwen3.5): float32 through mmrlhf's torch path (no AVX-512 BF16: a "
                    "bf16 engine serves float32)")
+    from mmrlhf.models.delta_kernels import describe
+
+    details["linear_attention_trainer"] = describe("auto", device)  # model.linear_attention_kernel at its default
+    reason += f"; the trainer's linear-attention layers (Qwen3.5): {details['linear_attention_trainer']}"
     gib = details.get("gpu_memory_gib")
     return [CheckResult("environment", "pass", gib, "GPU GiB" if gib else "", reason, details=details),
             check_patch_embed(device, quick=opts.quick)]

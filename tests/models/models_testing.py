@@ -169,3 +169,20 @@ def random_value_head(hidden: int, seed: int = 0) -> torch.nn.Linear:
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.1)
         head.bias.copy_(torch.randn(head.bias.shape, generator=g) * 0.1)
     return head
+
+
+def slow_decay(bundle: Bundle) -> Bundle:
+    """``bundle`` with a copy of its model whose Gated DeltaNet layers forget slowly: ``A = exp(A_log)`` spread over
+    0.02-0.2, a per-step decay ``exp(g)`` of about 0.97-0.75. Why: the tiny models' random initialisation gives A of
+    5-10, a decay of 1e-3 to 1e-6 per token, so the recurrent state is forgotten at the next token, and a test of a
+    state carried across a boundary (a shared prompt's into its responses) would barely see it (measured: responses
+    started from a zero recurrent state moved log-probs by 7e-6). The convolution tail is unaffected."""
+    import copy
+
+    from mmrlhf.models.linear_attention import recurrent_layers
+
+    model = copy.deepcopy(bundle.model)
+    with torch.no_grad():
+        for layer in recurrent_layers(model):
+            layer.A_log.copy_(torch.linspace(0.02, 0.2, layer.A_log.numel()).log())
+    return Bundle(bundle.family, model, bundle.processor, bundle.adapter, bundle.inputs)

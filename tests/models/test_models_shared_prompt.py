@@ -4,18 +4,20 @@ images, video), with groups of uneven response lengths, samples of one group sca
 masked sample in the loss, and rows split by a token budget. All float32, tolerance 1e-5 (measured ~1e-6).
 
 The hybrid families (``qwen3_5``, ``qwen3_5_moe``: Gated DeltaNet layers, which read no mask) run each prompt once
-through their recurrent layers and continue every response from the prompt's state: the same checks hold for them.
+through their recurrent layers and continue every response from the prompt's state: the same checks hold for them,
+on a copy whose recurrent layers forget slowly (``slow_decay``: the tiny models' own forget their state at the next
+token, which would leave the state's hand-over untested).
 
 Controls that must fail: siblings allowed to see each other, responses positioned as if they followed one another in
-the row instead of each continuing from the prompt, and (hybrids) responses continuing from a zero state instead of
-the prompt's.
+the row instead of each continuing from the prompt, and (hybrids) responses continuing from a zero convolution tail
+or a zero recurrent state instead of the prompt's.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from models_testing import random_value_head
+from models_testing import random_value_head, slow_decay
 
 from mmrlhf.algorithms.losses import policy_loss
 from mmrlhf.experience.grouped import build_grouped_samples, group_by_prompt
@@ -32,6 +34,22 @@ HYBRIDS = ["qwen3_5", "qwen3_5_moe"]
 ATOL = 1e-5  # fp32 vs fp32, different summation order only
 CAUGHT = 1e-3  # a control must move some log-prob at least this much
 LENGTHS = [[5, 1, 9], [3, 7, 2], [8, 4, 6], [2, 9, 5]]  # per prompt kind: its samples' response lengths
+_SLOW: dict = {}
+
+
+@pytest.fixture()
+def bundles(bundles):
+    """The session's bundles, the hybrids' as slow-decay copies (made once)."""
+
+    class _View:
+        def __getitem__(self, family):
+            if family not in HYBRIDS:
+                return bundles[family]
+            if family not in _SLOW:
+                _SLOW[family] = slow_decay(bundles[family])
+            return _SLOW[family]
+
+    return _View()
 
 
 def _pieces(bundle, seed: int = 0):
@@ -185,18 +203,25 @@ def test_sibling_attention_is_caught(bundles, monkeypatch):
 
 
 @pytest.mark.parametrize("family", HYBRIDS)
-def test_responses_from_a_zero_state_are_caught(bundles, family, monkeypatch):
-    """Control (hybrids): recurrent layers whose responses start from zero instead of the prompt's state (conv tail
-    and delta-rule state) score differently, for every prompt kind."""
+@pytest.mark.parametrize("dropped", ["conv", "recurrent"])
+def test_responses_from_a_zero_state_are_caught(bundles, family, dropped, monkeypatch):
+    """Control (hybrids): recurrent layers whose responses start from a zero convolution tail, or from a zero
+    delta-rule state, instead of their prompt's score differently, for every prompt kind."""
+    from mmrlhf.models.gated_delta import MixerState
+
     bundle = bundles[family]
     built = _built(bundle, "grouped")
     good = _score(bundle, built).log_probs
     real = linear_attention.continued_forward
 
-    def from_zero(layer, hidden, valid, start=None, keep_state=False):
-        return real(layer, hidden, valid, None, keep_state)
+    def zeroed(layer, hidden, valid, start=None, keep_state=False):
+        if start is not None:
+            conv, state = start
+            start = MixerState(torch.zeros_like(conv), state) if dropped == "conv" else \
+                MixerState(conv, torch.zeros_like(state))
+        return real(layer, hidden, valid, start, keep_state)
 
-    monkeypatch.setattr(linear_attention, "continued_forward", from_zero)
+    monkeypatch.setattr(linear_attention, "continued_forward", zeroed)
     cold = _score(bundle, built).log_probs
     worst = _worst_by_kind(bundle, cold, good)
     assert min(worst.values()) > CAUGHT, worst
