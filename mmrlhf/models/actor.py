@@ -153,7 +153,8 @@ class ActorVL(nn.Module):
         resolve_masked_attention(masked_attention, "cpu", base_implementation(model))  # refuse a bad setting now
         self.masked_attention = masked_attention  # model.masked_attention: kernel of packed / grouped rows
         # Recurrent (linear-attention) layers restart at packed boundaries (mmrlhf.models.linear_attention)
-        if self.adapter.recurrent_layers and not linear_attention.install(model):
+        if self.adapter.recurrent_layers and not linear_attention.install(model) \
+                and linear_attention.declares_recurrent(model):
             raise ValueError(f"{self.adapter.family} has recurrent decoder layers but none was found in "
                              f"{type(model).__name__} (in_proj_qkv, conv1d, A_log, dt_bias): packed rows would leak")
         resolve_delta_kernel(linear_attention_kernel, "cpu")  # refuse an unknown name now

@@ -45,7 +45,7 @@ class FamilyAdapter:
     # processor's resize: Qwen2.5-VL).
     box_space: ClassVar[str] = "relative1000"
     # Decoder layers that carry a recurrent state (Gated DeltaNet linear attention) besides attention: packed rows
-    # must restart that state at every sequence boundary, and a prompt cannot be shared through a tree mask.
+    # must restart that state at every sequence boundary, and a shared prompt hands its state to each response.
     recurrent_layers: ClassVar[bool] = False
     # Decoder MLPs that route tokens to experts (routing replay, load-balancing loss, expert metrics apply).
     routed_experts: ClassVar[bool] = False

@@ -122,6 +122,14 @@ def recurrent_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if all(hasattr(m, p) for p in _PARTS)]
 
 
+def declares_recurrent(model: nn.Module) -> bool:
+    """Whether ``model``'s config declares decoder layers other than full attention (or says nothing of its layer
+    types): a hybrid family's checkpoint whose layers are all full attention (an ablation) has no recurrent layer to
+    find, and that is not an error."""
+    types = getattr(model.config.get_text_config(), "layer_types", None)
+    return not types or any(kind != "full_attention" for kind in types)
+
+
 def installed(layer: nn.Module) -> bool:
     forward = layer.__dict__.get("forward")
     return isinstance(forward, functools.partial) and forward.func is _segmented_forward

@@ -286,27 +286,29 @@ def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
 
 
 def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(cluster, tmp_path):
-    """The toy recipe (200 steps) with 2 rollout actors and 2 trainer actors (one FSDP2 group over gloo), and every
-    key that reads the whole step on (``WHOLE_STEP``): one process reaches eval reward 1.0 by step 160 with the
-    recipe as shipped (README's quick start); the Ray run must end there too. Measured here (2026-11-29): eval 1.0
-    from step 100, 25-step reward means 0.014 -> 0.977 (as shipped, without these keys: eval 1.0 from step 120,
-    0.008 -> 0.975; docs/distributed.md)."""
+    """The toy recipe with 2 rollout actors and 2 trainer actors (one FSDP2 group over gloo), and every key that
+    reads the whole step on (``WHOLE_STEP``): one process reaches eval reward 1.0 by step 160 with the recipe as
+    shipped (README's quick start); the Ray run must be there at step 160 too. Measured here over 200 steps
+    (2026-11-29, three runs): eval 0.72-1.0 at step 100 and 1.0 at 200; 25-step training reward means 0.88-0.91
+    at step 160, 0.975-0.977 at 200 (as shipped, without these keys: eval 1.0 from step 120; docs/distributed.md).
+    160 steps, not 200: this is the suite's longest test, and step 160 is the claim."""
     from mmrlhf.config import load_config
     from mmrlhf.launch.ray.driver import run_ray
     from mmrlhf.testing.tiny_models import tiny_model_dir
 
     config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"trainer.output_dir={tmp_path}",
-        "trainer.eval_steps=100", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.report_steps=0",
-        "distributed.backend=ray", "distributed.num_rollout_actors=2", "distributed.num_trainer_actors=2",
-        "distributed.rollout_actor_cpus=0.5", "distributed.trainer_actor_cpus=0.5", *WHOLE_STEP])
+        "trainer.max_steps=160", "trainer.eval_steps=80", "trainer.progress_bar=false", "trainer.tensorboard=false",
+        "trainer.report_steps=0", "distributed.backend=ray", "distributed.num_rollout_actors=2",
+        "distributed.num_trainer_actors=2", "distributed.rollout_actor_cpus=0.5", "distributed.trainer_actor_cpus=0.5",
+        *WHOLE_STEP])
     assert run_ray(config) == 0
     history = rows(tmp_path)
-    assert [h["step"] for h in history] == list(range(1, 201))
+    assert [h["step"] for h in history] == list(range(1, 161))
     evals = {h["step"]: h["eval/reward/mean"] for h in history if "eval/reward/mean" in h}
     last25 = statistics.mean(h["reward/mean"] for h in history[-25:])
     print(f"\n2 + 2 actors: eval {evals}; last-25 reward mean {last25:.3f}")
-    assert evals[200] >= 0.9 and last25 >= 0.85, (evals, last25)
+    assert evals[160] >= 0.9 and last25 >= 0.8, (evals, last25)
     assert all(h["ledger/produced"] == h["ledger/consumed"] > 0 for h in history)
     assert max(h["dynamic_sampling/rounds"] for h in history) > 1  # the actors refilled together
     assert len({round(h["kl_coef"], 9) for h in history}) > 100  # the coefficient moved, step after step

@@ -219,3 +219,23 @@ def test_segments():
     assert seg.index.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7], [11, 11, 11, 11]]
     assert seg.valid.sum(1).tolist() == [2, 4, 1]
     assert linear_attention.padded_segments(torch.tensor([[1, 0, 1]])) is None  # a hole: the layer as shipped
+
+
+def test_a_hybrid_whose_layers_are_all_attention_builds_and_missing_parts_are_refused(bundles):
+    """A Qwen3.5 checkpoint whose config declares every layer full attention (a layer ablation) has no recurrent
+    layer to find, and builds; a hybrid whose recurrent parts are not found (a renamed attribute in another
+    transformers version) is refused, since its packed rows would leak."""
+    from transformers import AutoModelForImageTextToText
+
+    bundle = bundles["qwen3_5"]
+    config = copy.deepcopy(bundle.model.config)
+    config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+    model = AutoModelForImageTextToText.from_config(config)
+    assert not linear_attention.recurrent_layers(model) and not linear_attention.declares_recurrent(model)
+    ActorVL(model, bundle.adapter)
+    renamed = copy.deepcopy(bundle.model)
+    for layer in linear_attention.recurrent_layers(renamed):
+        layer._parameters.pop("dt_bias")
+    assert linear_attention.declares_recurrent(renamed)
+    with pytest.raises(ValueError, match="recurrent decoder layers but none was found"):
+        ActorVL(renamed, bundle.adapter)
