@@ -17,7 +17,13 @@ the same gated norm and output projection. Only the two states are threaded in a
 Batches are right padded; a position past a sample's end (``valid`` false) gets no write and no decay (beta = 0,
 g = 0), so the state at the end of the batch row IS the state at the sample's end, and the padding sends no gradient
 to the decay parameters. Positions past the end give outputs nobody reads (causal: they never reach earlier tokens).
-Whether this equals the layer's own forward is tested per family (tests/models/test_models_recurrent_shared.py).
+
+:func:`varlen_forward` is the same computation over many sequences flattened into one row, for a kernel that takes
+sequence boundaries and one initial state per sequence (:mod:`mmrlhf.models.delta_kernels`): no padding rows.
+
+That a continued response equals the same tokens in the sample's own sequence is tested per family and prompt
+kind (tests/models/test_models_shared_prompt.py), the variable-length path against the gather path in
+tests/models/test_models_delta_kernels.py.
 """
 
 from __future__ import annotations
