@@ -130,7 +130,8 @@ def _conv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _heads(layer: nn.Module, conv: torch.Tensor):
-    """Convolved [B, C, T] -> query, key [B, T, Hv, dk] (key heads repeated to the value heads), value [B, T, Hv, dv]."""
+    """Convolved [B, C, T] -> query, key [B, T, Hv, dk] (key heads repeated to the value heads) and value
+    [B, T, Hv, dv]."""
     b, _, t = conv.shape
     query, key, value = torch.split(conv.transpose(1, 2), [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(b, t, -1, layer.head_k_dim)
