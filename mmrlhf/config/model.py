@@ -85,7 +85,8 @@ class ModelConfig(Section):
     batch of several sequences (packed rows, padded batches, shared-prompt rows). ``torch``: each sequence gathered
     into a right-padded batch and run through the layer's own functions (transformers' torch fallbacks on the CPU);
     the reference, exact in every layout. ``fla``: flash-linear-attention's variable-length chunked kernel, the
-    sequences' tokens in one row with their boundaries and initial states (CUDA, bf16 compute; no padding rows).
+    sequences' tokens in one row with their boundaries and initial states (CUDA; no padding rows; bf16 compute:
+    fla has no float32 kernel, so a float32 forward takes the torch path).
     ``auto``: ``fla`` on CUDA where the package is installed, else ``torch``. ``mmrlhf doctor`` reports the path a
     run takes (docs/models.md)."""
     trust_remote_code: bool = False

@@ -54,12 +54,12 @@ from mmrlhf.models.adapters import FamilyAdapter, get_adapter
 from mmrlhf.models.attention import (base_implementation, block_mask, install, install_vision,
                                      resolve_masked_attention, row_segments, rows_kernel)
 from mmrlhf.models.batch import GroupedSamples, SamplesVL, pad_positions, split_vision_inputs
+from mmrlhf.models.delta_kernels import check_setting, resolve_delta_kernel, varlen_rule
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
 from mmrlhf.models.logprobs import chunked_sampled_log_probs
 from mmrlhf.models.placement import module_device, to_device
 from mmrlhf.models.precision import autocast
 from mmrlhf.models.routing import ROUTING_MODES, RoutingTrace, routing
-from mmrlhf.models.delta_kernels import resolve_delta_kernel, varlen_rule
 from mmrlhf.models.positions import grouped_position_ids, packed_position_ids, padded_position_ids
 from mmrlhf.models.shared_prompt import grouped_attention_mask
 from mmrlhf.models.truncation import Truncation
@@ -157,7 +157,7 @@ class ActorVL(nn.Module):
                 and linear_attention.declares_recurrent(model):
             raise ValueError(f"{self.adapter.family} has recurrent decoder layers but none was found in "
                              f"{type(model).__name__} (in_proj_qkv, conv1d, A_log, dt_bias): packed rows would leak")
-        resolve_delta_kernel(linear_attention_kernel, "cpu")  # refuse an unknown name now
+        check_setting(linear_attention_kernel)  # refuse an unknown name now (the device: at each forward)
         self.linear_attention_kernel = linear_attention_kernel  # model.linear_attention_kernel (recurrent layers)
         if routing_replay not in ROUTING_MODES:
             raise ValueError(f"routing_replay must be one of {ROUTING_MODES}, got {routing_replay!r}")

@@ -8,8 +8,8 @@ Two paths, both exact (tests/models/test_models_delta_kernels.py):
   (:mod:`mmrlhf.models.linear_attention`). Costs ``n x L_max`` token rows in these layers.
 - a variable-length kernel (``fla``: flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` and one
   initial state per sequence): every sequence's tokens flattened into one row, boundaries given to the kernel, no
-  padding rows at all (:func:`mmrlhf.models.gated_delta.varlen_forward`). CUDA, bf16 / fp16 compute (fla refuses
-  float32).
+  padding rows at all (:func:`mmrlhf.models.gated_delta.varlen_forward`). CUDA, bf16 / fp16 compute: fla has no
+  float32 kernel, so a float32 forward (``model.dtype: float32``) takes the torch path.
 
 ``model.linear_attention_kernel`` picks: ``auto`` is ``fla`` where it can run (CUDA and the package importable),
 else ``torch``. A kernel is registered by name in :data:`VARLEN_RULES` as a factory returning a :data:`VarlenRule`;
@@ -50,26 +50,38 @@ def fla_rule() -> VarlenRule:
                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                       use_qk_l2norm_in_kernel=True)
 
+    rule.dtypes = (torch.bfloat16, torch.float16)  # type: ignore[attr-defined]  # fla has no float32 kernel
     return rule
+
+
+def rule_runs(rule: Any, dtype: torch.dtype) -> bool:
+    """Whether ``rule`` computes in ``dtype`` (a rule may list its ``dtypes``; one that does not takes any)."""
+    return dtype in getattr(rule, "dtypes", (dtype,))
+
+
+def check_setting(setting: str) -> None:
+    """Refuse, before any forward, a ``model.linear_attention_kernel`` that names no kernel, or ``fla`` without the
+    package (the device is checked where the layers compute: :func:`resolve_delta_kernel`)."""
+    if setting in ("auto", TORCH):
+        return
+    if setting not in VARLEN_RULES:
+        raise ValueError(f"model.linear_attention_kernel={setting!r}: choose auto, {TORCH} or one of "
+                         f"{', '.join(VARLEN_RULES.names())}")
+    if setting == "fla" and not fla_available():
+        raise ValueError("model.linear_attention_kernel=fla, but flash-linear-attention is not installed "
+                         "(pip install flash-linear-attention): use auto or torch")
 
 
 def resolve_delta_kernel(setting: str, device: torch.device | str) -> str:
     """``model.linear_attention_kernel`` -> ``"torch"`` or a registered varlen kernel's name, for layers computing on
     ``device``. ``auto``: ``fla`` on CUDA where the package is installed, else ``torch``. Naming ``fla`` where it
     cannot run is an error naming the key."""
+    check_setting(setting)
+    on_cuda = torch.device(device).type == "cuda"
     if setting in ("auto", TORCH):
-        usable = torch.device(device).type == "cuda" and fla_available()
-        return "fla" if setting == "auto" and usable else TORCH
-    if setting not in VARLEN_RULES:
-        raise ValueError(f"model.linear_attention_kernel={setting!r}: choose auto, {TORCH} or one of "
-                         f"{', '.join(VARLEN_RULES.names())}")
-    if setting == "fla":
-        if not fla_available():
-            raise ValueError("model.linear_attention_kernel=fla, but flash-linear-attention is not installed "
-                             "(pip install flash-linear-attention): use auto or torch")
-        if torch.device(device).type != "cuda":
-            raise ValueError(f"model.linear_attention_kernel=fla runs on CUDA only, not on {device}: use auto or "
-                             "torch")
+        return "fla" if setting == "auto" and on_cuda and fla_available() else TORCH
+    if setting == "fla" and not on_cuda:
+        raise ValueError(f"model.linear_attention_kernel=fla runs on CUDA only, not on {device}: use auto or torch")
     return setting
 
 

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from mmrlhf.models.delta_kernels import rule_runs
 from mmrlhf.models.gated_delta import MixerState, continued_forward, varlen_forward
 
 SEGMENTS_KWARG = "mmrlhf_segments"  # not a transformers keyword: nothing else reads it
@@ -171,6 +172,8 @@ def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any
     if args or kwargs.get("cache_params") is not None:
         raise ValueError("sample segments with a cache: a scored batch is run whole, never continued")
     kwargs.pop("attention_mask", None)  # the padding: outside the gathered samples, or zeroed below
+    if rule is not None and not rule_runs(rule, _compute_dtype(layer, hidden_states)):
+        rule = None  # e.g. fla in a float32 forward: the gather path
     if isinstance(seg, TreeSegments):
         return _tree_forward(layer, hidden_states, seg, rule)
     if rule is not None:
@@ -181,6 +184,15 @@ def _segmented_forward(layer: nn.Module, hidden_states: torch.Tensor, *args: Any
     out = forward(layer, rows, **kwargs)  # [n, L, H']
     flat = out.new_zeros(b * s, out.shape[-1]).index_put((seg.index[seg.valid],), out[seg.valid])  # [B * S, H']
     return flat.reshape(b, s, -1)
+
+
+def _compute_dtype(layer: nn.Module, hidden_states: torch.Tensor) -> torch.dtype:
+    """The dtype the layer's projections compute in: autocast's where it is on, else the weights' (FSDP2 has cast
+    them to its compute dtype by the time the forward runs)."""
+    device = hidden_states.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return layer.in_proj_qkv.weight.dtype
 
 
 def _tree_forward(layer: nn.Module, hidden_states: torch.Tensor, tree: TreeSegments, rule: Any = None

@@ -121,6 +121,26 @@ def test_varlen_path_equals_the_gather_path(bundles, fake, family, layout, monke
         assert_close_at_scale(got_grads[name], ref_grads[name], msg=f"{layout}: {name}")
 
 
+def test_a_kernel_without_the_compute_dtype_leaves_the_forward_to_the_gather_path(bundles, fake, monkeypatch):
+    """fla has no float32 kernel: a rule that lists its dtypes is skipped in a forward of another dtype (here the
+    fake, said to run bf16 only, in a float32 forward), which then takes the torch path and scores the same."""
+    bundle = _slow(bundles, "qwen3_5")
+    built = _batch(bundle, "grouped")
+    rule = _sequential(importlib.import_module(QWEN3_5), fake)
+    rule.dtypes = (torch.bfloat16,)
+    registry = Registry("linear-attention kernel")
+    registry.add("bf16_only", lambda: rule)
+    monkeypatch.setattr(delta_kernels, "VARLEN_RULES", registry)
+    assert delta_kernels.rule_runs(rule, torch.bfloat16) and not delta_kernels.rule_runs(rule, torch.float32)
+    with torch.no_grad():
+        got = ActorVL(bundle.model, bundle.adapter, linear_attention_kernel="bf16_only")(
+            built.samples, vision_extra=built.vision_extra).log_probs
+        ref = ActorVL(bundle.model, bundle.adapter, linear_attention_kernel="torch")(
+            built.samples, vision_extra=built.vision_extra).log_probs
+    assert not fake  # never called
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
 def test_a_kernel_that_drops_the_prompt_state_is_caught(bundles, fake):
     """Control: responses that start from zero instead of their prompt's state score differently."""
     bundle = _slow(bundles, "qwen3_5")
@@ -153,7 +173,11 @@ def test_the_choice_is_made_in_one_place(monkeypatch):
         resolve("flash", "cpu")
 
 
-def test_the_actor_refuses_an_unknown_kernel_at_once(bundles):
+def test_the_actor_refuses_an_unknown_kernel_at_once_and_a_device_where_it_computes(bundles, monkeypatch):
     bundle = bundles["qwen3_5"]
     with pytest.raises(ValueError, match="linear_attention_kernel='nope'"):
         ActorVL(bundle.model, bundle.adapter, linear_attention_kernel="nope")
+    monkeypatch.setattr(delta_kernels, "fla_available", lambda: True)
+    actor = ActorVL(bundle.model, bundle.adapter, linear_attention_kernel="fla")  # built on the CPU, moved later
+    with pytest.raises(ValueError, match="runs on CUDA only, not on cpu"):
+        actor.delta_kernel()
