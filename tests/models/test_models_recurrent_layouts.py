@@ -230,7 +230,8 @@ def test_a_hybrid_whose_layers_are_all_attention_builds_and_missing_parts_are_re
     bundle = bundles["qwen3_5"]
     config = copy.deepcopy(bundle.model.config)
     config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
-    model = AutoModelForImageTextToText.from_config(config)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa")  # not the bundle's, which
+    #   an earlier test may have switched to the block-sparse function
     assert not linear_attention.recurrent_layers(model) and not linear_attention.declares_recurrent(model)
     ActorVL(model, bundle.adapter)
     renamed = copy.deepcopy(bundle.model)
