@@ -32,6 +32,7 @@ from mmrlhf.registry import Registry
 VarlenRule = Callable[..., tuple[torch.Tensor, Any]]
 VARLEN_RULES: Registry[Callable[[], VarlenRule]] = Registry("linear-attention kernel")
 TORCH = "torch"  # the gather path: no varlen rule
+FLA_DEVICE_TYPES = ("cuda",)  # where fla's (Triton) kernels run
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,10 +78,10 @@ def resolve_delta_kernel(setting: str, device: torch.device | str) -> str:
     ``device``. ``auto``: ``fla`` on CUDA where the package is installed, else ``torch``. Naming ``fla`` where it
     cannot run is an error naming the key."""
     check_setting(setting)
-    on_cuda = torch.device(device).type == "cuda"
+    fla_device = torch.device(device).type in FLA_DEVICE_TYPES
     if setting in ("auto", TORCH):
-        return "fla" if setting == "auto" and on_cuda and fla_available() else TORCH
-    if setting == "fla" and not on_cuda:
+        return "fla" if setting == "auto" and fla_device and fla_available() else TORCH
+    if setting == "fla" and not fla_device:
         raise ValueError(f"model.linear_attention_kernel=fla runs on CUDA only, not on {device}: use auto or torch")
     return setting
 
@@ -96,5 +97,6 @@ def describe(setting: str, device: torch.device | str) -> str:
     if name != TORCH:
         return f"{name} (variable-length: sequence boundaries and initial states, no padding rows)"
     why = ("flash-linear-attention not installed" if not fla_available() else
-           "not CUDA" if torch.device(device).type != "cuda" else f"model.linear_attention_kernel={setting}")
+           "not CUDA" if torch.device(device).type not in FLA_DEVICE_TYPES else
+           f"model.linear_attention_kernel={setting}")
     return f"torch (each sequence gathered into a padded batch; {why})"
