@@ -19,6 +19,8 @@ import pytest
 
 import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
 
+from launch_testing import stopped_at
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,10 +201,19 @@ def test_two_ray_trainer_actors_equal_one_process_within_reduction_noise(runs):
 
 
 def test_control_without_the_weight_push_differs(runs):
-    """The rollout actor keeps sampling with the first policy: from step 2 its samples, hence the training, differ."""
-    gaps = metric_gaps(_rows(runs["single"]), _rows(runs["control"]))
+    """The rollout actor receives every version number but no tensor, so it keeps sampling with the first policy:
+    from step 2 its samples, hence the training, differ. And the sync check sees it: the engine-vs-trainer gap that
+    stays at float noise in the synced run must show once the trainer has moved."""
+    control = _rows(runs["control"])
+    gaps = metric_gaps(_rows(runs["single"]), control)
     assert gaps["reward/mean"] > 1e-3 or gaps["policy/grad_norm"] > 1e-2, gaps
     assert update_gap(runs["single"], runs["control"]) > 0.5
+    seen = [r["engine_logprob_diff/trainer_max"] for r in control]
+    synced = max(r["engine_logprob_diff/trainer_max"] for r in _rows(runs["ray"]))
+    print(f"\nengine-vs-trainer max |diff| per step without the push: {seen}; with it: <= {synced}")
+    assert seen[0] < 1e-3  # the first step trains on version 0 either way
+    # (an all-zero-reward first step may leave the policy unchanged: by the last step it has moved)
+    assert seen[-1] > 1e-2 and seen[-1] > 100 * synced
 
 
 @pytest.mark.parametrize("k", [0, 1])
@@ -226,26 +237,6 @@ def test_a_resumed_ray_run_continues_as_the_straight_run(runs, cluster, tmp_path
     assert len(state["rollouts"]["inflight"]) == k  # k=1: the next step's rollout was in flight at the save
 
 
-def _stopped_at_two(single: Path, out: Path) -> Path:
-    """``out`` as the run ``single`` left it had it stopped after step 2: its step-2 checkpoint, its first two
-    metrics rows."""
-    import shutil
-
-    from mmrlhf.trainer.checkpoint_manifest import write_manifest
-
-    folder = out / "checkpoints"
-    folder.mkdir(parents=True)
-    shutil.copytree(single / "checkpoints" / "step-00000002", folder / "step-00000002")
-    (folder / "latest").write_text("step-00000002\n")
-    state_file = folder / "step-00000002" / "trainer_state.json"  # as if the run had been in this folder
-    state = json.loads(state_file.read_text())
-    state["config"]["trainer"]["output_dir"] = str(out)
-    state_file.write_text(json.dumps(state))
-    write_manifest(folder / "step-00000002")  # re-sealed after the edit, or the resume would find it damaged
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(single)[:2]))
-    return out
-
-
 @pytest.mark.parametrize("mode", ["single", "torchrun1"])
 def test_a_resumed_run_reports_every_metric_of_the_straight_run(runs, tmp_path, mode):
     """One process and torchrun (1 rank) resume their own straight run's step-2 checkpoint: steps 3 and 4 report
@@ -253,7 +244,7 @@ def test_a_resumed_run_reports_every_metric_of_the_straight_run(runs, tmp_path, 
     the engines' float sums follow the process's threads, so ``engine_logprob_diff/mean`` differs across modes.)"""
     from mmrlhf.launch import run
 
-    out = _stopped_at_two(runs[mode], tmp_path)
+    out = stopped_at(runs[mode], tmp_path, 2)
     if mode == "single":
         assert run(_config(out), resume=True) == 0
     else:
@@ -271,7 +262,7 @@ def test_a_one_process_checkpoint_resumes_in_the_ray_mode(runs, tmp_path):
     """One checkpoint format: the one-process run's step-2 checkpoint, resumed by Ray (1 rollout actor, 1 trainer
     actor), trains steps 3 and 4 exactly as the one process did."""
     single = runs["single"]
-    _ray(_stopped_at_two(single, tmp_path), resume=True)
+    _ray(stopped_at(single, tmp_path, 2), resume=True)
     resumed = _rows(tmp_path)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     worst = sorted(metric_gaps(_rows(single)[2:], resumed[2:]).items(), key=lambda kv: -kv[1])[:5]
@@ -322,27 +313,25 @@ def _ray_resumes_as_straight(tmp_path: Path, *keys: str, at_stop: Any = None) ->
     assert update_gap(straight, part) < 0.02
 
 
-def test_running_statistics_train_in_ray_as_in_one_process(cluster, tmp_path):
-    """``algorithm.reward_normalization`` and ``kl_controller: adaptive`` in the Ray mode (one rollout actor, whose
-    maker keeps the one running state), with advantage whitening (a batch statistic): the same training as one
-    process (``max_staleness`` 0). The state matters: the KL coefficient moves every step. (That a resume restores
-    this state as of the last trained step, with the step generated ahead regenerated from it: the two-actor test
-    below, whose actors keep the same state, and test_a_resumed_ray_run_continues_as_the_straight_run for one
-    actor's resume.)"""
+def test_running_statistics_and_dynamic_sampling_train_in_ray_as_in_one_process(cluster, tmp_path):
+    """What carries from step to step on the rollout side, in the Ray mode with one rollout actor (whose maker keeps
+    the one running state) and ``max_staleness`` 0, trains as in one process (the same metrics and weights):
+
+    - ``algorithm.reward_normalization`` and ``kl_controller: adaptive``, with advantage whitening (a batch
+      statistic). The state matters: the KL coefficient moves every step.
+    - ``algorithm.dynamic_sampling``: the rounds of a step read the stream and the sampling calls on from where the
+      last step stopped, so the same prompts, samples and training follow. The toy's first steps need extra rounds
+      (few rewarded groups), so a stream positioned per step would read other prompts.
+
+    (That a resume restores this state and this stream as of the last trained step, with the step generated ahead
+    regenerated from it: the two-actor test below, whose actors keep the same state, and
+    test_a_resumed_ray_run_continues_as_the_straight_run for one actor's resume.)"""
     one = _ray_as_one_process(tmp_path, *RUNNING, "algorithm.advantage_whitening=batch",
-                              compared=("kl_coef", "advantage_std"))
+                              "algorithm.dynamic_sampling=true",
+                              compared=("kl_coef", "advantage_std", "dynamic_sampling/rounds",
+                                        "dynamic_sampling/kept_group_frac"))
     coef = [r["kl_coef"] for r in one]
     assert len(set(coef)) == STEPS, coef  # moved at every step
-
-
-def test_dynamic_sampling_reads_the_stream_on_in_ray_as_in_one_process(cluster, tmp_path):
-    """``algorithm.dynamic_sampling`` in the Ray mode (one rollout actor): the rounds of a step read the stream and
-    the sampling calls on from where the last step stopped, as in one process, so the same prompts, samples and
-    training follow (``max_staleness`` 0). The toy's first steps need extra rounds (few rewarded groups), so a stream
-    positioned per step would read other prompts. (A resume that sets the stream and the calls where a checkpoint
-    stood: the two-actor test below.)"""
-    one = _ray_as_one_process(tmp_path, "algorithm.dynamic_sampling=true",
-                              compared=("dynamic_sampling/rounds", "dynamic_sampling/kept_group_frac"))
     rounds = [r["dynamic_sampling/rounds"] for r in one]
     assert max(rounds) > 1, rounds  # extra rounds: a step reads more than its own batch of prompts
 

@@ -1,7 +1,7 @@
 """The Ray mode end to end on a local 2-CPU Ray instance: one rollout actor (vLLM on the CPU) and one trainer actor
 train the toy colour task synchronously and with max_staleness=1; the weight sync is checked by the engine-vs-trainer
-log-probs (with the control that skips it); a killed rollout actor is reported and stops the run with a checkpoint,
-or is restarted and its batch regenerated."""
+log-probs (the control that skips the push: tests/launch/test_one_loop.py); a killed rollout actor is reported and
+stops the run with a checkpoint, or is restarted and its batch regenerated."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray m
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 80
-LEVEL = 0.04  # a reward the synchronous run reaches (10-step mean) around step 60
-# Measured on this 2-core machine (docs/distributed.md, "Asynchronous training"): with the same seeds the k=1 run's
-# reward curve follows the synchronous one closely (its samples differ only where the one-version-older policy moved
-# a token across a sampling boundary). Margins: last-20 means within 0.02 (measured: 0.000 at 70 steps), and the
-# first step at which the 10-step mean reaches LEVEL within 8 steps (measured: see the printed summary).
-ASYNC_REWARD_MARGIN = 0.02
-ASYNC_STEP_MARGIN = 8
+STEPS = 30
+LEVEL = 0.5  # a reward the synchronous run reaches (5-step mean) around step 14
+# Both runs train the toy recipe's answer-words variant (mmrlhf.testing.toy_recipe). Measured on this 2-core machine
+# (2026-11-29): with the same seeds the k=1 run's reward curve follows the synchronous one a step or two behind (the
+# one-version-older policy samples each step): rewards 0.03 -> 0.85 over 30 steps in both, last-10 means 0.769
+# (sync) and 0.754 (k=1), LEVEL reached at steps 14 and 16. Margins: last-10 means within 0.05 and LEVEL reached
+# within 5 steps.
+ASYNC_REWARD_MARGIN = 0.05
+ASYNC_STEP_MARGIN = 5
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +57,10 @@ def rows(out: Path) -> list[dict]:
 
 def reward_means(history: list[dict]) -> tuple[float, float]:
     r = [h["reward/mean"] for h in history]
-    return statistics.mean(r[:20]), statistics.mean(r[-20:])
+    return statistics.mean(r[:10]), statistics.mean(r[-10:])
 
 
-def first_step_reaching(history: list[dict], level: float, window: int = 10) -> int | None:
+def first_step_reaching(history: list[dict], level: float, window: int = 5) -> int | None:
     """The first step whose trailing ``window``-step reward mean is >= ``level`` (None: never)."""
     r = [h["reward/mean"] for h in history]
     return next((i + 1 for i in range(window - 1, len(r)) if statistics.mean(r[i - window + 1: i + 1]) >= level),
@@ -68,18 +69,20 @@ def first_step_reaching(history: list[dict], level: float, window: int = 10) -> 
 
 @pytest.fixture(scope="module")
 def learning_runs(cluster, tmp_path_factory):
-    """The synchronous and the k=1 run, same config and seeds, STEPS steps each."""
+    """The synchronous and the k=1 run, same config and seeds, STEPS steps each of the answer-words variant."""
     from mmrlhf.launch.ray.driver import run_ray
+    from mmrlhf.testing.toy_recipe import ANSWER_WORDS_ONLY
 
     out = {}
     for name, k in (("sync", 0), ("async", 1)):
         path = tmp_path_factory.mktemp(name)
-        assert run_ray(toy(path, f"trainer.max_steps={STEPS}", f"distributed.max_staleness={k}")) == 0
+        assert run_ray(toy(path, f"trainer.max_steps={STEPS}", f"distributed.max_staleness={k}",
+                           *ANSWER_WORDS_ONLY)) == 0
         out[name] = rows(path)
         first, last = reward_means(out[name])
-        print(f"\n{name}: reward first-20 {first:.3f} last-20 {last:.3f}; reaches {LEVEL} at step "
-              f"{first_step_reaching(out[name], LEVEL)}; 20-step means "
-              f"{[round(statistics.mean(h['reward/mean'] for h in out[name][i:i + 20]), 3) for i in (0, 20, 40, 60)]}"
+        print(f"\n{name}: reward first-10 {first:.3f} last-10 {last:.3f}; reaches {LEVEL} at step "
+              f"{first_step_reaching(out[name], LEVEL)}; 10-step means "
+              f"{[round(statistics.mean(h['reward/mean'] for h in out[name][i:i + 10]), 3) for i in (0, 10, 20)]}"
               f"; wait shares trainer "
               f"{out[name][-1]['async/trainer_wait_share']:.2f} rollout {out[name][-1]['async/rollout_wait_share']:.2f}"
               f"; wall {out[name][-1]['time/wall']:.1f}s; staleness counts "
@@ -91,7 +94,7 @@ def test_sync_run_learns_with_verified_weight_sync(learning_runs):
     history = learning_runs["sync"]
     assert len(history) == STEPS
     first, last = reward_means(history)
-    assert last > first + 0.03 and last > 3 * first, (first, last)
+    assert history[0]["reward/mean"] < 0.15 and last >= 0.6 and last > first + 0.3, (first, last)
     for h in history:
         assert h["ledger/produced"] == h["ledger/consumed"] == 256
         assert h["async/staleness_max"] == 0
@@ -111,28 +114,13 @@ def test_async_run_bounded_staleness_and_reward(learning_runs):
     assert all(h["ledger/produced"] == h["ledger/consumed"] == 256 for h in history)
     assert all("async/trainer_wait_share" in h and "async/rollout_wait_share" in h for h in history)
     first, last = reward_means(history)
-    assert last > first + 0.03 and last > 3 * first, (first, last)
+    assert history[0]["reward/mean"] < 0.15 and last >= 0.6 and last > first + 0.3, (first, last)
     assert last >= reward_means(sync)[1] - ASYNC_REWARD_MARGIN, (last, reward_means(sync)[1])
     reach_sync, reach_async = first_step_reaching(sync, LEVEL), first_step_reaching(history, LEVEL)
     assert reach_sync is not None and reach_async is not None, (reach_sync, reach_async)
     assert reach_async <= reach_sync + ASYNC_STEP_MARGIN, (reach_async, reach_sync)
     # the importance weights of the stale samples were really applied (not all 1)
     assert max(h["rollout_is/ratio_max"] for h in history) > 1.0 + 1e-3
-
-
-def test_sync_check_control_without_weight_push(cluster, tmp_path, learning_runs):
-    """Control: a run whose rollout actor receives every version number but no tensor. Its engine samples with the
-    initial policy while the trainer moves on: the check that stays at float noise in the synced runs above must
-    then show a large gap."""
-    from mmrlhf.launch.ray.driver import run_ray
-
-    assert run_ray(toy(tmp_path, "trainer.max_steps=4", "trainer.lr=1e-2"), push_weights=False) == 0
-    seen = [h["engine_logprob_diff/trainer_max"] for h in rows(tmp_path)]
-    synced = max(h["engine_logprob_diff/trainer_max"] for h in learning_runs["sync"])
-    print(f"\nengine-vs-trainer max |diff| per step without the push: {seen}; with it (sync run): <= {synced}")
-    assert seen[0] < 1e-3  # the first step trains on version 0 either way
-    # (an all-zero-reward first step may leave the policy unchanged: by the last step it has moved)
-    assert seen[-1] > 1e-2 and seen[-1] > 100 * synced
 
 
 def kill_rollout_actor_at(step: int):
@@ -287,31 +275,35 @@ def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
 
 def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(cluster, tmp_path):
     """The toy recipe with 2 rollout actors and 2 trainer actors (one FSDP2 group over gloo), and every key that
-    reads the whole step on (``WHOLE_STEP``): one process reaches eval reward 1.0 by step 160 with the recipe as
-    shipped (README's quick start); the Ray run must be there at step 160 too. Measured here over 200 steps
-    (2026-11-29, three runs): eval 0.72-1.0 at step 100 and 1.0 at 200; 25-step training reward means 0.88-0.91
-    at step 160, 0.975-0.977 at 200 (as shipped, without these keys: eval 1.0 from step 120; docs/distributed.md).
-    160 steps, not 200: this is the suite's longest test, and step 160 is the claim."""
+    reads the whole step on (``WHOLE_STEP``), in the answer-words variant (``ANSWER_WORDS_ONLY``): the Ray run must
+    learn the task as one process does. Measured (2026-11-29) with the same keys over 40 steps, evaluated every 10:
+    one process evaluates 1.0 at steps 10, 20, 30 and 40, its sampled reward rising 0.05 -> 0.47 over steps 1-10
+    (mean 0.24) and at 0.72-0.83 over steps 21-30; this 2 + 2 run evaluates 1.0 at the same steps, its reward
+    0.03 -> 0.42 over steps 1-10 (mean 0.23) and at 0.70-0.81 over steps 21-30 (mean 0.77). (As shipped, without
+    the variant, both need 100-160 steps to evaluate 1.0: docs/distributed.md.)"""
     from mmrlhf.config import load_config
     from mmrlhf.launch.ray.driver import run_ray
     from mmrlhf.testing.tiny_models import tiny_model_dir
+    from mmrlhf.testing.toy_recipe import ANSWER_WORDS_ONLY
 
+    steps = 30
     config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"trainer.output_dir={tmp_path}",
-        "trainer.max_steps=160", "trainer.eval_steps=80", "trainer.progress_bar=false", "trainer.tensorboard=false",
-        "trainer.report_steps=0", "distributed.backend=ray", "distributed.num_rollout_actors=2",
-        "distributed.num_trainer_actors=2", "distributed.rollout_actor_cpus=0.5", "distributed.trainer_actor_cpus=0.5",
-        *WHOLE_STEP])
+        f"trainer.max_steps={steps}", "trainer.eval_steps=15", "trainer.progress_bar=false",
+        "trainer.tensorboard=false", "trainer.report_steps=0", "distributed.backend=ray",
+        "distributed.num_rollout_actors=2", "distributed.num_trainer_actors=2", "distributed.rollout_actor_cpus=0.5",
+        "distributed.trainer_actor_cpus=0.5", *ANSWER_WORDS_ONLY, *WHOLE_STEP])
     assert run_ray(config) == 0
     history = rows(tmp_path)
-    assert [h["step"] for h in history] == list(range(1, 161))
+    assert [h["step"] for h in history] == list(range(1, steps + 1))
     evals = {h["step"]: h["eval/reward/mean"] for h in history if "eval/reward/mean" in h}
-    last25 = statistics.mean(h["reward/mean"] for h in history[-25:])
-    print(f"\n2 + 2 actors: eval {evals}; last-25 reward mean {last25:.3f}")
-    assert evals[160] >= 0.9 and last25 >= 0.8, (evals, last25)
+    first10 = statistics.mean(h["reward/mean"] for h in history[:10])
+    last10 = statistics.mean(h["reward/mean"] for h in history[-10:])
+    print(f"\n2 + 2 actors: eval {evals}; reward first-10 {first10:.3f}, last-10 {last10:.3f}")
+    assert evals[steps] >= 0.9 and last10 >= 0.6 and history[0]["reward/mean"] < 0.15, (evals, first10, last10)
     assert all(h["ledger/produced"] == h["ledger/consumed"] > 0 for h in history)
     assert max(h["dynamic_sampling/rounds"] for h in history) > 1  # the actors refilled together
-    assert len({round(h["kl_coef"], 9) for h in history}) > 100  # the coefficient moved, step after step
+    assert len({round(h["kl_coef"], 9) for h in history}) == steps  # the coefficient moved, step after step
     assert max(h["engine_logprob_diff/trainer_max"] for h in history) < 1e-3  # both ranks' weights reach both engines
 
 

@@ -101,13 +101,17 @@ def test_grpo_learns_the_toy_task(tmp_path):
 
 
 def test_ppo_with_a_critic_learns_the_toy_task(tmp_path):
-    """PPO: a critic (CriticVL, clipped value loss, its own optimiser) and GAE advantages, whitened per step.
-    Measured over 200 steps: the sampled reward rose from 0.004 (steps 1-10) to 0.11 at step 80 and 0.98 at the
-    end; the greedy evaluation reached 1.0 at step 120. This shorter run asserts the early rise with margin."""
-    _fit(_recipe(tmp_path / "ppo", "trainer.max_steps=80", "trainer.eval_steps=0", "algorithm.advantage_estimator=gae",
-                 "algorithm.advantage_whitening=batch", "trainer.critic_lr=3e-4"))
+    """PPO: a critic (CriticVL, clipped value loss, its own optimiser) and GAE advantages, whitened per step, on the
+    toy recipe's answer-words variant (``mmrlhf.testing.toy_recipe``). Measured over 40 steps (2026-11-29): the
+    sampled reward rose from 0.03 at step 1 (0.13 over steps 1-5) to 0.68 over steps 16-20 and 0.87 at step 40.
+    (As shipped, over 200 steps: 0.004 over steps 1-10, 0.11 at step 80, 0.98 at the end; the greedy evaluation
+    1.0 at step 120.) This shorter run asserts the rise with margin."""
+    from mmrlhf.testing.toy_recipe import ANSWER_WORDS_ONLY
+
+    _fit(_recipe(tmp_path / "ppo", "trainer.max_steps=20", "trainer.eval_steps=0", "algorithm.advantage_estimator=gae",
+                 "algorithm.advantage_whitening=batch", "trainer.critic_lr=3e-4", *ANSWER_WORDS_ONLY))
     rows = metrics_rows(tmp_path / "ppo")
-    start, end = _reward_gain(rows)
-    assert start < 0.03 and end > 0.04 and end > 4 * max(start, 0.005), (start, end)
+    start, end = _reward_gain(rows, first=5, last=5)
+    assert rows[0]["reward/mean"] < 0.15 and end > 0.4 and end > 3 * start, (start, end)
     assert all(r["critic/optimizer_steps"] >= 1 for r in rows)
     assert rows[-1]["critic/vf_loss"] < rows[0]["critic/vf_loss"] or rows[-1]["critic/vf_mean"] != 0
