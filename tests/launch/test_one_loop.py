@@ -216,25 +216,24 @@ def test_control_without_the_weight_push_differs(runs):
     assert seen[-1] > 1e-2 and seen[-1] > 100 * synced
 
 
-@pytest.mark.parametrize("k", [0, 1])
-def test_a_resumed_ray_run_continues_as_the_straight_run(runs, cluster, tmp_path, k):
-    staleness = f"distributed.max_staleness={k}"
-    # k=0: the module's straight Ray run (its checkpoints are not written every step, which changes no metric)
-    straight = runs["ray"] if k == 0 else _ray(tmp_path / "straight", staleness, "trainer.save_steps=1")
-    part = _ray(tmp_path / "part", staleness, "trainer.save_steps=1", stop_at=1)
+def test_a_resumed_ray_run_continues_as_the_straight_run(runs, cluster, tmp_path):
+    """A Ray run (``max_staleness`` 0) stopped after its first steps and resumed continues exactly as the module's
+    straight Ray run (whose checkpoints are not written every step, which changes no metric). With ``max_staleness``
+    1, where the next step's rollout is in flight at each save: the two-actor test below, every whole-step key on."""
+    part = _ray(tmp_path / "part", "trainer.save_steps=1", stop_at=1)
     stopped = len(_rows(part))
     assert 1 <= stopped < STEPS  # stopped after the step in progress when step 1 was seen
-    _ray(tmp_path / "part", staleness, "trainer.save_steps=1", resume=True)
-    a, b = _rows(straight), _rows(part)
+    _ray(tmp_path / "part", "trainer.save_steps=1", resume=True)
+    a, b = _rows(runs["ray"]), _rows(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     gaps = every_metric_gaps(a[stopped:], b[stopped:])
     assert {"async/staleness_count_0", "async/staleness_mean", "ledger/consumed", "sync/megabytes"} <= set(gaps)
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
     assert worst[0][1] <= 1e-5, worst
-    assert update_gap(straight, part) < 0.02
+    assert update_gap(runs["ray"], part) < 0.02
     state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
     assert state["launch"] == "ray" and state["schema"] == 2
-    assert len(state["rollouts"]["inflight"]) == k  # k=1: the next step's rollout was in flight at the save
+    assert state["rollouts"]["inflight"] == []  # nothing generated ahead at max_staleness 0
 
 
 @pytest.mark.parametrize("mode", ["single", "torchrun1"])
@@ -325,13 +324,15 @@ def test_running_statistics_and_dynamic_sampling_train_in_ray_as_in_one_process(
 
     (That a resume restores this state and this stream as of the last trained step, with the step generated ahead
     regenerated from it: the two-actor test below, whose actors keep the same state, and
-    test_a_resumed_ray_run_continues_as_the_straight_run for one actor's resume.)"""
+    test_a_resumed_ray_run_continues_as_the_straight_run for one actor's resume at ``max_staleness`` 0.)"""
     one = _ray_as_one_process(tmp_path, *RUNNING, "algorithm.advantage_whitening=batch",
                               "algorithm.dynamic_sampling=true",
                               compared=("kl_coef", "advantage_std", "dynamic_sampling/rounds",
                                         "dynamic_sampling/kept_group_frac"))
-    coef = [r["kl_coef"] for r in one]
-    assert len(set(coef)) == STEPS, coef  # moved at every step
+    # A step whose rounds found no group with a reward spread trains nothing and reports no coefficient (the toy's
+    # fourth step here); the coefficient moved at every step that trained.
+    coef = [r["kl_coef"] for r in one if "kl_coef" in r]
+    assert len(coef) >= STEPS - 1 and len(set(coef)) == len(coef), coef
     rounds = [r["dynamic_sampling/rounds"] for r in one]
     assert max(rounds) > 1, rounds  # extra rounds: a step reads more than its own batch of prompts
 
@@ -352,8 +353,10 @@ def test_two_rollout_actors_take_the_step_together_and_resume_exactly(cluster, t
 
     def saved(part: Path, stopped: int, straight: list[dict]) -> None:
         state = json.loads((part / "checkpoints" / f"step-{stopped:08d}" / "trainer_state.json").read_text())
+        assert state["launch"] == "ray" and state["schema"] == 2
         assert state["rollouts"]["maker"]["kl_controller"]["value"] == pytest.approx(straight[stopped]["kl_coef"],
                                                                                       rel=1e-6)
+        assert len(state["rollouts"]["inflight"]) == 1  # the next step's rollout was in flight at the save
 
     _ray_resumes_as_straight(tmp_path, *keys, at_stop=saved)
     rows = _rows(tmp_path / "straight")

@@ -413,8 +413,8 @@ def test_two_rank_run_raises_the_reward(learned_run):
 def test_a_damaged_rank_shard_falls_back_to_the_previous_checkpoint_or_is_refused_strictly(learned_run, toy_model):
     """The learned run's last checkpoint (step 30) with rank 1's optimiser shard cut short. The manifest (written
     once by rank 0 after both ranks wrote) lists both ranks' files; ``trainer.resume_strict=true`` refuses naming
-    the shard; without it the run warns, continues from step 29 (it trains and saves step 30 again), resumes the
-    sharded optimiser and finishes step 31."""
+    the shard; without it the run warns, continues from step 29 (it trains step 30 again), resumes the sharded
+    optimiser and finishes step 31."""
     from mmrlhf.trainer.checkpoint_manifest import MANIFEST, verify_checkpoint
 
     out, _ = learned_run
@@ -444,8 +444,10 @@ def test_a_damaged_rank_shard_falls_back_to_the_previous_checkpoint_or_is_refuse
     assert [r["step"] for r in rows] == list(range(1, 32))
     aside = out / "checkpoints" / "step-00000030.damaged"
     assert "optimizer/__1_0.distcp" in (aside / "DAMAGED.txt").read_text()
-    # step 30 trained and saved again from step 29's state, and the optimiser's count went on from there
-    assert verify_checkpoint(step30).intact and verify_checkpoint(out / "checkpoints" / "step-00000031").intact
+    # steps 30 and 31 trained again from step 29's state (step 30 is no save step), and the optimiser's count went
+    # on from there
+    assert not step30.exists() and verify_checkpoint(out / "checkpoints" / "step-00000031").intact
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000031"
     steppers = torch.load(out / "checkpoints" / "step-00000031" / "steppers.pt", weights_only=True)
     assert steppers["policy"]["steps"] == 31
 

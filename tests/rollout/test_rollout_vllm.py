@@ -315,11 +315,12 @@ def test_an_orphaned_engines_shutdown_goes_before_the_next_engine(monkeypatch, t
     """An unclosed engine in a reference cycle is shut down when the collector finds it; vLLM collects garbage while
     it loads a model, after it made the new engine's groups, so the orphan's shutdown would tear those down and the
     new engine's first step fail ("pipeline model parallel group is not initialized"; seen when a test leaves an
-    engine behind). make_llm collects before it builds. Control: without that collection the step fails."""
+    engine behind). make_llm collects before it builds (and freezes the heap, so vLLM's collections never reach what
+    was there before). Control: without either the step fails."""
     import vllm
 
     if not collect_first:
-        monkeypatch.setattr(vllm_setup, "collect_orphaned_engines", lambda: None)
+        monkeypatch.setattr(vllm_setup, "settle_heap", lambda: None)
     import gc
 
     ran: list[str] = []
