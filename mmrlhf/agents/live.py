@@ -34,6 +34,9 @@ class LiveTrajectory:
     last_text: str = ""
     tool_wait: float = 0.0  # seconds it waited on tools and environments (in lockstep: the step's, every turn)
     ended_at: float | None = None  # seconds from the rollout's start to its end
+    # rollout.routing_replay: [tokens the engine ran, L, k] int16 experts, each turn's new rows stitched on (None:
+    # the engine returns no routing)
+    routed: torch.Tensor | None = None
 
     @property
     def ids(self) -> list[int]:

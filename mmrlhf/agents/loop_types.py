@@ -41,7 +41,12 @@ class AgentLimits:
     max_new_tokens_per_turn: int = 1024
     max_images: int = 8
     stop_at_tool_call: bool = True
-    max_concurrent_trajectories: int | None = None  # whole groups per wave; None: the step's batch at once
+    max_concurrent_trajectories: int | None = None  # live at once, whole groups; None: the step's batch at once
+    loop: str = "async"  # "async": each trajectory on its own (mmrlhf.agents.async_loop); "lockstep": in waves
+
+    def __post_init__(self) -> None:
+        if self.loop not in ("async", "lockstep"):
+            raise ValueError(f"agent.loop must be 'async' or 'lockstep', got {self.loop!r}")
 
 
 @dataclass
@@ -58,6 +63,10 @@ class AgentSample:
     vision: dict[str, torch.Tensor]  # the prompt's processor tensors with every tool image appended, in order
     images: list[Any]  # the prompt's images then the tool images (as the model saw them)
     trajectory: Trajectory
+    # rollout.routing_replay: [tokens the engine ran, L, k] int16, over prompt + response (a token routed when its
+    # turn's request ran it: the prompt and every observation by the turn after it, each policy token by its own
+    # turn); None without routing
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

@@ -1,18 +1,23 @@
 """The turn loop: multi-turn, tool-using generation over a rollout engine, token in, token out.
 
-All live trajectories of a step go to the engine together at each turn (their ids so far plus every image so far);
-the first turn asks for ``n`` completions per prompt (a group shares its first prompt), later turns one per
-trajectory. Between turns the policy's calls are parsed strictly, run concurrently under a deadline
-(:class:`~mmrlhf.agents.runner.ToolRunner`), and their results appended as observation tokens
-(:class:`~mmrlhf.agents.template.ObservationRenderer`), each returned image encoded once by the processor (pixel
-values and ``grid_thw`` kept with the trajectory, never re-processed).
+A trajectory's turn goes to the engine as its ids so far plus every image so far; the first turn asks for ``n``
+completions per prompt (a group shares its first prompt), later turns one per trajectory. Between turns the
+policy's calls are parsed strictly, run under a deadline (:class:`~mmrlhf.agents.runner.ToolRunner`), and their
+results appended as observation tokens (:class:`~mmrlhf.agents.template.ObservationRenderer`), each returned image
+encoded once by the processor (pixel values and ``grid_thw`` kept with the trajectory, never re-processed).
+
+Two drivers run these turns (``agent.loop``): the asynchronous one (:mod:`mmrlhf.agents.async_loop`, the default)
+sends each trajectory's next turn as soon as its observation is ready, into the engine's continuous batch; the
+lockstep one (:mod:`mmrlhf.agents.lockstep`) waits for every trajectory of a wave at every turn. This module holds
+what a trajectory does at each turn, which both share; both sample the same trajectories.
 
 Invariants (each checked or built in):
 
 - the engine's ids are the truth: a turn's tokens are appended as sampled and never decoded and re-encoded; each
   request's ids are the previous request's ids plus the turn plus the observation (append-only);
-- a turn is sampled from a seed of its trajectory and turn number (group and turn for the shared first turn), so
-  its tokens never depend on which other trajectories share its engine call;
+- a turn is sampled from a seed of its trajectory and turn number (group and turn for the shared first turn), with
+  a token cap of its own, so its tokens never depend on which other trajectories share its engine call or when
+  it is sent;
 - policy tokens (mask 1) carry the engine's log-probs; observation tokens (mask 0) are attended to, never trained;
 - an observation is committed only if it fits the context budget with room for one more token, so ids and pixels
   never disagree and no image is ever cut (its failures are counted either way);
@@ -34,7 +39,9 @@ import torch
 
 from mmrlhf.agents.calls import parse_turn
 from mmrlhf.agents.environment import EnvironmentSpecError, FailedEnvironment
-from mmrlhf.agents.live import LiveTrajectory, mark_ended, waited
+from mmrlhf.agents.async_loop import AsyncTurns
+from mmrlhf.agents.live import LiveTrajectory
+from mmrlhf.agents.lockstep import Lockstep
 from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, ImageEncoder, LoopStats
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
@@ -89,18 +96,14 @@ class AgentLoop:
         """Trajectories of every sample of ``batch`` (a processed, n-expanded batch: sample ``k`` belongs to prompt
         ``k // n``); ``contexts`` one per unique prompt (copied per trajectory, each with its own ``state``).
 
-        With ``limits.max_concurrent_trajectories`` the groups run in waves of at most that many trajectories (whole
-        groups, one group at least), each wave's environments closed before the next starts; the trajectories are the
-        same as in one wave (each turn's seed is its trajectory's)."""
+        ``limits.loop`` picks the driver; ``limits.max_concurrent_trajectories`` bounds the live trajectories (whole
+        groups, one group at least): a pool refilled as trajectories end (async) or waves (lockstep). The
+        trajectories are the same either way (each turn's seed is its trajectory's)."""
         seconds = {"generate": 0.0, "tools": 0.0}
         stats = LoopStats()
         start = time.perf_counter()
-        skipped: dict[int, str] = {}
-        everyone: list[LiveTrajectory] = []
-        for wave in self._waves(len(batch), n):
-            live = [self._start(batch, k, n, contexts[k // n]) for k in wave]
-            skipped.update(self._run_wave(live, n, sampling, stats, seconds, start))
-            everyone += live
+        driver = AsyncTurns if self.limits.loop == "async" else Lockstep
+        everyone, skipped = driver(self, sampling, stats, seconds, start).run(batch, n, contexts)
         # A trajectory the budget ended before its first turn (an environment's first observation that does not
         # fit) has nothing to train: left out, counted and logged, never silently.
         empty = [t for t in everyone if t.group not in skipped and not any(t.mask)]
@@ -116,60 +119,14 @@ class AgentLoop:
         stats.engine_busy = seconds["generate"] / max(time.perf_counter() - start, 1e-9)
         return AgentResult(samples, skipped, stats.generated, stats.metrics(samples), seconds)
 
-    def _waves(self, size: int, n: int) -> list[range]:
-        """The step's sample indices in waves of whole groups, at most ``max_concurrent_trajectories`` each (one
-        group at least); one wave without a limit."""
-        limit = self.limits.max_concurrent_trajectories
-        per = size if limit is None else max(1, limit // n) * n
-        return [range(lo, min(lo + per, size)) for lo in range(0, size, max(per, 1))]
-
-    def _run_wave(self, live: list[LiveTrajectory], n: int, sampling: SamplingSettings, stats: LoopStats,
-                  seconds: dict[str, float], start: float) -> dict[int, str]:
-        """Every turn of ``live`` (whole groups), lockstep; returns the groups the engine skipped (group -> reason).
-        The wave's environments are closed at its end."""
-        skipped: dict[int, str] = {}
-        if self.environment is not None:
-            t_reset = time.perf_counter()
-            self._reset_environments(live, stats)
-            waited(live, time.perf_counter() - t_reset, seconds)
-        first_shared = all(not t.response and t.ended is None for t in live)
-        turn = 0
-        while True:
-            active = [t for t in live if t.ended is None]
-            if not active:
-                break
-            t_gen = time.perf_counter()
-            if turn == 0 and first_shared:
-                skipped = self._first_turn(active, n, sampling, stats)
-            else:
-                self._next_turn(active, sampling, stats)
-            seconds["generate"] += time.perf_counter() - t_gen
-            mark_ended(live, time.perf_counter() - start)
-            turn += 1
-            t_obs = time.perf_counter()
-            observing = [t for t in active if t.ended is None]
-            self._observe(observing, stats)
-            # a trajectory its turn ended (an answer, the turn budget) did not wait for the step's tools
-            parsed = ("max_turns",) if self.environment is not None else ("answer", "max_turns")
-            for t in observing:
-                if t.ended in parsed:
-                    t.ended_at = t_obs - start
-            waited([t for t in observing if t.ended_at is None], time.perf_counter() - t_obs, seconds)
-            mark_ended(live, time.perf_counter() - start)
-        if self.environment is not None:  # closed under the tool deadline; a close that fails is counted
-            t_close = time.perf_counter()
-            closed = self.runner.run_environment_closes([t.env for t in live])
-            for failure in (f for f, _ in closed if f is not None):
-                stats.errors[failure.error] = stats.errors.get(failure.error, 0) + 1
-            seconds["tools"] += time.perf_counter() - t_close
-        return skipped
-
-    def _start(self, batch: Any, k: int, n: int, context: ToolContext) -> LiveTrajectory:
+    def _start(self, batch: Any, k: int, n: int, context: ToolContext, env: Any = None) -> LiveTrajectory:
+        """Trajectory ``k`` before its first turn, with its own copy of the prompt's context and an environment
+        (``env``, one reused from a pool, or a new one from the factory)."""
         ctx = dataclasses.replace(context, images=list(context.images), videos=list(context.videos),
                                   model_image_sizes=list(context.model_image_sizes), state={}, trajectory_index=k)
         return LiveTrajectory(sample_index=k, group=k // n, prompt_ids=list(batch.all_prompt_token_ids[k]),
                      vision=dict(batch.all_vision_inputs[k]), images=list(batch.all_images[k]), context=ctx,
-                     env=self._new_environment(k))
+                     env=env if env is not None else self._new_environment(k))
 
     def _new_environment(self, k: int) -> Any:
         """Trajectory ``k``'s environment; a factory that raises gives a :class:`FailedEnvironment` (logged, counted
@@ -209,47 +166,6 @@ class AgentLoop:
         grouped by token cap, and a loop that does not wait for the others groups them by timing)."""
         return None if sampling.seed is None else request_seed(mix_seed(sampling.seed, turn), index, n)
 
-    def _first_turn(self, active: list[LiveTrajectory], n: int, sampling: SamplingSettings, stats: LoopStats) -> dict[int, str]:
-        """One request per prompt with ``n`` completions (the group shares its first turn); returns the groups the
-        engine skipped (the group's index in the step -> reason)."""
-        heads = active[::n]  # every trajectory is live before the first turn: whole groups, in order
-        skipped: dict[int, str] = {}
-        for cap, members in self._buckets(range(len(heads)), heads):
-            settings = self._settings(sampling, n=n, room=cap)
-            result = self.engine.generate([self._request(heads[i], self._seed(sampling, 0, heads[i].group, n))
-                                           for i in members], settings)
-            for out in result.outputs:
-                head = members[out.request_index]
-                self._check_echo(heads[head], out.prompt_token_ids)
-                for j, completion in enumerate(out.completions):
-                    self._append_turn(active[head * n + j], completion, stats)
-            for i, reason in result.skipped.items():
-                head = members[i]
-                skipped[heads[head].group] = reason
-                for t in active[head * n: (head + 1) * n]:
-                    t.ended = "skipped"
-        return skipped
-
-    def _next_turn(self, active: list[LiveTrajectory], sampling: SamplingSettings, stats: LoopStats) -> None:
-        """One request per live trajectory; each may generate what is left of its context (capped per turn)."""
-        ready = []
-        for t in active:
-            if self.limits.max_context_tokens - len(t.ids) < 1:
-                t.ended = "context"
-            else:
-                ready.append(t)
-        for cap, members in self._buckets(range(len(ready)), ready):
-            settings = self._settings(sampling, n=1, room=cap)
-            group = [ready[i] for i in members]
-            result = self.engine.generate([self._request(t, self._seed(sampling, t.num_turns, t.sample_index, 1))
-                                           for t in group], settings)
-            for out in result.outputs:
-                self._check_echo(group[out.request_index], out.prompt_token_ids)
-                self._append_turn(group[out.request_index], out.completions[0], stats)
-            for i, reason in result.skipped.items():
-                group[i].ended = "context"
-                logger.warning("trajectory %s ended: %s", group[i].sample_index, reason)
-
     def _check_echo(self, t: LiveTrajectory, engine_ids: Sequence[int]) -> None:
         """The engine must have seen exactly the trajectory's ids (vision pads expanded as the processor expands
         them): a difference means the engine's vision expansion or an image count disagrees with the trainer's,
@@ -262,17 +178,13 @@ class AgentLoop:
                 f"engine's prompt ids differ from the trajectory's at position {pos} ({len(engine_ids)} vs {len(ids)} "
                 "tokens): its vision expansion or image count disagrees with the processor's")
 
-    def _buckets(self, indices: Sequence[int], trajectories: Sequence[LiveTrajectory]) -> list[tuple[int, list[int]]]:
-        """Requests grouped by their new-token cap (the engine takes one setting per call): the per-turn cap where
-        the context leaves room for it, else the largest power of two that fits (few calls, never past the
-        budget)."""
+    def _cap(self, t: LiveTrajectory) -> int:
+        """The new-token cap of ``t``'s next turn: the per-turn cap where the context leaves room for it, else the
+        largest power of two that fits (the lockstep loop groups its requests by it: few calls, never past the
+        budget; the asynchronous loop uses the same cap, so both sample the same turns)."""
         cap = self.limits.max_new_tokens_per_turn
-        buckets: dict[int, list[int]] = {}
-        for i, t in zip(indices, trajectories):
-            room = max(1, self.limits.max_context_tokens - len(t.ids))
-            key = cap if room >= cap else 1 << (room.bit_length() - 1)
-            buckets.setdefault(key, []).append(i)
-        return sorted(buckets.items(), reverse=True)
+        room = max(1, self.limits.max_context_tokens - len(t.ids))
+        return cap if room >= cap else 1 << (room.bit_length() - 1)
 
     @property
     def _stops_at_calls(self) -> bool:
@@ -307,10 +219,26 @@ class AgentLoop:
         else:
             t.logprobs = None
         stats.generated += len(tokens)
+        self._route(t, completion.routed_experts)
         t.turns.append(TurnRecord(role="assistant", text=text))
         t.last_text = text
         if cut is None and completion.truncated:
             t.ended = "length"
+
+    @staticmethod
+    def _route(t: LiveTrajectory, routed: Any) -> None:
+        """Stitch a turn's routed experts onto ``t``'s (``rollout.routing_replay``): the turn's request ran the
+        trajectory so far (its earlier rows are the earlier turns', kept as they were when sampled) and then its own
+        tokens; only its new rows are added, cut to the ids the trajectory kept (a call's tail dropped)."""
+        if routed is None:
+            if t.routed is not None:
+                raise ValueError(f"trajectory {t.sample_index}: a turn came back without routed experts after "
+                                 "turns with them")
+            return
+        rows = torch.as_tensor(routed).to(torch.int16)  # [prompt + turn - 1, L, k]
+        have = 0 if t.routed is None else t.routed.shape[0]
+        merged = rows if t.routed is None else torch.cat([t.routed, rows[have:]], dim=0)
+        t.routed = merged[: len(t.ids)]
 
     def _call_end(self, tokens: list[int]) -> int:
         """Length of the shortest prefix of ``tokens`` whose text holds a closing call tag (the caller has seen
@@ -325,76 +253,68 @@ class AgentLoop:
         return lo
 
     # ---- observations ------------------------------------------------------------------------------------------
-    def _observe(self, active: list[LiveTrajectory], stats: LoopStats) -> None:
-        """Parse every live trajectory's last turn, run all calls of the step together, append observations."""
-        if self.environment is not None:
-            self._observe_environment(active, stats)
-            return
-        plans: list[tuple[LiveTrajectory, list[Any]]] = []
-        jobs: list[tuple[ToolCall, ToolContext]] = []
-        for t in active:
-            parsed = parse_turn(t.last_text, self.tools, remaining_calls=self.limits.max_tool_calls - t.calls)
-            t.turns[-1].calls = list(parsed.calls)
-            if parsed.is_final:
-                t.ended = "answer"
-                continue
-            if t.num_turns >= self.limits.max_turns:
-                t.ended = "max_turns"
-                continue
-            items = []
-            for kind, item in _ordered(parsed):
-                if kind == "call":  # an error is answered as it is; a call runs with the step's others
-                    items.append(("job", len(jobs)))
-                    jobs.append((item, t.context))
-                    t.calls += 1
-                else:
-                    items.append(("result", item))
-            plans.append((t, items))
-        ran = self.runner.run(jobs) if jobs else []
-        for t, items in plans:
-            results, latency = [], 0.0
-            for kind, value in items:
-                if kind == "job":
-                    result, sec = ran[value]
-                    stats.latency.append(sec)
-                    stats.calls_by_tool[jobs[value][0].name] = stats.calls_by_tool.get(jobs[value][0].name, 0) + 1
-                    latency = max(latency, sec)
-                    results.append(result)
-                else:
-                    results.append(value)
-            self._commit(t, results, latency, stats, environment=False)
-
-    def _observe_environment(self, active: list[LiveTrajectory], stats: LoopStats) -> None:
-        ready = []
-        for t in active:
-            if t.num_turns >= self.limits.max_turns:
-                t.ended = "max_turns"
+    def _plan(self, t: LiveTrajectory, jobs: list[tuple[ToolCall, ToolContext]]) -> list[tuple[str, Any]] | None:
+        """Parse ``t``'s last turn: None when it ended the trajectory (an answer, the turn budget), else its
+        observation's items in text order, ``("job", index into jobs)`` for a call to run (appended to ``jobs``) or
+        ``("result", ToolResult)`` for a parse error answered as it is."""
+        parsed = parse_turn(t.last_text, self.tools, remaining_calls=self.limits.max_tool_calls - t.calls)
+        t.turns[-1].calls = list(parsed.calls)
+        if parsed.is_final:
+            t.ended = "answer"
+            return None
+        if t.num_turns >= self.limits.max_turns:
+            t.ended = "max_turns"
+            return None
+        items = []
+        for kind, item in _ordered(parsed):
+            if kind == "call":
+                items.append(("job", len(jobs)))
+                jobs.append((item, t.context))
+                t.calls += 1
             else:
-                ready.append(t)
-        steps = self.runner.run_environment_steps([t.env for t in ready], [t.last_text for t in ready])
-        for t, (step, sec) in zip(ready, steps):
-            stats.latency.append(sec)
-            t.info.update(step.info or {})
-            if step.done:  # the episode is over: its last observation is not shown, a failure still counted
-                t.ended = "done"
-                if step.observation.error is not None:
-                    stats.errors[step.observation.error] = stats.errors.get(step.observation.error, 0) + 1
-                    t.turns.append(TurnRecord(role="tool", text=step.observation.text,
-                                              errors=[step.observation.error], latency_s=sec))
-                continue
-            self._commit(t, [step.observation], sec, stats, environment=True)
+                items.append(("result", item))
+        return items
 
-    def _reset_environments(self, live: list[LiveTrajectory], stats: LoopStats) -> None:
-        """Each environment's first observation, if it gives one, comes before the first turn (which is then
-        generated per trajectory); resets run concurrently under the tool deadline. A reset that fails or times
-        out gives its error as the first observation (counted by kind, as every failure); the environment's next
-        step then ends the episode."""
-        resets = self.runner.run_environment_resets([t.env for t in live], [dict(t.context.record) for t in live])
-        for t, (first, sec) in zip(live, resets):
-            stats.latency.append(sec)
-            if first is not None:
-                t.info.update(first.info or {})
-                self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
+    def _answer(self, t: LiveTrajectory, items: list[tuple[str, Any]], jobs: list[tuple[ToolCall, ToolContext]],
+                ran: list[tuple[ToolResult, float]], stats: LoopStats) -> None:
+        """Commit the observation of ``t``'s planned items, the calls answered by ``ran`` (in ``jobs`` order)."""
+        results, latency = [], 0.0
+        for kind, value in items:
+            if kind == "job":
+                result, sec = ran[value]
+                stats.latency.append(sec)
+                stats.calls_by_tool[jobs[value][0].name] = stats.calls_by_tool.get(jobs[value][0].name, 0) + 1
+                latency = max(latency, sec)
+                results.append(result)
+            else:
+                results.append(value)
+        self._commit(t, results, latency, stats, environment=False)
+
+    def _may_step(self, t: LiveTrajectory) -> bool:
+        """Whether ``t``'s environment answers its last turn (else the turn budget ended it)."""
+        if t.num_turns >= self.limits.max_turns:
+            t.ended = "max_turns"
+            return False
+        return True
+
+    def _stepped(self, t: LiveTrajectory, step: Any, sec: float, stats: LoopStats) -> None:
+        """Take the environment's answer ``step`` (after ``sec`` seconds) to ``t``'s last turn."""
+        stats.latency.append(sec)
+        t.info.update(step.info or {})
+        if step.done:  # the episode is over: its last observation is not shown, a failure still counted
+            t.ended = "done"
+            if step.observation.error is not None:
+                stats.errors[step.observation.error] = stats.errors.get(step.observation.error, 0) + 1
+                t.turns.append(TurnRecord(role="tool", text=step.observation.text,
+                                          errors=[step.observation.error], latency_s=sec))
+            return
+        self._commit(t, [step.observation], sec, stats, environment=True)
+
+    def _was_reset(self, t: LiveTrajectory, first: Any, sec: float, stats: LoopStats) -> None:
+        stats.latency.append(sec)
+        if first is not None:
+            t.info.update(first.info or {})
+            self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
 
     def _commit(self, t: LiveTrajectory, results: list[ToolResult], latency: float, stats: LoopStats, *, environment: bool,
                 opening: bool = False) -> None:
@@ -468,7 +388,7 @@ class AgentLoop:
         return AgentSample(
             sample_index=t.sample_index, group=t.group, prompt_ids=t.prompt_ids, response_ids=t.response,
             policy_mask=t.mask, engine_logprobs=t.logprobs, finished=ended in ("answer", "done"),
-            vision=self._vision(t), images=t.images, trajectory=trajectory)
+            vision=self._vision(t), images=t.images, trajectory=trajectory, routed_experts=t.routed)
 
 
 def _ordered(parsed: Any) -> list[tuple[str, Any]]:

@@ -27,7 +27,9 @@ without a timeout) must not block the others or the step. So every call runs off
   deadline stays a cancellation (a ``timeout``); a ``CancelledError`` the tool raises on its own is its failure.
 
 Results come back in job order with the seconds each call ran. Calls of one trajectory share its ToolContext
-(``state`` included) and may run at the same time: tools that write ``state`` guard it themselves.
+(``state`` included) and may run at the same time: tools that write ``state`` guard it themselves. The runner may
+be called from several threads at once (the asynchronous rollout runs each trajectory's calls as their own batch):
+its workers, its event loop and each tool's ``max_concurrency`` are shared by all of them.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ import concurrent.futures
 import copy
 import inspect
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from mmrlhf.agents.environment import Environment
+from mmrlhf.agents.runner_pool import Bounds, DaemonPool, Gate
 from mmrlhf.agents.tool_base import Tool, as_result, is_async_tool
 from mmrlhf.agents.types import StepResult, ToolCall, ToolContext, ToolResult
 from mmrlhf.config.agent import AgentConfig
@@ -110,94 +112,6 @@ async def _cancel_tasks() -> None:
         await asyncio.wait(tasks, timeout=1.0)
 
 
-class _DaemonPool:
-    """A fixed pool of daemon worker threads whose stuck workers can be replaced (:meth:`abandon`)."""
-
-    def __init__(self, workers: int, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._abandoned: set[concurrent.futures.Future] = set()
-        self._name = name
-        self._spawned = 0
-        self._closed = False
-        for _ in range(workers):
-            self._spawn()
-
-    def _spawn(self) -> None:
-        self._spawned += 1
-        threading.Thread(target=self._work, name=f"{self._name}-{self._spawned}", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # fn reports its own failures; this keeps the worker alive regardless
-                future.set_exception(exc)
-            with self._lock:
-                if future in self._abandoned:  # a replacement took this thread's place: leave
-                    self._abandoned.discard(future)
-                    return
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the tool runner is closed")
-            self._queue.put((future, fn))
-        return future
-
-    def abandon(self, future: concurrent.futures.Future) -> int:
-        """Give up on a running ``future``: start a replacement worker; its thread leaves once the call returns.
-        Returns how many abandoned calls are still running."""
-        with self._lock:
-            if not future.done() and not self._closed:
-                self._abandoned.add(future)
-                self._spawn()
-            return len(self._abandoned)
-
-    def close(self, workers: int) -> None:
-        with self._lock:
-            self._closed = True
-        for _ in range(workers):
-            self._queue.put(None)
-
-
-class _Gate:
-    """Which of a batch's jobs may be submitted now: every job of a tool without a bound; of a bounded tool
-    (``_Job.bound``), at most its ``max_concurrency`` at once, in job order. A call the runner gave up on (its
-    deadline passed) leaves the gate: a hung call cannot keep its tool's later calls from ever starting."""
-
-    def __init__(self, order: list[int], work: Sequence[Any]) -> None:
-        self._queued = list(order)
-        self._work = work
-        self._running: dict[str, int] = {}
-
-    def admit(self) -> list[int]:
-        """The queued jobs that may start now (their tools' counts updated), in job order."""
-        ready, left = [], []
-        for i in self._queued:
-            bound = self._work[i].bound
-            if bound is None:
-                ready.append(i)
-            elif self._running.get(bound[0], 0) < bound[1]:
-                self._running[bound[0]] = self._running.get(bound[0], 0) + 1
-                ready.append(i)
-            else:
-                left.append(i)
-        self._queued = left
-        return ready
-
-    def leave(self, job: Any) -> None:
-        if job.bound is not None:
-            self._running[job.bound[0]] -= 1
-
-
 class ToolRunner:
     """Runs batches of tool calls / environment steps concurrently under a per-call deadline (module docstring).
 
@@ -220,7 +134,8 @@ class ToolRunner:
         self.timeout_s = float(timeout_s)
         self.max_image_pixels = max_image_pixels
         self.max_text_chars = max_text_chars
-        self._pool = _DaemonPool(workers, "mmrlhf-tool")
+        self._pool = DaemonPool(workers, "mmrlhf-tool")
+        self._bounds = Bounds()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -437,9 +352,9 @@ class ToolRunner:
         if self._closed:
             raise RuntimeError("the tool runner is closed")
         out: list[tuple[Any, float]] = [(item, 0.0) for item in work]
-        gate = _Gate([i for i, item in enumerate(work) if isinstance(item, _Job)], work)
+        gate = Gate([i for i, item in enumerate(work) if isinstance(item, _Job)], work, self._bounds)
         pending = {self._submit(work[i]): i for i in gate.admit()}
-        while pending:
+        while pending or gate.waiting:  # waiting: calls of a tool whose max_concurrency other batches now hold
             now = time.monotonic()
             deadlines = []
             for future, i in list(pending.items()):
@@ -460,7 +375,9 @@ class ToolRunner:
                     gate.leave(job)
             pending.update({self._submit(work[i]): i for i in gate.admit()})
             if not pending:
-                break
+                if gate.waiting:
+                    time.sleep(_POLL_S)
+                continue
             # every running call has a deadline; a queued one is looked at again soon (it may start any time)
             wait = min(deadlines) - now if len(deadlines) == len(pending) else _POLL_S
             concurrent.futures.wait(list(pending), timeout=max(min(wait, self.timeout_s), 0.0),

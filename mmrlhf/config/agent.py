@@ -63,11 +63,18 @@ class AgentConfig(Section):
     tool_workers: int = Field(default=16, ge=1)
     """Tool calls run concurrently in a pool of this many threads (async tools on one event loop)."""
     max_concurrent_trajectories: Optional[int] = Field(default=None, ge=1)
-    """Most trajectories (and so environment sessions) alive at once: the step's groups run in waves of at most this
-    many trajectories, whole groups (one group at least, so ``n`` when it is below ``n``), each wave's environments
-    closed before the next starts. For an environment or tool backend that holds only so many sessions. The
-    trajectories are the same whatever the waves (each turn samples from its own trajectory's seed); the step takes
-    longer (the waves do not overlap). None: the whole step at once."""
+    """Most trajectories (and so environment sessions) alive at once, whole groups (one group at least, so ``n``
+    when it is below ``n``). With ``loop: async`` a pool: a group starts as soon as there is room for it, a
+    trajectory's session counting until its ``close()`` returned (a ``reusable`` environment instead serves the
+    next trajectory after ``reset``); with ``lockstep``, waves, each wave's environments closed before the next
+    starts. For an environment or tool backend that holds only so many sessions. The trajectories are the same
+    whatever the bound (each turn samples from its own trajectory's seed). None: the whole step at once."""
+    loop: Literal["async", "lockstep"] = "async"
+    """How trajectories share the engine. ``async``: each runs on its own, its next turn sent as soon as its
+    observation is ready, into the engine's continuous batch (vLLM; an engine without one, the transformers engine,
+    generates what is queued together), its calls started as soon as its turn ends. ``lockstep``: every turn waits
+    for the whole wave's turns, then for all its tool calls. Both sample the same trajectories (each turn draws from
+    its trajectory's own seed); ``async`` does not wait for the slowest tool or turn (docs/agents.md)."""
     stop_at_tool_call: bool = True
     """End a turn at ``</tool_call>`` (the engine stops there), so nothing the policy writes after a call is kept or
     trained; the template's end-of-turn token is then part of the observation."""

@@ -3,7 +3,8 @@
 
 A trajectory is one row: its FIRST prompt (shared by its group, so the shared-prompt layout still encodes it once)
 and everything after it as the response, with a policy mask (1 policy token, 0 observation token), the engine's
-log-probs on policy tokens, and the vision tensors of the prompt's images followed by every tool image in order.
+log-probs on policy tokens, the vision tensors of the prompt's images followed by every tool image in order, and
+(``rollout.routing_replay``) the experts the engine routed each token to, stitched turn by turn.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def rows_from_trajectories(batch: Any, result: AgentResult) -> Rollout:
         cols["record_ids"].append(batch.all_record_ids[k])
         cols["policy_masks"].append(list(s.policy_mask))
         cols["trajectories"].append(s.trajectory)
+    routed = [s.routed_experts for s in result.samples]
+    if any(r is not None for r in routed):  # rollout.routing_replay: every trajectory's, or a bug
+        if any(r is None for r in routed):
+            raise ValueError("routed experts came back for some trajectories only")
+        cols["routed_experts"] = routed
     return Rollout(**cols)
 
 

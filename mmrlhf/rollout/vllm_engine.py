@@ -30,6 +30,7 @@ from mmrlhf.rollout.vllm_setup import (
     platform_device_type,
     settle_cpu_threads,
 )
+from mmrlhf.rollout.vllm_errors import is_length_error, validation_errors
 from mmrlhf.rollout.vllm_weight_transport import bucket_loader, choose_transport, pack_bucket
 
 logger = logging.getLogger(__name__)
@@ -60,23 +61,6 @@ def seeded_default_generators(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         torch.manual_seed(int(seed) % (1 << 63))
         yield
-
-
-def _validation_errors() -> tuple[type[BaseException], ...]:
-    """The exception types vLLM raises for an invalid request (the class moved between versions)."""
-    try:
-        from vllm.exceptions import VLLMValidationError
-    except ImportError:
-        return (ValueError,)
-    return (ValueError, VLLMValidationError)
-
-
-def _is_length_error(exc: BaseException) -> bool:
-    """Whether vLLM rejected a request for its length (the only rejection the skip policy covers)."""
-    if getattr(exc, "parameter", None) in ("input_tokens", "prompt_tokens"):
-        return True
-    text = str(exc).lower()
-    return "context length" in text or "max_model_len" in text or "maximum model length" in text
 
 
 def _check_reset(name: str, result: Any) -> None:
@@ -240,7 +224,7 @@ class VLLMEngine(RolloutEngine):
         settle_cpu_threads()  # callers may be on any thread (an agent's rollout, a reward's executor)
         try:
             raw = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._lora_request)
-        except _validation_errors() as exc:
+        except validation_errors() as exc:
             if len(keep) > 1:
                 # vLLM validates the whole batch up front: one bad prompt must neither lose the others nor hide
                 # among them. One by one, a too-long prompt is skipped or raised per the policy and any other
@@ -250,7 +234,7 @@ class VLLMEngine(RolloutEngine):
                     outs.extend(self._generate_indices(requests, [i], settings, skipped))
                 return outs
             name = request_name(requests, keep[0])
-            if not _is_length_error(exc):
+            if not is_length_error(exc):
                 raise RequestRejectedError(f"{name}: {exc}") from exc  # a real error, never turned into a skip
             if self.prompt_too_long == "error":
                 raise PromptTooLongError(f"{name}: {exc}") from exc
@@ -262,6 +246,17 @@ class VLLMEngine(RolloutEngine):
         finally:
             if self._routing is not None:
                 self._routing.clear()
+
+    def open_stream(self) -> Any:
+        """A stream over vLLM's continuous batch (:class:`~mmrlhf.rollout.vllm_stream.VLLMStream`), for a caller
+        that sends requests as they become ready (the asynchronous agent loop). None where routed experts are
+        captured on the CPU platform: that capture is collected per ``generate`` call, so such an engine is streamed
+        call by call (:class:`~mmrlhf.rollout.streaming.BatchedStream`)."""
+        if self._routing is not None:
+            return None
+        from mmrlhf.rollout.vllm_stream import VLLMStream
+
+        return VLLMStream(self)
 
     def _convert(self, index: int, out: Any) -> GenerationOutput:
         completions = []

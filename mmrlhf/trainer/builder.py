@@ -397,7 +397,9 @@ def build_evaluator(config: MMRLHFConfig, maker: Any) -> Any:
 
 
 def build_critic(config: MMRLHFConfig) -> Any:
-    """A CriticVL on the configured device (vision tower frozen like the policy's; the actor's precision rule)."""
+    """A CriticVL on the configured device (vision tower frozen like the policy's; the actor's precision rule). Under
+    ``rollout.routing_replay=replay`` its body replays the engine's expert choice as the actor's does: the values are
+    then of the states the engine's routing produced."""
     from mmrlhf.devices import resolve_device
     from mmrlhf.experience.builder import load_model
     from mmrlhf.models.adapters import get_adapter
@@ -405,6 +407,7 @@ def build_critic(config: MMRLHFConfig) -> Any:
 
     m, t = config.model, config.trainer
     adapter = get_adapter(m.pretrain, m.family)
-    body = load_model(m, m.critic or m.pretrain, adapter, trainable=True)  # float32 master, like the actor
+    body = load_model(m, m.critic or m.pretrain, adapter, trainable=True,  # float32 master, like the actor
+                      routing_replay=config.rollout.routing_replay)
     freeze_vision(body.model, adapter, tower=t.freeze_vision_tower, merger=t.freeze_merger)
     return CriticVL(body).to(resolve_device(t.device))

@@ -2,7 +2,8 @@
 engine (float32 on the CPU) samples every turn, an environment answers each with an image, and ActorVL scores the
 whole trajectory in every layout at the sampling temperature; the policy tokens' log-probs agree within
 FP32_TOLERANCE. Control: the same trajectories with one observation image's pixels changed must not. And the
-trajectories do not depend on how the loop's requests are split into engine calls."""
+trajectories do not depend on the loop (asynchronous or lockstep) or on how its requests are split into engine
+calls."""
 
 from __future__ import annotations
 
@@ -87,19 +88,24 @@ def test_multi_turn_log_probs_match_the_engine(family):
     keep = {tok.convert_tokens_to_ids(t) for t in ("red", "blue", "<|im_end|>")}
     forbidden = tuple(i for i in range(model.config.text_config.vocab_size) if i not in keep)
     sampling = SamplingSettings(n=3, temperature=T, max_new_tokens=16, seed=5, forbidden_token_ids=forbidden)
-    result = loop.run(batch, 3, sampling, contexts)
-    # The same step with every engine call split into one call per trajectory, last first, and again in waves of one
-    # group (agent.max_concurrent_trajectories): the trajectories are the same (each turn's seed is its
-    # trajectory's), as a loop that sends each turn when it is ready needs.
-    waves = AgentLoop(engine, processor.tokenizer, adapter, encoder_of(data),
-                      dataclasses.replace(loop.limits, max_concurrent_trajectories=3),
-                      [processor.tokenizer.eos_token_id], loop.runner, environment=Colours)
-    in_waves = waves.run(batch, 3, sampling, contexts)
-    loop.engine = OneByOne(engine)
-    alone = loop.run(batch, 3, sampling, contexts)
+    result = loop.run(batch, 3, sampling, contexts)  # the asynchronous loop (the default), over vLLM's stream
+    # The same step lockstep, lockstep in waves of one group, lockstep with every engine call split into one call per
+    # trajectory (last first), and asynchronous with a pool of one group (agent.max_concurrent_trajectories): the
+    # trajectories are the same (each turn's seed is its trajectory's), whatever the timing or the batching.
+    def variant(**limits):
+        return AgentLoop(engine, processor.tokenizer, adapter, encoder_of(data),
+                         dataclasses.replace(loop.limits, **limits), [processor.tokenizer.eos_token_id], loop.runner,
+                         environment=Colours)
+
+    lockstep = variant(loop="lockstep")
+    runs = [lockstep.run(batch, 3, sampling, contexts),
+            variant(loop="lockstep", max_concurrent_trajectories=3).run(batch, 3, sampling, contexts),
+            variant(max_concurrent_trajectories=3).run(batch, 3, sampling, contexts)]
+    lockstep.engine = OneByOne(engine)
+    runs.append(lockstep.run(batch, 3, sampling, contexts))
     engine.close()
-    assert loop.engine.calls > 6 and len({len(s.response_ids) for s in result.samples}) > 1
-    for other_run in (alone, in_waves):
+    assert lockstep.engine.calls > 6 and len({len(s.response_ids) for s in result.samples}) > 1
+    for other_run in runs:
         for s, a in zip(result.samples, other_run.samples, strict=True):
             assert s.response_ids == a.response_ids and s.policy_mask == a.policy_mask
             assert max(abs(x - y) for x, y in zip(s.engine_logprobs, a.engine_logprobs)) < FP32_TOLERANCE
