@@ -37,6 +37,9 @@ class LiveTrajectory:
     # rollout.routing_replay: [tokens the engine ran, L, k] int16 experts, each turn's new rows stitched on (None:
     # the engine returns no routing)
     routed: torch.Tensor | None = None
+    # rollout.partial: per response token the policy version that sampled it (an observation's tokens: the version
+    # of the turn before it; they are never trained); None: the engine reports no versions
+    versions: list[int] | None = None
 
     @property
     def ids(self) -> list[int]:

@@ -67,6 +67,9 @@ class AgentSample:
     # turn's request ran it: the prompt and every observation by the turn after it, each policy token by its own
     # turn); None without routing
     routed_experts: torch.Tensor | None = None
+    # rollout.partial: per response token the policy version that sampled it (observation tokens: the version of the
+    # turn before them, never trained); None: one version, the engine's
+    token_versions: list[int] | None = None
 
 
 @dataclass

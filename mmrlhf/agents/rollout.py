@@ -87,9 +87,27 @@ class AgentLoop:
         self.call_close_id = None if call_close is None or call_close == unk else int(call_close)
         if tools is not None and limits.stop_at_tool_call and self.call_close_id is None:
             raise ValueError("agent.stop_at_tool_call: the tokenizer has no '</tool_call>' token; set it to false")
+        # the closing tag as a stop string too (a tokenizer may hold it inside a larger token); off for segmented
+        # turns, where the engine writes on past such a token and the loop drops what follows the call
+        self.call_stop_string = True
         self.stop_ids = set(map(int, eos_ids))
         if tools is not None and limits.stop_at_tool_call:
             self.stop_ids.add(self.call_close_id)
+
+    def use_segmented(self, engine: Any) -> None:
+        """Generate through ``engine`` from now on: a :class:`~mmrlhf.rollout.partial.SegmentedEngine`
+        (``rollout.partial``; a rollout actor calls this), each turn in segments with updates applied between them,
+        every token versioned. The turns then run lockstep whatever ``agent.loop`` says: a checkpoint regenerates an
+        in-flight batch by the version of each engine call's segments, so its calls must come out the same when
+        regenerated, and only lockstep calls are independent of the tools' timing."""
+        if self.limits.loop != "lockstep":
+            logger.info("rollout.partial: the agent turns run lockstep (agent.loop=%s is not replayable from a "
+                        "checkpoint's segment versions)", self.limits.loop)
+        self.engine = engine
+        self.limits = dataclasses.replace(self.limits, loop="lockstep")
+        # a stop string could straddle a segment boundary (refused there); the closing tag's own token still stops
+        # a turn, and what an engine writes past a call inside a larger token is dropped (_append_turn)
+        self.call_stop_string = False
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def run(self, batch: Any, n: int, sampling: SamplingSettings, contexts: Sequence[ToolContext]) -> AgentResult:
@@ -196,7 +214,8 @@ class AgentLoop:
         stops, words = set(sampling.stop_token_ids), tuple(sampling.stop)
         if self._stops_at_calls:
             stops.add(self.call_close_id)
-            words = tuple(dict.fromkeys(words + (CALL_CLOSE,)))
+            if self.call_stop_string:
+                words = tuple(dict.fromkeys(words + (CALL_CLOSE,)))
         return dataclasses.replace(sampling, n=n, max_new_tokens=max(1, room), stop_token_ids=tuple(sorted(stops)),
                                    stop=words, min_new_tokens=min(sampling.min_new_tokens, max(1, room)))
 
@@ -212,6 +231,7 @@ class AgentLoop:
             if cut < len(tokens):  # the engine wrote past the call's closing tag: dropped
                 tokens = tokens[:cut]
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self._version(t, completion.token_versions, len(tokens))
         t.response.extend(tokens)
         t.mask.extend([1] * len(tokens))
         if t.logprobs is not None and completion.logprobs is not None:
@@ -224,6 +244,22 @@ class AgentLoop:
         t.last_text = text
         if cut is None and completion.truncated:
             t.ended = "length"
+
+    @staticmethod
+    def _version(t: LiveTrajectory, versions: Sequence[int] | None, kept: int) -> None:
+        """Record the policy version of each of a turn's ``kept`` tokens (``rollout.partial``: a turn generated in
+        segments may span an update); the observations before it (not yet versioned) take the version of the turn
+        before them."""
+        if versions is None:
+            if t.versions is not None:
+                raise ValueError(f"trajectory {t.sample_index}: a turn came back without token versions after "
+                                 "turns with them")
+            return
+        if t.versions is None:
+            t.versions = []
+        last = t.versions[-1] if t.versions else int(versions[0]) if len(versions) else 0
+        t.versions.extend([last] * (len(t.response) - len(t.versions)))  # the observations since the last turn
+        t.versions.extend(int(v) for v in versions[:kept])
 
     @staticmethod
     def _route(t: LiveTrajectory, routed: Any) -> None:
@@ -388,7 +424,9 @@ class AgentLoop:
         return AgentSample(
             sample_index=t.sample_index, group=t.group, prompt_ids=t.prompt_ids, response_ids=t.response,
             policy_mask=t.mask, engine_logprobs=t.logprobs, finished=ended in ("answer", "done"),
-            vision=self._vision(t), images=t.images, trajectory=trajectory, routed_experts=t.routed)
+            vision=self._vision(t), images=t.images, trajectory=trajectory, routed_experts=t.routed,
+            token_versions=None if t.versions is None else
+            t.versions + (t.versions[-1:] or [0]) * (len(t.response) - len(t.versions)))
 
 
 def _ordered(parsed: Any) -> list[tuple[str, Any]]:

@@ -128,8 +128,9 @@ class RolloutConfig(Section):
     Every response token records the version that sampled it (``rollout_versions``): the staleness bound reads the
     oldest, the engine-vs-trainer check reads the tokens of the trainer's version, the rollout correction reads each
     token's own behaviour log-prob, and a resume regenerates an in-flight batch with the same versions at the same
-    boundaries. Off by default until measured on GPUs (benchmarks/partial_rollouts.py, docs/distributed.md).
-    Single-turn rollouts only; refused with stop strings (``rollout.stop``) and routing replay."""
+    boundaries. Off by default until measured on GPUs (benchmarks/bench_partial.py, docs/distributed.md).
+    Multi-turn (agent) rollouts too: each turn in segments, the turns run lockstep (replayable). Refused with stop
+    strings (``rollout.stop``) and routing replay."""
     partial_segment_tokens: int = Field(default=256, ge=1)
     """New tokens per segment with ``rollout.partial``: how long an update waits at most (one segment's decoding)
     against how often the unfinished answers' prefix is sent again (cached by vLLM's prefix cache while the weights

@@ -95,9 +95,6 @@ class MMRLHFConfig(Section):
             raise ValueError("rollout.partial=true needs the asynchronous Ray mode (distributed.backend=ray and "
                              f"distributed.max_staleness >= 1; got backend={d.backend}, max_staleness="
                              f"{d.max_staleness}): elsewhere no weight update arrives while a batch is generated")
-        if self.agent.enabled or r.kind == "agent":
-            raise ValueError("rollout.partial=true: multi-turn (agent) rollouts are not segmented; set "
-                             "rollout.partial=false")
         if r.stop:
             raise ValueError(f"rollout.partial=true with rollout.stop={r.stop}: a stop string that straddles a "
                              "segment boundary would not be matched (EOS is); remove rollout.stop or set rollout.partial=false")

@@ -90,6 +90,11 @@ def rows_from_trajectories(batch: Any, result: AgentResult) -> Rollout:
         if any(r is None for r in routed):
             raise ValueError("routed experts came back for some trajectories only")
         cols["routed_experts"] = routed
+    versions = [s.token_versions for s in result.samples]
+    if any(v is not None for v in versions):  # rollout.partial: every trajectory's, or a bug
+        if any(v is None for v in versions):
+            raise ValueError("token versions came back for some trajectories only")
+        cols["token_versions"] = versions
     return Rollout(**cols)
 
 

@@ -191,5 +191,10 @@ class SegmentedEngine:
         self.calls.append(result.segment_versions)
         return result
 
+    def open_stream(self) -> None:
+        """No continuous batch: a segmented call must see every segment boundary, so a streaming caller (the
+        asynchronous agent loop) gets :class:`~mmrlhf.rollout.streaming.BatchedStream` over :meth:`generate`."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

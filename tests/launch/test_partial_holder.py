@@ -101,3 +101,66 @@ def test_an_update_during_a_generation_lands_at_a_segment_boundary_and_replays_e
     # An idle actor (no generation holds the lock) applies an update at once
     assert holder.update_experience_maker(as_chunk(v1), version=2, last=True) == 2 and holder.version == 2
     assert all(torch.equal(holder.scoring_weights()[n], v1[n]) for n in v1)
+
+
+def test_agent_trajectories_continue_across_an_update_and_replay_exactly(tmp_path):
+    """The agent toy (zoom tool, two turns of up to two tokens) in a rollout actor with ``rollout.partial`` and
+    segments of one token: an update pushed during the first turn's first segment lands at the next boundary, so a
+    trajectory's first token is version 0 and everything after it version 1 (its second token, the zoom's turn);
+    every engine call of every turn records its segments' versions, and a checkpoint's plan regenerates the same
+    trajectories (the turns run lockstep under partial rollouts, so the calls come out the same)."""
+    from mmrlhf.config import load_config
+    from mmrlhf.launch.ray.holder import ExperienceMakerHolder
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    config = load_config(ROOT / "examples/agent_zoom_toy_cpu.yaml", [
+        f"model.pretrain={tiny_model_dir('qwen2_vl', tools=True)}", f"trainer.output_dir={tmp_path}",
+        "rollout.engine=transformers", "rollout.n_samples_per_prompt=4", "trainer.rollout_batch_size=4",
+        "trainer.train_batch_size=16", "trainer.micro_train_batch_size=16", "rollout.micro_rollout_batch_size=16",
+        "trainer.eval_steps=0", "trainer.progress_bar=false", "distributed.backend=ray",
+        "distributed.max_staleness=1", "rollout.partial=true", "rollout.partial_segment_tokens=1"])
+    holder = ExperienceMakerHolder(config.model_dump(mode="json"), index=0, count=1, threads=1)
+    assert holder.maker.kind.loop.engine is holder.maker.engine and holder.maker.kind.loop.limits.loop == "lockstep"
+    v0 = holder.scoring_weights()
+    gen = torch.Generator().manual_seed(0)
+    v1 = {n: t + 0.05 * t.std().nan_to_num(1.0) * torch.randn(t.shape, generator=gen) for n, t in v0.items()}
+    as_chunk = lambda w: [(f"policy.{n}", t) for n, t in w.items()]  # noqa: E731
+    gate, sent = holder.boundary, {}
+
+    def boundary(call, segment):
+        if (call, segment) == (0, 1):  # the push arrives while the first turn's first token is generated
+            sender = threading.Thread(target=lambda: sent.setdefault(
+                "returned", holder.update_experience_maker(as_chunk(v1), version=1, last=True)))
+            sender.start()
+            while not holder._pending:
+                time.sleep(0.001)
+            sent["thread"] = sender
+        return gate(call, segment)
+
+    holder.boundary = boundary
+    meta, payload = holder.generate(step=0, min_version=0)
+    sent["thread"].join(timeout=60)
+    assert sent["returned"] == 1 and holder.version == 1
+    plan = meta["segment_versions"]
+    assert plan[0] == [0, 1] and len(plan) > 1 and all(set(call) == {1} for call in plan[1:]), plan
+    items = _items(payload)
+    spanning = two_turns = 0
+    for it in items:
+        mask = it.token["loss_mask"]
+        v = it.token["rollout_versions"][mask]  # the policy tokens' versions, in order
+        assert v[0] == 0 and v[1:].eq(1).all(), v
+        spanning += int(v.numel() > 1)
+        two_turns += int((mask[mask.nonzero()[0, 0]:] == 0).any())  # an observation between policy tokens
+    assert spanning > 0 and two_turns > 0, (spanning, two_turns)
+
+    # A resume: the checkpoint's plan regenerates the same trajectories (tokens, versions, engine log-probs)
+    holder.boundary = gate
+    holder._apply(as_chunk(v0), "full")
+    holder.version = 0
+    replay = {"segments": plan, "weights": {0: as_chunk(v0), 1: as_chunk(v1)}, "kind": "full"}
+    again_meta, again = holder.generate(step=0, min_version=0, replay=replay)
+    assert again_meta["segment_versions"] == plan
+    for a, b in zip(items, _items(again), strict=True):
+        assert a.response_ids == b.response_ids
+        assert torch.equal(a.token["rollout_versions"], b.token["rollout_versions"])
+        assert torch.allclose(a.token["rollout_log_probs"], b.token["rollout_log_probs"], rtol=0, atol=1e-6)

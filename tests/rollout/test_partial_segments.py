@@ -171,8 +171,6 @@ def test_the_wrapper_asks_its_gate_per_call_and_segment_and_keeps_the_engine_oth
     (["distributed.backend=ray"], "needs the asynchronous Ray mode"),  # max_staleness 0: nothing arrives mid-batch
     ([], "needs the asynchronous Ray mode"),  # one process
     (["distributed.backend=ray", "distributed.max_staleness=1", "rollout.stop=[END]"], "rollout.stop"),
-    (["distributed.backend=ray", "distributed.max_staleness=1", "rollout.kind=agent",
-      "agent.tools=[calculator]"], "multi-turn"),
     (["distributed.backend=ray", "distributed.max_staleness=1", "rollout.routing_replay=record"], "routing_replay"),
 ])
 def test_the_config_refuses_partial_rollouts_where_they_cannot_work(overrides, message):
@@ -181,3 +179,6 @@ def test_the_config_refuses_partial_rollouts_where_they_cannot_work(overrides, m
     with pytest.raises(ValueError, match=message):
         build_config({}, ["rollout.partial=true", *overrides])
     build_config({}, ["rollout.partial=true", "distributed.backend=ray", "distributed.max_staleness=1"])
+    # multi-turn rollouts continue across updates too (tests/launch/test_partial_holder.py)
+    build_config({}, ["rollout.partial=true", "distributed.backend=ray", "distributed.max_staleness=1",
+                      "rollout.kind=agent", "agent.tools=[calculator]"])

@@ -125,6 +125,9 @@ class ExperienceMakerHolder:
             from mmrlhf.rollout.partial import SegmentedEngine
 
             self.maker.engine = SegmentedEngine(self.producer.engine, cfg.rollout.partial_segment_tokens, self)
+            agent = getattr(self.maker.kind, "loop", None)  # multi-turn: every turn generated in segments too
+            if agent is not None:
+                agent.use_segmented(self.maker.engine)
 
     # ---- rollout ---------------------------------------------------------------------------------------------------
     def generate(self, step: int, min_version: int, replay: dict[str, Any] | None = None, *, report: bool = False
