@@ -48,8 +48,8 @@ class VLLMStream:
         request_id = f"mmrlhf-stream-{next(_ids)}"
         name = f"record {request.request_id!r}" if request.request_id is not None else "a streamed request"
         try:
-            prepared = engine.llm._preprocess_cmpl_one(engine._vllm_input(request))
-            self.core.add_request(request_id, prepared, params, lora_request=engine._lora_request)
+            self.core.add_request(request_id, self._prepared(engine._vllm_input(request)), params,
+                                  lora_request=engine._lora_request)
         except validation_errors() as exc:
             if not is_length_error(exc):
                 raise RequestRejectedError(f"{name}: {exc}") from exc
@@ -58,6 +58,12 @@ class VLLMStream:
             self._ready.append(Finished(key, None, f"{name}: rejected by vLLM: {exc}"))
             return
         self._running[request_id] = key
+
+    def _prepared(self, prompt: dict[str, Any]) -> Any:
+        """The prompt rendered as ``LLM.generate`` renders it (its multimodal inputs processed), where this vLLM has
+        that step apart; older versions take the raw prompt in ``add_request`` and render it there."""
+        render = getattr(self.engine.llm, "_preprocess_cmpl_one", None)
+        return render(prompt) if callable(render) else prompt
 
     @property
     def busy(self) -> bool:
