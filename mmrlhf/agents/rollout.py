@@ -347,6 +347,9 @@ class AgentLoop:
         self._commit(t, [step.observation], sec, stats, environment=True)
 
     def _was_reset(self, t: LiveTrajectory, first: Any, sec: float, stats: LoopStats) -> None:
+        """Take ``t``'s environment's ``reset`` answer (after ``sec`` seconds): its first observation, if it gives
+        one, comes before the first turn (which is then generated per trajectory). A reset that failed or timed out
+        gives its error as that observation (counted by kind); the environment's next step ends the episode."""
         stats.latency.append(sec)
         if first is not None:
             t.info.update(first.info or {})

@@ -12,7 +12,7 @@ from mmrlhf.rollout.types import GenerationRequest, PromptTooLongError, Sampling
 from mmrlhf.testing.tiny_models import tiny_model_dir
 from mmrlhf.testing.tolerances import FP32_TOLERANCE
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~20 s: an engine, a dozen requests
 pytest.importorskip("vllm")
 
 
