@@ -42,11 +42,13 @@ class AgentLimits:
     max_images: int = 8
     stop_at_tool_call: bool = True
     max_concurrent_trajectories: int | None = None  # live at once, whole groups; None: the step's batch at once
-    loop: str = "async"  # "async": each trajectory on its own (mmrlhf.agents.async_loop); "lockstep": in waves
+    # "async": each trajectory on its own (mmrlhf.agents.async_loop); "lockstep": in waves; "auto": async over an
+    # engine with a continuous batch, lockstep over one without
+    loop: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.loop not in ("async", "lockstep"):
-            raise ValueError(f"agent.loop must be 'async' or 'lockstep', got {self.loop!r}")
+        if self.loop not in ("auto", "async", "lockstep"):
+            raise ValueError(f"agent.loop must be 'auto', 'async' or 'lockstep', got {self.loop!r}")
 
 
 @dataclass

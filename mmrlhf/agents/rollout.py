@@ -6,9 +6,9 @@ policy's calls are parsed strictly, run under a deadline (:class:`~mmrlhf.agents
 results appended as observation tokens (:class:`~mmrlhf.agents.template.ObservationRenderer`), each returned image
 encoded once by the processor (pixel values and ``grid_thw`` kept with the trajectory, never re-processed).
 
-Two drivers run these turns (``agent.loop``): the asynchronous one (:mod:`mmrlhf.agents.async_loop`, the default)
-sends each trajectory's next turn as soon as its observation is ready, into the engine's continuous batch; the
-lockstep one (:mod:`mmrlhf.agents.lockstep`) waits for every trajectory of a wave at every turn. This module holds
+Two drivers run these turns (``agent.loop``): the asynchronous one (:mod:`mmrlhf.agents.async_loop`, what ``auto``
+picks over vLLM) sends each trajectory's next turn as soon as its observation is ready, into the engine's continuous
+batch; the lockstep one (:mod:`mmrlhf.agents.lockstep`) waits for every trajectory of a wave at every turn. This module holds
 what a trajectory does at each turn, which both share; both sample the same trajectories.
 
 Invariants (each checked or built in):
@@ -46,6 +46,7 @@ from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, Imag
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
 from mmrlhf.agents.types import ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
+from mmrlhf.rollout.streaming import continuous
 from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed, request_seed
 
 logger = logging.getLogger(__name__)
@@ -100,14 +101,21 @@ class AgentLoop:
         every token versioned. The turns then run lockstep whatever ``agent.loop`` says: a checkpoint regenerates an
         in-flight batch by the version of each engine call's segments, so its calls must come out the same when
         regenerated, and only lockstep calls are independent of the tools' timing."""
-        if self.limits.loop != "lockstep":
-            logger.info("rollout.partial: the agent turns run lockstep (agent.loop=%s is not replayable from a "
-                        "checkpoint's segment versions)", self.limits.loop)
+        if self.limits.loop == "async":
+            logger.info("rollout.partial: the agent turns run lockstep (agent.loop=async is not replayable from a "
+                        "checkpoint's segment versions)")
         self.engine = engine
         self.limits = dataclasses.replace(self.limits, loop="lockstep")
         # a stop string could straddle a segment boundary (refused there); the closing tag's own token still stops
         # a turn, and what an engine writes past a call inside a larger token is dropped (_append_turn)
         self.call_stop_string = False
+
+    def driver(self) -> str:
+        """The loop that runs the turns: ``agent.loop``, with ``auto`` resolved by the engine (``async`` where it
+        keeps a continuous batch, :func:`~mmrlhf.rollout.streaming.continuous`)."""
+        if self.limits.loop != "auto":
+            return self.limits.loop
+        return "async" if continuous(self.engine) else "lockstep"
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def run(self, batch: Any, n: int, sampling: SamplingSettings, contexts: Sequence[ToolContext]) -> AgentResult:
@@ -120,7 +128,7 @@ class AgentLoop:
         seconds = {"generate": 0.0, "tools": 0.0}
         stats = LoopStats()
         start = time.perf_counter()
-        driver = AsyncTurns if self.limits.loop == "async" else Lockstep
+        driver = AsyncTurns if self.driver() == "async" else Lockstep
         everyone, skipped = driver(self, sampling, stats, seconds, start).run(batch, n, contexts)
         # A trajectory the budget ended before its first turn (an environment's first observation that does not
         # fit) has nothing to train: left out, counted and logged, never silently.

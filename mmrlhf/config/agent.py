@@ -69,12 +69,14 @@ class AgentConfig(Section):
     next trajectory after ``reset``); with ``lockstep``, waves, each wave's environments closed before the next
     starts. For an environment or tool backend that holds only so many sessions. The trajectories are the same
     whatever the bound (each turn samples from its own trajectory's seed). None: the whole step at once."""
-    loop: Literal["async", "lockstep"] = "async"
+    loop: Literal["auto", "async", "lockstep"] = "auto"
     """How trajectories share the engine. ``async``: each runs on its own, its next turn sent as soon as its
-    observation is ready, into the engine's continuous batch (vLLM; an engine without one, the transformers engine,
-    generates what is queued together), its calls started as soon as its turn ends. ``lockstep``: every turn waits
-    for the whole wave's turns, then for all its tool calls. Both sample the same trajectories (each turn draws from
-    its trajectory's own seed); ``async`` does not wait for the slowest tool or turn (docs/agents.md)."""
+    observation is ready, its calls started as soon as its turn ends. ``lockstep``: every turn waits for the whole
+    wave's turns, then for all its tool calls. ``auto``: ``async`` over an engine with a continuous batch (vLLM),
+    ``lockstep`` over one without (the transformers engine, a CPU engine capturing routed experts, partial
+    rollouts), where each ``generate`` call is a batch and the asynchronous loop would split the wave into many
+    small calls. Both sample the same trajectories (each turn draws from its trajectory's own seed); ``async`` does
+    not wait for the slowest tool or turn (docs/agents.md)."""
     stop_at_tool_call: bool = True
     """End a turn at ``</tool_call>`` (the engine stops there), so nothing the policy writes after a call is kept or
     trained; the template's end-of-turn token is then part of the observation."""

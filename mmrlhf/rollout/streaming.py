@@ -93,3 +93,10 @@ def open_stream(engine: Any) -> Stream:
     opener = getattr(engine, "open_stream", None)
     stream = opener() if callable(opener) else None
     return stream if stream is not None else BatchedStream(engine)
+
+
+def continuous(engine: Any) -> bool:
+    """Whether ``engine`` keeps a continuous batch (its stream finishes requests one by one)."""
+    opener = getattr(engine, "open_stream", None)
+    stream = opener() if callable(opener) else None
+    return bool(stream is not None and stream.continuous)

@@ -2,7 +2,9 @@
 
 - Over vLLM, per family, with a tool of random latency: the same trajectories (ids, masks, engine log-probs,
   images) as lockstep, for the same seeds; a different seed (the control) gives other trajectories.
-- Over a scripted engine: a slow call holds its own trajectory only (lockstep, the control, holds every one); the
+- ``agent.loop: auto`` picks the asynchronous loop over vLLM's stream and lockstep over an engine without a
+  continuous batch.
+- Over a scripted engine (``agent.loop: async`` asked for): a slow call holds its own trajectory only (lockstep, the control, holds every one); the
   session pool's bound, with reusable environments reset and reused; a tool's ``max_concurrency`` over every
   trajectory's calls at once.
 """
@@ -85,6 +87,7 @@ def test_the_asynchronous_loop_samples_the_lockstep_trajectories(family):
     finally:
         engine.close()
         runner.close()
+    assert loop().driver() == "async" and loop(loop="lockstep").driver() == "lockstep"
     calls = [s.trajectory.num_tool_calls for s in lockstep.samples]
     assert len(lockstep.samples) == 12 and sum(calls) >= 6 and len(set(calls)) > 1, calls  # uneven trajectories
     for run in (asynchronous, pooled):
@@ -116,6 +119,7 @@ def test_a_slow_call_holds_its_own_trajectory_only(tiny, mode):
     batch = _batch(data, 2, RED)
     loop = _loop(tiny, ScriptedEngine(scripts), tools=_two_tools(0.6),
                  limits=AgentLimits(max_turns=5, max_new_tokens_per_turn=64, loop=mode))
+    assert _loop(tiny, ScriptedEngine(scripts)).driver() == "lockstep"  # auto: the scripted engine has no stream
     result = loop.run(batch, 2, SamplingSettings(n=2, max_new_tokens=64, seed=3), [_context(batch, RED)])
     first, second = (s.trajectory for s in result.samples)
     assert (first.num_tool_calls, second.num_tool_calls) == (1, 3)
@@ -209,7 +213,7 @@ def test_a_tools_max_concurrency_holds_across_trajectories(tiny):
     answer = _ids(tok, "red", "<|im_end|>")
     batch = _batch(data, 6, RED)
     loop = _loop(tiny, ScriptedEngine({k: [call, answer] for k in range(6)}), tools={bounded.name: bounded},
-                 limits=AgentLimits(max_turns=3, max_new_tokens_per_turn=64))
+                 limits=AgentLimits(max_turns=3, max_new_tokens_per_turn=64, loop="async"))
     result = loop.run(batch, 6, SamplingSettings(n=6, max_new_tokens=64), [_context(batch, RED)])
     assert [s.trajectory.num_tool_calls for s in result.samples] == [1] * 6
     assert state["most"] == 1
