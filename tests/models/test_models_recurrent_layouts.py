@@ -30,7 +30,7 @@ from mmrlhf.models.critic import CriticVL
 from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
 from mmrlhf.models.shared_prompt import resolve_shared_prompt
 from mmrlhf.testing.tiny_models import tiny_model_dir
-from mmrlhf.testing.tolerances import assert_close_at_scale, close_at_scale
+from mmrlhf.testing.tolerances import SUMMATION_SCALE_TOL, assert_close_at_scale, close_at_scale
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe"]
 ATOL = 1e-5  # fp32 vs fp32, another summation order only
@@ -142,6 +142,20 @@ def _grads(actor, built) -> dict[str, torch.Tensor]:
     return grads
 
 
+DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")  # the decay gate's inputs
+DECAY_SCALE_TOL = 2e-3  # their gradients' (see _scale_tol)
+
+
+def _scale_tol(name: str) -> float:
+    """The decay gate's parameters (``A_log``, ``dt_bias``, the ``a`` projection) get gradients 1e-4 to 1e-3 of their
+    layer's (a random tiny model's decay barely matters), each a sum over every token of the delta rule's state
+    terms, so float32 summation order moves them relatively more than any other parameter: measured up to 7.3e-4 of
+    the tensor's largest entry on an AVX2-only CPU, under 1e-4 on an AVX-512 one. Every other parameter keeps the
+    summation tolerance. (The control below, the
+    shipped layers' cancellation over left padding, is 3e-3 of their scale and is checked at the tight tolerance.)"""
+    return DECAY_SCALE_TOL if name.endswith(DECAY) else SUMMATION_SCALE_TOL
+
+
 @pytest.mark.parametrize("family", ["qwen3_5"])
 def test_gradients_are_the_sum_of_sample_gradients(bundles, family, monkeypatch):
     """d(sum of log-probs + entropy) of a packed row and of a left-padded batch == the sum over their samples run
@@ -159,12 +173,12 @@ def test_gradients_are_the_sum_of_sample_gradients(bundles, family, monkeypatch)
         grads = _grads(actor, _built(bundle, layout))
         assert grads.keys() == alone.keys()
         for name in grads:
-            assert_close_at_scale(grads[name], alone[name], msg=f"{layout}: {name}")
+            assert_close_at_scale(grads[name], alone[name], scale_tol=_scale_tol(name), msg=f"{layout}: {name}")
     twin = ActorVL(copy.deepcopy(bundle.model), bundle.adapter, chunk_size=4)
     checkpoint_blocks(twin)
     recomputed = _grads(twin, _built(bundle, "packed"))
     for name in alone:
-        assert_close_at_scale(recomputed[name], alone[name], msg=name)
+        assert_close_at_scale(recomputed[name], alone[name], scale_tol=_scale_tol(name), msg=name)
     monkeypatch.setattr(actor, "_mixer_kwargs", lambda samples: {})
     shipped = _grads(actor, _built(bundle, "padded"))
     assert not all(close_at_scale(shipped[n], alone[n]) for n in alone if n.endswith("linear_attn.A_log"))
