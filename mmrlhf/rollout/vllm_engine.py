@@ -252,6 +252,8 @@ class VLLMEngine(RolloutEngine):
         that sends requests as they become ready (the asynchronous agent loop). None where routed experts are
         captured on the CPU platform: that capture is collected per ``generate`` call, so such an engine is streamed
         call by call (:class:`~mmrlhf.rollout.streaming.BatchedStream`)."""
+        if self.llm is None:
+            raise RuntimeError("open_stream on a closed engine")
         if self._routing is not None:
             return None
         from mmrlhf.rollout.vllm_stream import VLLMStream

@@ -80,6 +80,7 @@ def test_the_asynchronous_loop_samples_the_lockstep_trajectories(family):
     forbidden = tuple(i for i in range(len(tok)) if i not in keep)
     sampling = SamplingSettings(n=6, temperature=1.0, max_new_tokens=6, seed=11, forbidden_token_ids=forbidden)
     try:
+        assert loop().driver() == "async" and loop(loop="lockstep").driver() == "lockstep"  # auto over vLLM: async
         lockstep = loop(loop="lockstep").run(batch, 6, sampling, contexts)
         asynchronous = loop().run(batch, 6, sampling, contexts)
         pooled = loop(max_concurrent_trajectories=6).run(batch, 6, sampling, contexts)
@@ -87,7 +88,6 @@ def test_the_asynchronous_loop_samples_the_lockstep_trajectories(family):
     finally:
         engine.close()
         runner.close()
-    assert loop().driver() == "async" and loop(loop="lockstep").driver() == "lockstep"
     calls = [s.trajectory.num_tool_calls for s in lockstep.samples]
     assert len(lockstep.samples) == 12 and sum(calls) >= 6 and len(set(calls)) > 1, calls  # uneven trajectories
     for run in (asynchronous, pooled):
