@@ -188,9 +188,7 @@ class AsyncTurns:
         result = future.result()  # the runner answers every failure itself: an exception here is a bug, raised
         loop, stats = self.loop, self.stats
         if kind == "close":
-            for failure, _ in result:
-                if failure is not None:
-                    stats.errors[failure.error] = stats.errors.get(failure.error, 0) + 1
+            self._count_failures(result)
             self.live -= 1  # the session is gone: its slot is free
             return
         t.tool_wait += time.perf_counter() - since
@@ -241,8 +239,12 @@ class AsyncTurns:
         if not self.free_envs:
             return
         t0 = time.perf_counter()
-        for failure, _ in self.loop.runner.run_environment_closes(self.free_envs):
-            if failure is not None:
-                self.stats.errors[failure.error] = self.stats.errors.get(failure.error, 0) + 1
+        self._count_failures(self.loop.runner.run_environment_closes(self.free_envs))
         self.free_envs = []
         self.seconds["tools"] += time.perf_counter() - t0
+
+    def _count_failures(self, closed: list[tuple[Any, float]]) -> None:
+        """Count each close that failed (``tool_raised``, ``timeout``) under its kind."""
+        for failure, _ in closed:
+            if failure is not None:
+                self.stats.errors[failure.error] = self.stats.errors.get(failure.error, 0) + 1
