@@ -97,6 +97,4 @@ def open_stream(engine: Any) -> Stream:
 
 def continuous(engine: Any) -> bool:
     """Whether ``engine`` keeps a continuous batch (its stream finishes requests one by one)."""
-    opener = getattr(engine, "open_stream", None)
-    stream = opener() if callable(opener) else None
-    return bool(stream is not None and stream.continuous)
+    return open_stream(engine).continuous
