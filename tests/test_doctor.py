@@ -66,7 +66,12 @@ def test_gpu_without_an_accelerator_is_an_error_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_trainer_benchmark_row_runs_the_small_shape_on_the_cpu(tmp_path):
     opts = doctor.DoctorOptions(device="cpu", quick=True, workdir=str(tmp_path))
-    assert doctor_bench.trainer_bench_args(opts)[:1] == ["--quick"]
+    from mmrlhf.rollout.vllm_setup import cpu_has_bf16_kernels
+
+    args = doctor_bench.trainer_bench_args(opts)
+    assert args[:1] == ["--quick"]
+    # float32 on a CPU that would emulate bf16 (a smoke run of the code, 8x faster there)
+    assert (args[-2:] == ["--dtype", "float32"]) == (not cpu_has_bf16_kernels()), args
     [row] = doctor_bench._bench_trainer(opts)
     assert row.status == "pass", row.reason
     assert "of a" in row.reason and "TFLOP/s matmul" in row.reason  # the headline: best row's share of a matmul

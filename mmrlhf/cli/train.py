@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from mmrlhf.startup import defer_full_collections
+
+    defer_full_collections()  # until the trainer is built (mmrlhf.startup)
     from mmrlhf.config import ConfigError, load_config
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")

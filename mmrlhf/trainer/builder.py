@@ -23,6 +23,7 @@ from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
 from mmrlhf.models.sharding import shard_models
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rollout import vllm_quiet
+from mmrlhf.startup import loaded
 from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode, read_trainer_state
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
 from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
@@ -274,6 +275,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
             for line in lines:
                 print(line, file=sys.stderr)
         logger.info("resumed from %s (step %d)", resume_from, trainer.state.step)
+    loaded()  # the steps collect garbage as Python always does (mmrlhf.startup)
     return trainer
 
 

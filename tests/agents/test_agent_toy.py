@@ -49,20 +49,21 @@ def test_records_are_deterministic_per_split():
         make_record(0, size=55)
 
 
-@pytest.mark.slow  # ~3 min on the 2-core machine, one thread: 45 multi-turn GRPO steps through vLLM
+@pytest.mark.slow  # ~2.5 min on the 2-core machine, one thread: 45 multi-turn GRPO steps through vLLM
 @pytest.mark.vllm
 # The suite's 900 s hang guard is too close for this one run: on a busy AVX2-only machine its steps took up to 10 s
 # (1.4-2 s idle).
 @pytest.mark.timeout(1800)
 def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
     """The shipped recipe with its commented exploration bonus on (``agent.tool_bonus: 0.2``, here annealed to 0 over
-    30 steps; docs/agents.md, "Interaction collapse"): the policy calls from the start, learns to read the crop, and
-    keeps calling once the bonus is gone. Measured (seed 0, 2026-11-29, evaluated every 5 steps, which does not move
-    training): eval 0.0 to step 15, 0.2 at 20, 0.5 at 30, 0.72 at 35, 1.0 at 40 and 45; tool use 0.95-0.99 in each
-    of steps 36-45 (after the bonus ended), out of budget 0.08-0.14 there (mean 0.12); task reward 0.04-0.06 in
-    each of the first ten steps. (With the bonus over 40 steps and 60 steps: eval 0.72 at 30, 1.0 at 60; out of
-    budget 0.03-0.12 in the last ten.) Without the bonus the same recipe first evaluates 1.0 at step 80, after 26
-    steps below a tool-use rate of 0.1 (docs/agents.md)."""
+    30 steps; docs/agents.md, "Interaction collapse") and half its batch (8 prompts x 16 trajectories: a step costs
+    half and learns as fast): the policy calls from the start, learns to read the crop, and keeps calling once the
+    bonus is gone. Measured (seed 0, 2026-11-29, AVX2-only machine, evaluated every 5 steps, which does not move
+    training): eval 0.0 to step 15, 0.48 at 20-30, 1.0 at 35, 40 and 45; tool use 0.95-0.99 in each of steps 36-45
+    (after the bonus ended), out of budget 0.09-0.20 there (mean 0.13); task reward 0.05-0.08 in each of the first
+    ten steps; 142 s. (The recipe's whole batch, 16 prompts: eval 1.0 at 40 and 45, out of budget mean 0.12 in the
+    last ten, 245 s. With the bonus over 40 steps and 60 steps: eval 0.72 at 30, 1.0 at 60.) Without the bonus the
+    same recipe first evaluates 1.0 at step 80, after 26 steps below a tool-use rate of 0.1 (docs/agents.md)."""
     from mmrlhf.config import load_config
     from mmrlhf.launch import run
     from mmrlhf.testing.tiny_models import tiny_model_dir
@@ -71,7 +72,8 @@ def test_the_toy_recipe_learns_to_use_the_tool(tmp_path):
     config = load_config("examples/agent_zoom_toy_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', tools=True)}", f"trainer.output_dir={out}",
         "trainer.max_steps=45", "trainer.eval_steps=15", "trainer.progress_bar=false", "trainer.tensorboard=false",
-        "trainer.report_steps=0", "trainer.save_steps=1000", "agent.tool_bonus=0.2", "agent.tool_bonus_steps=30"])
+        "trainer.report_steps=0", "trainer.save_steps=1000", "agent.tool_bonus=0.2", "agent.tool_bonus_steps=30",
+        "trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=128"])
     assert run(config) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/reward/mean"] for r in rows if "eval/reward/mean" in r]

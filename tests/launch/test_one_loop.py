@@ -1,7 +1,7 @@
 """One training loop for every launch mode: the same recipe, seed and total batch trains the same in one process,
 under torchrun with one rank and in the Ray mode with one rollout actor and one trainer actor (metrics and weights);
-two Ray trainer actors (one FSDP2 group over gloo) equal one process within fp32 reduction noise; a Ray run that
-stops and resumes (``max_staleness`` 0 and 1) continues exactly as the straight run. The control, a Ray run whose
+two Ray trainer actors (one FSDP2 group over gloo) equal one process within fp32 reduction noise; a Ray run
+resumed from a checkpoint of the straight run (``max_staleness`` 0 and 1) continues exactly as the straight run. The control, a Ray run whose
 rollout actor never receives the new weights, must differ. The rollout side's running statistics (reward
 normalisation, the adaptive KL coefficient) and dynamic sampling's stream train in the Ray mode as in one process
 and resume exactly."""
@@ -129,15 +129,10 @@ def cluster():
     ray.shutdown()
 
 
-def _ray(out: Path, *overrides: str, stop_at: int | None = None, resume: bool = False, push_weights: bool = True):
+def _ray(out: Path, *overrides: str, resume: bool = False, push_weights: bool = True):
     from mmrlhf.launch.ray.driver import run_ray
 
-    def stop(run, step):  # as the driver does on Ctrl-C / SIGTERM: rank 0 stops every rank after the step
-        if stop_at is not None and step >= stop_at:
-            run.ranks[0].request_stop.remote()
-
-    rc = run_ray(_config(out, "distributed.backend=ray", *overrides), resume=resume, on_step=stop,
-                 push_weights=push_weights)
+    rc = run_ray(_config(out, "distributed.backend=ray", *overrides), resume=resume, push_weights=push_weights)
     assert rc == 0, rc
     return out
 
@@ -151,7 +146,7 @@ def runs(cluster, tmp_path_factory):
     assert run(_config(out["single"], "trainer.save_steps=2")) == 0  # (the saves do not change the training)
     out["torchrun1"] = tmp_path_factory.mktemp("torchrun1")
     _torchrun1(_config(out["torchrun1"], "distributed.backend=torchrun", "trainer.save_steps=2"))
-    out["ray"] = _ray(tmp_path_factory.mktemp("ray"))
+    out["ray"] = _ray(tmp_path_factory.mktemp("ray"), "trainer.save_steps=2")
     out["ray_2_trainers"] = _ray(tmp_path_factory.mktemp("ray2"), "distributed.num_trainer_actors=2",
                                  "distributed.trainer_actor_cpus=0.5", "distributed.rollout_actor_cpus=1")
     out["control"] = _ray(tmp_path_factory.mktemp("control"), push_weights=False)
@@ -217,13 +212,12 @@ def test_control_without_the_weight_push_differs(runs):
 
 
 def test_a_resumed_ray_run_continues_as_the_straight_run(runs, cluster, tmp_path):
-    """A Ray run (``max_staleness`` 0) stopped after its first steps and resumed continues exactly as the module's
-    straight Ray run (whose checkpoints are not written every step, which changes no metric). With ``max_staleness``
-    1, where the next step's rollout is in flight at each save: the two-actor test below, every whole-step key on."""
-    part = _ray(tmp_path / "part", "trainer.save_steps=1", stop_at=1)
-    stopped = len(_rows(part))
-    assert 1 <= stopped < STEPS  # stopped after the step in progress when step 1 was seen
-    _ray(tmp_path / "part", "trainer.save_steps=1", resume=True)
+    """A Ray run (``max_staleness`` 0) resumed from the module's straight Ray run's step-2 checkpoint continues
+    exactly as the straight run (its saves change no metric). With ``max_staleness`` 1, where the next step's
+    rollout is in flight at each save: the two-actor test below, every whole-step key on; a Ray run stopped by a
+    signal and resumed: tests/launch/test_ray_training.py."""
+    stopped = 2
+    part = _ray(stopped_at(runs["ray"], tmp_path / "part", stopped), "trainer.save_steps=2", resume=True)
     a, b = _rows(runs["ray"]), _rows(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     gaps = every_metric_gaps(a[stopped:], b[stopped:])
@@ -294,16 +288,15 @@ def _ray_as_one_process(tmp_path: Path, *keys: str, compared: tuple[str, ...] = 
 
 
 def _ray_resumes_as_straight(tmp_path: Path, *keys: str, at_stop: Any = None) -> None:
-    """A Ray run with ``keys`` and ``max_staleness`` 1, stopped after its first steps (``at_stop(folder, steps,
-    straight rows)`` sees its checkpoint) and resumed, continues exactly as the straight run."""
+    """A Ray run with ``keys`` and ``max_staleness`` 1, resumed from its own step-2 checkpoint (``at_stop(folder,
+    steps, straight rows)`` sees it), continues exactly as the straight run."""
     k1 = (*keys, "distributed.max_staleness=1", "trainer.save_steps=1")
     straight = _ray(tmp_path / "straight", *k1)
-    part = _ray(tmp_path / "part", *k1, stop_at=1)
-    stopped = len(_rows(part))
-    assert 1 <= stopped < STEPS
+    stopped = 2
+    part = stopped_at(straight, tmp_path / "part", stopped)
     if at_stop is not None:
         at_stop(part, stopped, _rows(straight))
-    _ray(tmp_path / "part", *k1, resume=True)
+    _ray(part, *k1, resume=True)
     a, b = _rows(straight), _rows(part)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     gaps = every_metric_gaps(a[stopped:], b[stopped:])
@@ -346,9 +339,9 @@ def test_two_rollout_actors_take_the_step_together_and_resume_exactly(cluster, t
     normalisation and the adaptive KL coefficient (running state), dynamic sampling (the step's choice of groups).
     They meet in each step's collectives (``launch.ray.exchange``; exactness against one process on a synthetic step:
     tests/launch/test_collectives.py), so the shares end every step with the same statistics and state. A run with
-    ``max_staleness`` 1 (each actor generates the next step while its last is trained), stopped after its first
-    steps and resumed, continues exactly as the straight run: the state, the stream and the in-order generation
-    start where the checkpoint stood."""
+    ``max_staleness`` 1 (each actor generates the next step while its last is trained), resumed from its step-2
+    checkpoint, continues exactly as the straight run: the state, the stream and the in-order generation start
+    where the checkpoint stood. (A Ray run stopped by a signal, then resumed: tests/launch/test_ray_training.py.)"""
     keys = (*TWO_ACTORS, *RUNNING, "algorithm.advantage_whitening=batch", "algorithm.dynamic_sampling=true")
 
     def saved(part: Path, stopped: int, straight: list[dict]) -> None:

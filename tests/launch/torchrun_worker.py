@@ -26,7 +26,10 @@ import json
 from itertools import groupby
 from pathlib import Path
 
-import torch
+from mmrlhf.startup import defer_full_collections
+
+defer_full_collections()  # as `mmrlhf train` does while it loads (build_trainer puts it back)
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -275,3 +275,17 @@ def test_sleep_that_discards_the_weights_syncs_the_whole_policy(tmp_path):
     engine.sleep_discards_weights = True
     trainer.train_step()
     assert synced[-1] == every
+
+
+def test_a_built_trainer_collects_garbage_as_python_does(tmp_path):
+    """``mmrlhf train`` defers full collections while it loads (mmrlhf.startup); the trainer, once built, puts the
+    thresholds back for the steps."""
+    import gc
+
+    from mmrlhf.startup import LOADING_THRESHOLD, defer_full_collections
+
+    before = gc.get_threshold()
+    defer_full_collections()
+    assert gc.get_threshold()[2] == max(before[2], LOADING_THRESHOLD)
+    build_trainer(toy_config(tmp_path / "run"))
+    assert gc.get_threshold() == before

@@ -19,6 +19,7 @@ from mmrlhf.launch.ray.pool import HolderPool
 from mmrlhf.launch.ray.runtime import PlacementPlan, plan_placement
 from mmrlhf.parallel.ray_actors import actor_options, actor_threads, connect, describe_actor_error
 from mmrlhf.launch.ray.trainer_actor import RayTrainerRank, trainer_name
+from mmrlhf.startup import loaded
 from mmrlhf.trainer.interrupt import stop_on_interrupt
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,22 @@ class RayRun:
         self.step = 0
 
     def setup(self, resume: bool) -> list[str]:
-        """Every rank joins the process group and builds its trainer (together: the rendezvous waits for all);
-        the error lines of those that failed."""
+        """Every rank joins the process group and builds its trainer (together: the rendezvous waits for all) while
+        the rollout actors load their engines; the error lines of the ranks that refused the run (then nobody waits
+        for the engines), else waits for every rollout actor (the clock starts with every engine up). A rollout
+        actor that failed to build raises its error first."""
         import ray
 
         address = ray.get(self.ranks[0].address.remote())
-        return [e for e in ray.get([r.setup.remote(resume, address) for r in self.ranks]) if e]
+        refs = [r.setup.remote(resume, address) for r in self.ranks]
+        try:
+            errors = [e for e in ray.get(refs) if e]
+        except ray.exceptions.RayError:
+            self.pool.ready()  # a rank that called a rollout actor which could not be built: that is the cause
+            raise
+        if not errors:
+            self.pool.ready()
+        return errors
 
     def fit(self, on_step: Callable[["RayRun", int], None] | None = None) -> dict[str, Any]:
         """Every rank's ``fit`` (the one loop), awaited; a Ctrl-C or SIGTERM asks rank 0 to stop after the step in
@@ -197,6 +208,7 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, int
         run = RayRun(config, plan=plan, push_weights=push_weights)
         try:
             errors = run.setup(resume)
+            loaded()  # this process too (``mmrlhf train`` deferred its full collections: mmrlhf.startup)
             if errors:  # every rank reports the same refusal: say it once
                 for message in dict.fromkeys(e.split(": ", 1)[1] for e in errors):
                     print(f"error: {message}", file=sys.stderr)

@@ -59,6 +59,9 @@ class ExperienceMakerHolder:
     """
 
     def __init__(self, config: dict[str, Any], index: int, count: int, threads: int, exchange: Any = None) -> None:
+        from mmrlhf.startup import defer_full_collections, loaded
+
+        defer_full_collections()  # until the engine and the models are built (mmrlhf.startup)
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
         from mmrlhf.parallel.world import single
@@ -128,6 +131,7 @@ class ExperienceMakerHolder:
             agent = getattr(self.maker.kind, "loop", None)  # multi-turn: every turn generated in segments too
             if agent is not None:
                 agent.use_segmented(self.maker.engine)
+        loaded()
 
     # ---- rollout ---------------------------------------------------------------------------------------------------
     def generate(self, step: int, min_version: int, replay: dict[str, Any] | None = None, *, report: bool = False

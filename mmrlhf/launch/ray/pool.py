@@ -25,10 +25,15 @@ class HolderPool:
         return len(self.plan.rollout)
 
     def start_all(self) -> None:
+        """Start every rollout actor without waiting for it: the trainer actors build their models (and refuse a
+        run, such as an output folder in use, in seconds) while the engines load; :meth:`ready` waits."""
+        self.handles = [self.start(i) for i in range(self.count)]
+
+    def ready(self) -> None:
+        """Wait until every rollout actor is built (its engine loaded); raises the error of one that failed."""
         import ray
 
-        self.handles = [self.start(i) for i in range(self.count)]
-        ray.get([h.state.remote() for h in self.handles])  # built (engines loaded) before the clock starts
+        ray.get([h.state.remote() for h in self.handles])
 
     def start(self, index: int) -> Any:
         """Rollout actor ``index`` in its bundle (a restarted one takes the same bundle)."""

@@ -62,7 +62,9 @@ class RayTrainerRank:
     def __init__(self, config: dict[str, Any], rank: int, world_size: int, threads: int, pool: Any, *,
                  push_weights: bool = True) -> None:
         from mmrlhf.config import build_config
+        from mmrlhf.startup import defer_full_collections
 
+        defer_full_collections()  # until setup() built the trainer (mmrlhf.startup)
         torch.set_num_threads(threads)
         self.config = build_config(config)
         self.rank, self.world_size, self.pool, self.push_weights = rank, world_size, pool, push_weights
