@@ -10,8 +10,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -336,6 +337,28 @@ def settle_heap() -> None:
     a heap with the stack imported)."""
     gc.collect()
     gc.freeze()
+
+
+@contextmanager
+def one_collection_at_shutdown() -> Iterator[None]:
+    """An engine's shutdown inside, with one collection of the heap after it instead of vLLM's own.
+
+    vLLM's shutdown unfreezes the whole heap (so that its engine can be freed) and collects it twice (its model
+    runner's cleanup, then the distributed teardown), each walk of a test process taking ~0.65 s on the 2-core CPU
+    machine: 1.3 s of every engine's close, 30 s of the 195 s of the rollout, agent and experience tests. Inside,
+    ``gc.collect`` and ``gc.unfreeze`` do nothing; after, the heap is unfrozen, collected once and frozen again
+    (:func:`settle_heap`: later collections walk only what is made afterwards), and the accelerator's cache emptied
+    as vLLM's teardown would have done after its collections."""
+    collect, unfreeze = gc.collect, gc.unfreeze
+    gc.collect, gc.unfreeze = (lambda generation=2: 0), (lambda: None)
+    try:
+        yield
+    finally:
+        gc.collect, gc.unfreeze = collect, unfreeze
+        gc.unfreeze()
+        settle_heap()
+        if torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
 
 
 def cpu_has_bf16_kernels() -> bool:

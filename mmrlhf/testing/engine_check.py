@@ -8,7 +8,6 @@ bf16-vs-fp32 noise.
 
 from __future__ import annotations
 
-import gc
 
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ import torch
 from PIL import Image
 
 from mmrlhf.models.adapters import get_adapter
-from mmrlhf.rollout.vllm_setup import forbid_tokens_bias, make_llm
+from mmrlhf.rollout.vllm_setup import forbid_tokens_bias, make_llm, one_collection_at_shutdown
 from mmrlhf.testing.tolerances import DEFAULT_TOLERANCE  # noqa: F401 - re-exported for callers
 
 
@@ -203,8 +202,8 @@ def run_engine_check(
     gen_seconds = time.perf_counter() - t1
     # An engine built here goes now (a caller's stays theirs): vLLM keeps one set of parallel groups per process, and
     # the next engine (another family, e.g. one with experts) must build its own.
-    llm = None
-    gc.collect()
+    with one_collection_at_shutdown():  # vLLM's finaliser shuts it down here (as VLLMEngine.close does)
+        llm = None
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     results, tokens = [], 0
