@@ -1,10 +1,10 @@
 """One training loop for every launch mode: the same recipe, seed and total batch trains the same in one process,
 under torchrun with one rank and in the Ray mode with one rollout actor and one trainer actor (metrics and weights);
-two Ray trainer actors (one FSDP2 group over gloo) equal one process within fp32 reduction noise; a Ray run
-resumed from a checkpoint of the straight run (``max_staleness`` 0 and 1) continues exactly as the straight run. The control, a Ray run whose
-rollout actor never receives the new weights, must differ. The rollout side's running statistics (reward
-normalisation, the adaptive KL coefficient) and dynamic sampling's stream train in the Ray mode as in one process
-and resume exactly."""
+two Ray trainer actors (one FSDP2 group over gloo) equal one process within fp32 reduction noise; a Ray run resumed
+from a checkpoint of the straight run (``max_staleness`` 0 and 1) continues exactly as the straight run. The
+control, a Ray run whose rollout actor never receives the new weights, must differ. The rollout side's running
+statistics (reward normalisation, the adaptive KL coefficient) and dynamic sampling's stream train in the Ray mode
+as in one process and resume exactly."""
 
 from __future__ import annotations
 
