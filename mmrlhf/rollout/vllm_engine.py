@@ -27,8 +27,8 @@ from mmrlhf.rollout.vllm_setup import (
     forbid_tokens_bias,
     import_vllm,
     make_llm,
-    platform_device_type,
     one_collection_at_shutdown,
+    platform_device_type,
     settle_cpu_threads,
 )
 from mmrlhf.rollout.vllm_errors import is_length_error, validation_errors

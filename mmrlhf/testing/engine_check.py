@@ -8,7 +8,6 @@ bf16-vs-fp32 noise.
 
 from __future__ import annotations
 
-
 import time
 from dataclasses import dataclass, field
 from typing import Any
