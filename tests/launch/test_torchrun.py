@@ -190,7 +190,7 @@ def test_the_update_normalises_over_ranks():
 CASES = {  # name -> the worker's case options (torchrun_worker.py)
     "first": "",  # the toy task's first step
     "control": ",control=per-rank-norm",  # ... with each rank normalising by its own token count (2 ranks only)
-    "uneven": ",drop-group=1",  # ... with group 1 (rank 1's) left out and micro-batches of 16
+    "uneven": ",drop-group=1",  # ... with group 1 (rank 1's) left out
 }
 
 
@@ -198,11 +198,11 @@ CASES = {  # name -> the worker's case options (torchrun_worker.py)
 def worker_steps(tmp_path_factory, toy_model):
     """{(case, "single" | "sharded") -> (tensors, metrics)} of the worker's first steps.
 
-    Shared by every first-step test of this module and made in three launches (one process: both of its cases; 2
-    ranks: the control and the plain step on one trainer and rollout; 2 ranks: the uneven step, which needs a
-    trainer of its own), where one launch per case made five: a launch (the imports, the process group, the engine)
-    costs several times the step."""
-    launches = [("single", ("first", "uneven")), ("sharded", ("control", "first")), ("sharded", ("uneven",))]
+    Shared by every first-step test of this module and made in two launches (one process: the uneven and the plain
+    step; 2 ranks: the uneven step, the control and the plain step), each on one trainer and one first rollout,
+    where one launch per case made five: a launch (the imports, the process group, the engine) costs several times
+    the step. The cases before the last record their gradients without stepping; the plain step, last, steps."""
+    launches = [("single", ("uneven", "first")), ("sharded", ("uneven", "control", "first"))]
     folders = {(case, side): tmp_path_factory.mktemp(f"{case}-{side}") for side, cases in launches for case in cases}
     for side, cases in launches:
         args = [str(WORKER), "--model", toy_model,
@@ -313,7 +313,7 @@ def test_ranks_with_different_sample_counts_finish_and_take_the_one_process_step
     assert m1["samples_per_rank"] == 112 and m2["samples_per_rank"] == 64  # rank 0's share; rank 1 holds 48
     grads = [k for k in single if k.startswith("grad.")]
     assert len(grads) > 10 and any(float(single[k].abs().max()) > 1e-3 for k in grads)
-    for key in grads:  # padding micro-batches carry zero weight: the update is one process's on the same samples
+    for key in grads:  # padding micro-batches carry zero weight: the gradients are one process's on the same samples
         assert_close_at_scale(sharded[key], single[key], msg=key)
     assert m2["policy/grad_norm"] == pytest.approx(m1["policy/grad_norm"], rel=1e-5)
 

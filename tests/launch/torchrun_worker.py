@@ -10,20 +10,20 @@ The reward leaves about a third of the samples out of the loss, so the ranks tra
 tokens. ``control=per-rank-norm``: each rank normalises its loss by its OWN token count (as if the denominator
 were not summed over ranks); that must NOT match.
 
-One launch runs several cases (``--case OUT[,control=per-rank-norm][,drop-group=N]``): a launch (the imports, the
-process group, the engine) costs several times the step, so the test launches three times, not once per case.
-Cases with the same ``drop-group`` share one trainer and its first rollout: a control records its gradients and
-skips its optimiser step (the weights, the optimiser and the shuffling generator stay as built), so the plain case
-after it trains exactly as in a launch of its own. Other cases get a trainer of their own, built from the same
-seeds; that takes one process. Under torchrun launch those separately: closing a rank's first engine took the
-default process group with it, and a second engine, after a fresh join, failed to connect its gloo group (tried).
+One launch runs several cases (``--case OUT[,control=per-rank-norm][,drop-group=N]``) on one trainer and its one
+first rollout: a launch (the imports, the process group, the engine) costs several times the step, so the test
+launches twice (one process, 2 ranks), not once per case. Every case but the last records its gradients (and their
+norm) and skips its optimiser step (the weights, the optimiser and the shuffling generator stay as built), so each
+case trains from the built state and the last, which steps, trains exactly as in a launch of its own. A control
+cannot be the last: its step would train with the wrong normalisation. ``drop-group=N`` leaves group N out of the
+trained share, as a skipped prompt would. Micro-batches are of 16 samples in every case, so that the uneven case's
+ranks run different numbers of forwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from itertools import groupby
 from pathlib import Path
 
 from mmrlhf.startup import defer_full_collections
@@ -54,7 +54,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--case", action="append", required=True, type=parse_case,
-                    help="OUT[,control=per-rank-norm][,drop-group=N]; repeat for several cases in this launch")
+                    help="OUT[,control=per-rank-norm][,drop-group=N]; repeat for several cases in this launch (all but "
+                         "the last record their gradients without stepping)")
     ap.add_argument("--offload", action="store_true",
                     help="one process with distributed.offload=params (FSDP2 over a world of one rank)")
     args = ap.parse_args()
@@ -68,12 +69,9 @@ def main() -> None:
     elif args.offload:  # as `mmrlhf train` makes it for the key (mmrlhf.launch.run)
         dist = join_alone("gloo", host_tensors=True)
     OFFLOAD[:] = ["distributed.offload=params"] if args.offload else []
-    for drop_group, cases in groupby(args.case, key=lambda case: case["drop_group"]):
-        cases = list(cases)
-        plain = [case for case in cases if not case["control"]]
-        if len(plain) > 1 or (plain and plain[0] is not cases[-1]):
-            raise SystemExit("a trainer's cases: controls first, then at most one plain case (it steps)")
-        first_step(dist, args.model, drop_group, cases)
+    if args.case[-1]["control"]:
+        raise SystemExit("the last case steps: it cannot be a control")
+    first_step(dist, args.model, args.case)
     if dist is not None:
         leave()
 
@@ -96,8 +94,9 @@ def host_bytes(trainer) -> dict[str, float]:
             "on_host": float(all(t.device.type == "cpu" for t in local + moments))}
 
 
-def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
-    """Build a trainer, generate the first rollout, and train this rank's share of it once per case."""
+def first_step(dist, model: str, cases: list[dict]) -> None:
+    """Build a trainer, generate the first rollout, and train this rank's share of it once per case (every case but
+    the last without its optimiser step)."""
     from mmrlhf.config import load_config
     from mmrlhf.data.stream import record_columns
     from mmrlhf.parallel.world import full
@@ -107,11 +106,10 @@ def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
         f"model.pretrain={model}", f"trainer.output_dir={cases[0]['out'] / 'run'}",
         "trainer.overwrite_output_dir=true", "trainer.eval_steps=0", "trainer.progress_bar=false",
         "trainer.tensorboard=false", "trainer.rollout_batch_size=8", "trainer.train_batch_size=128",
-        "trainer.micro_train_batch_size=32", "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05",
+        "rollout.n_samples_per_prompt=16", "algorithm.kl_loss_coef=0.05",
         "algorithm.entropy_coef=0.01",
         "reward.label_map={first_word: {type: function, function: \"mmrlhf.testing.rewards:partial_length_reward\"}}",
-        *(["rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16"] if drop_group >= 0
-          else []), *OFFLOAD])
+        "rollout.micro_rollout_batch_size=16", "trainer.micro_train_batch_size=16", *OFFLOAD])
     trainer = build_trainer(config, world=dist)
     source = trainer.p.source
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
@@ -123,24 +121,28 @@ def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
     if dist is not None:
         rollout = dist.broadcast_object(rollout)
     groups = rollout.group_ids.tolist()
-    rows = [i for i, g in enumerate(groups) if g % world == rank and g != drop_group]
-    share = rollout.select(rows)
 
     stepper = trainer.p.policy.stepper
     original_step = stepper.step
     shuffle = trainer.p.shuffle.get_state()
     for case in cases:
-        control = case["control"] == "per-rank-norm"
+        control, steps = case["control"] == "per-rank-norm", case is cases[-1]
+        share = rollout.select([i for i, g in enumerate(groups) if g % world == rank and g != case["drop_group"]])
         captured: dict[str, torch.Tensor] = {}
+        recorded: dict[str, float] = {}
 
         def recording_step(loss_finite: bool):
             for name, p in trainer.p.policy.actor.named_parameters():
                 if p.grad is not None:
                     captured[f"grad.{name}"] = full(p.grad).detach().clone()
-            if control:  # only its gradients count: no step, so the next case starts from the built weights
-                stepper.optimizer.zero_grad(set_to_none=True)
-                return float("nan"), False
-            return original_step(loss_finite)
+            if steps:
+                return original_step(loss_finite)
+            # only its gradients count: the norm as the step takes it (before clipping; an infinite bound leaves
+            # the gradients as they are), then no step, so the next case starts from the built weights
+            norm = torch.nn.utils.clip_grad_norm_(stepper.params, float("inf"))
+            recorded["policy/grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            stepper.optimizer.zero_grad(set_to_none=True)
+            return float("nan"), False
 
         stepper.step = recording_step
         trainer.p.shuffle.set_state(shuffle)  # each case draws the same mini-batch order
@@ -158,6 +160,7 @@ def first_step(dist, model: str, drop_group: int, cases: list[dict]) -> None:
             out = case["out"]
             torch.save({**captured, **params}, out / "tensors.pt")
             keep = {k: float(v) for k, v in metrics.items() if k.startswith(("policy/", "engine_logprob_diff/"))}
+            keep.update(recorded)
             keep["samples_per_rank"] = float(len(share))
             keep["valid_rewards"] = float(rollout.rewards.valid.sum())
             keep["rewards_sum"] = float(rollout.rewards.rewards[rollout.rewards.valid].sum())
