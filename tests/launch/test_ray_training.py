@@ -18,12 +18,17 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
-LEVEL = 0.5  # a reward the synchronous run reaches (5-step mean) around step 14
-# Both runs train the toy recipe's answer-words variant (mmrlhf.testing.toy_recipe). Measured on this 2-core machine
+LEVEL = 0.5  # a reward the synchronous run reaches (5-step mean) around step 16
+# Both runs train the toy recipe's answer-words variant (mmrlhf.testing.toy_recipe) on half its batch (8 prompts x 16
+# samples a step: a step costs half, and learns about as fast). Measured on the 2-core AVX2-only machine
 # (2026-11-29): with the same seeds the k=1 run's reward curve follows the synchronous one a step or two behind (the
-# one-version-older policy samples each step): rewards 0.03 -> 0.85 over 30 steps in both, last-10 means 0.769
-# (sync) and 0.754 (k=1), LEVEL reached at steps 14 and 16. Margins: last-10 means within 0.05 and LEVEL reached
-# within 5 steps.
+# one-version-older policy samples each step): rewards 0.03 -> 0.87 over 30 steps in both, first-10 means 0.185
+# (sync) and 0.155 (k=1), last-10 means 0.752 and 0.745, LEVEL reached at steps 16 and 18. (The whole batch: last-10
+# means 0.769 and 0.754, LEVEL at steps 14 and 16, each run taking about 1.5x as long.) Margins: last-10 means within
+# 0.05 and LEVEL reached within 5 steps.
+BATCH = 128
+HALF_BATCH = ("trainer.rollout_batch_size=8", f"trainer.train_batch_size={BATCH}",
+              f"trainer.micro_train_batch_size={BATCH}")
 ASYNC_REWARD_MARGIN = 0.05
 ASYNC_STEP_MARGIN = 5
 
@@ -69,7 +74,8 @@ def first_step_reaching(history: list[dict], level: float, window: int = 5) -> i
 
 @pytest.fixture(scope="module")
 def learning_runs(cluster, tmp_path_factory):
-    """The synchronous and the k=1 run, same config and seeds, STEPS steps each of the answer-words variant."""
+    """The synchronous and the k=1 run, same config and seeds, STEPS steps each of the answer-words variant on half
+    the batch."""
     from mmrlhf.launch.ray.driver import run_ray
     from mmrlhf.testing.toy_recipe import ANSWER_WORDS_ONLY
 
@@ -77,7 +83,7 @@ def learning_runs(cluster, tmp_path_factory):
     for name, k in (("sync", 0), ("async", 1)):
         path = tmp_path_factory.mktemp(name)
         assert run_ray(toy(path, f"trainer.max_steps={STEPS}", f"distributed.max_staleness={k}",
-                           *ANSWER_WORDS_ONLY)) == 0
+                           *ANSWER_WORDS_ONLY, *HALF_BATCH)) == 0
         out[name] = rows(path)
         first, last = reward_means(out[name])
         print(f"\n{name}: reward first-10 {first:.3f} last-10 {last:.3f}; reaches {LEVEL} at step "
@@ -96,12 +102,12 @@ def test_sync_run_learns_with_verified_weight_sync(learning_runs):
     first, last = reward_means(history)
     assert history[0]["reward/mean"] < 0.15 and last >= 0.6 and last > first + 0.3, (first, last)
     for h in history:
-        assert h["ledger/produced"] == h["ledger/consumed"] == 256
+        assert h["ledger/produced"] == h["ledger/consumed"] == BATCH
         assert h["async/staleness_max"] == 0
         # the engine sampled with the weights the trainer holds: the log-probs agree to float noise
         assert h["engine_logprob_diff/trainer_max"] < 1e-3, h["engine_logprob_diff/trainer_max"]
         assert h["engine_logprob_diff/max"] < 1e-3  # and the rollout actor's scoring copy agrees with its engine
-    assert history[-1]["async/staleness_count_0"] == STEPS * 256
+    assert history[-1]["async/staleness_count_0"] == STEPS * BATCH
 
 
 def test_async_run_bounded_staleness_and_reward(learning_runs):
@@ -110,8 +116,8 @@ def test_async_run_bounded_staleness_and_reward(learning_runs):
     assert max(h["async/staleness_max"] for h in history) == 1  # one version behind happens, never two
     counts = {k: v for k, v in history[-1].items() if k.startswith("async/staleness_count_")}
     assert set(counts) == {"async/staleness_count_0", "async/staleness_count_1"}, counts
-    assert counts["async/staleness_count_1"] >= (STEPS - 2) * 256  # the pipeline really ran one step ahead
-    assert all(h["ledger/produced"] == h["ledger/consumed"] == 256 for h in history)
+    assert counts["async/staleness_count_1"] >= (STEPS - 2) * BATCH  # the pipeline really ran one step ahead
+    assert all(h["ledger/produced"] == h["ledger/consumed"] == BATCH for h in history)
     assert all("async/trainer_wait_share" in h and "async/rollout_wait_share" in h for h in history)
     first, last = reward_means(history)
     assert history[0]["reward/mean"] < 0.15 and last >= 0.6 and last > first + 0.3, (first, last)
@@ -235,42 +241,54 @@ def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path):
     assert states[0]["running"]["kl_controller"]["value"] != pytest.approx(0.01)  # it moved, on both
 
 
-def test_lora_adapters_travel_to_the_rollout_actor(cluster, tmp_path):
-    """LoRA in the Ray mode: the trainer actor trains the adapters and ships only them (kind "lora"); the rollout
-    actor's copy takes them and its engine is synced as in one process (merged layers). Checked by the same
-    engine-vs-trainer log-probs, with a reward that gives a gradient from the first step so the adapters move."""
+def test_lora_adapters_travel_from_two_trainer_actors_to_the_rollout_actor(cluster, tmp_path):
+    """LoRA in the Ray mode, with 2 trainer actors (FSDP2 shards the base and the adapters): the trainer actors train
+    the adapters and rank 0 ships only them, gathered from the shards (kind "lora"); the rollout actor's copy takes
+    them and its engine is synced as in one process (merged layers). Checked by the same engine-vs-trainer
+    log-probs, with a reward that gives a gradient from the first step so the adapters move. (One trainer actor
+    ships the adapters the same way, unsharded: it is rank 0 of a world of one.)"""
     import torch
 
     from mmrlhf.launch.ray.driver import RayRun
 
-    run = RayRun(toy(tmp_path, "trainer.max_steps=3", "trainer.lr=1e-2", "model.lora.rank=8",
+    run = RayRun(toy(tmp_path, "trainer.max_steps=3", "trainer.lr=1e-2", "model.lora.rank=8", "model.lora.alpha=16",
+                     "distributed.num_trainer_actors=2", "distributed.trainer_actor_cpus=0.5",
+                     "distributed.rollout_actor_cpus=1",
                      "reward.label_map={first_word: {type: function, "
                      "function: 'mmrlhf.testing.rewards:response_length_reward'}}"))
     try:
         assert run.setup(resume=False) == []
         result = run.fit()
-        trainer_state = ray.get(run.ranks[0].policy_state.remote())
+        # every rank gathers its shards (a collective); rank 0's is the whole state
+        trainer_state = ray.get([rank.policy_state.remote() for rank in run.ranks])[0]
         holder_state = ray.get(run.pool.handles[0].scoring_weights.remote())
     finally:
         run.shutdown()
     assert result["code"] == 0, result["stderr"]
     saved = Path(result["checkpoint"])
-    seen = [(h["engine_logprob_diff/trainer_max"], h["sync/megabytes"]) for h in rows(tmp_path)]
+    history = rows(tmp_path)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    seen = [(h["engine_logprob_diff/trainer_max"], h["engine_logprob_diff/max"], h["sync/megabytes"])
+            for h in history]
     assert trainer_state and all("lora_" in name for name in trainer_state)  # only adapter tensors train and travel
     assert holder_state.keys() == trainer_state.keys()
     for name, tensor in trainer_state.items():
         torch.testing.assert_close(holder_state[name], tensor, rtol=0, atol=0)
     assert max(float(t.abs().max()) for n, t in trainer_state.items() if "lora_B" in n) > 1e-3  # they moved
-    print(f"\nLoRA in Ray: engine-vs-trainer max |diff| and MB pushed per step: {seen}")
-    assert all(diff < 1e-3 for diff, _ in seen)
-    assert all(mb < 1.0 for _, mb in seen)  # the adapters, not the 2 MB model
+    assert any(h["policy/grad_norm"] > 0 for h in history[:2])  # an update the later steps' engine must carry
+    print(f"\nLoRA in Ray: engine-vs-trainer and engine-vs-scoring-copy max |diff|, MB pushed per step: {seen}")
+    assert all(trainer < 1e-3 and copy < 1e-4 for trainer, copy, _ in seen)
+    assert all(mb < 1.0 for _, _, mb in seen)  # the adapters, not the model (~110 MB)
     # the checkpoint is written as one process writes it: the merged model in plain names, plus the peft adapter
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     with safe_open(str(saved / "model" / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert names and not any("lora_" in n or "base_layer" in n for n in names)
     assert (saved / "adapter" / "adapter_config.json").is_file()
+    adapter = load_file(str(saved / "adapter" / "adapter_model.safetensors"))
+    assert any(".lora_B" in k and float(v.abs().max()) > 0 for k, v in adapter.items())
 
 
 def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(cluster, tmp_path):
@@ -279,17 +297,19 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
     learn the task as one process does. Measured (2026-11-29) with the same keys over 40 steps, evaluated every 10:
     one process evaluates 1.0 at steps 10, 20, 30 and 40, its sampled reward rising 0.05 -> 0.47 over steps 1-10
     (mean 0.24) and at 0.72-0.83 over steps 21-30; this 2 + 2 run evaluates 1.0 at the same steps, its reward
-    0.03 -> 0.42 over steps 1-10 (mean 0.23) and at 0.70-0.81 over steps 21-30 (mean 0.77). (As shipped, without
-    the variant, both need 100-160 steps to evaluate 1.0: docs/distributed.md.)"""
+    0.03 -> 0.42 over steps 1-10 (mean 0.23) and at 0.70-0.81 over steps 21-30 (mean 0.77). This test runs its
+    first 20 steps (the same run: evaluations do not move training; measured 2026-11-29): eval 1.0 at steps 10 and
+    20, reward mean 0.23 over steps 1-10 and 0.65 over steps 11-20 (0.54 -> 0.78). (As shipped, without the
+    variant, both need 100-160 steps to evaluate 1.0: docs/distributed.md.)"""
     from mmrlhf.config import load_config
     from mmrlhf.launch.ray.driver import run_ray
     from mmrlhf.testing.tiny_models import tiny_model_dir
     from mmrlhf.testing.toy_recipe import ANSWER_WORDS_ONLY
 
-    steps = 30
+    steps = 20
     config = load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"trainer.output_dir={tmp_path}",
-        f"trainer.max_steps={steps}", "trainer.eval_steps=15", "trainer.progress_bar=false",
+        f"trainer.max_steps={steps}", "trainer.eval_steps=10", "trainer.progress_bar=false",
         "trainer.tensorboard=false", "trainer.report_steps=0", "distributed.backend=ray",
         "distributed.num_rollout_actors=2", "distributed.num_trainer_actors=2", "distributed.rollout_actor_cpus=0.5",
         "distributed.trainer_actor_cpus=0.5", *ANSWER_WORDS_ONLY, *WHOLE_STEP])
@@ -300,7 +320,8 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
     first10 = statistics.mean(h["reward/mean"] for h in history[:10])
     last10 = statistics.mean(h["reward/mean"] for h in history[-10:])
     print(f"\n2 + 2 actors: eval {evals}; reward first-10 {first10:.3f}, last-10 {last10:.3f}")
-    assert evals[steps] >= 0.9 and last10 >= 0.6 and history[0]["reward/mean"] < 0.15, (evals, first10, last10)
+    assert evals[steps] >= 0.9 and history[0]["reward/mean"] < 0.15, (evals, first10, last10)
+    assert last10 >= 0.5 and last10 > first10 + 0.25, (evals, first10, last10)
     assert all(h["ledger/produced"] == h["ledger/consumed"] > 0 for h in history)
     assert max(h["dynamic_sampling/rounds"] for h in history) > 1  # the actors refilled together
     assert len({round(h["kl_coef"], 9) for h in history}) == steps  # the coefficient moved, step after step
@@ -364,25 +385,3 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one_or_are_refused_s
     # steps 2 and 3 trained and saved again from step 1's state
     assert all(verify_checkpoint(ckpt / f"step-{s:08d}").intact for s in (1, 2, 3))
     assert (ckpt / "latest").read_text().strip() == "step-00000003"
-
-
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_lora_on_two_trainer_actors_pushes_the_gathered_adapters(cluster, tmp_path):
-    """``model.lora.rank > 0`` with 2 trainer actors (FSDP2 shards the base and the adapters): rank 0 pushes the
-    adapters gathered from the shards, and the rollout actor's engine then scores like the trainer."""
-    from safetensors.torch import load_file
-
-    from mmrlhf.launch.ray.driver import run_ray
-
-    rc = run_ray(toy(tmp_path, "trainer.max_steps=3", "trainer.save_steps=3", "model.lora.rank=8",
-                     "model.lora.alpha=16", "distributed.num_trainer_actors=2", "distributed.trainer_actor_cpus=0.5",
-                     "distributed.rollout_actor_cpus=1"))
-    assert rc == 0
-    history = rows(tmp_path)
-    assert [h["step"] for h in history] == [1, 2, 3]
-    assert any(h["policy/grad_norm"] > 0 for h in history[:2])  # an update the later steps' engine must carry
-    assert max(h["engine_logprob_diff/max"] for h in history) < 1e-4
-    assert max(h["sync/megabytes"] for h in history) < 1.0  # the adapters, not the model (~110 MB)
-    adapter = load_file(str(tmp_path / "checkpoints" / "step-00000003" / "adapter" / "adapter_model.safetensors"))
-    assert any(".lora_B" in k and float(v.abs().max()) > 0 for k, v in adapter.items())
