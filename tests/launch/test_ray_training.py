@@ -297,10 +297,11 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
     learn the task as one process does. Measured (2026-11-29) with the same keys over 40 steps, evaluated every 10:
     one process evaluates 1.0 at steps 10, 20, 30 and 40, its sampled reward rising 0.05 -> 0.47 over steps 1-10
     (mean 0.24) and at 0.72-0.83 over steps 21-30; this 2 + 2 run evaluates 1.0 at the same steps, its reward
-    0.03 -> 0.42 over steps 1-10 (mean 0.23) and at 0.70-0.81 over steps 21-30 (mean 0.77). This test runs its
-    first 20 steps (the same run: evaluations do not move training; measured 2026-11-29): eval 1.0 at steps 10 and
-    20, reward mean 0.23 over steps 1-10 and 0.65 over steps 11-20 (0.54 -> 0.78). (As shipped, without the
-    variant, both need 100-160 steps to evaluate 1.0: docs/distributed.md.)"""
+    0.03 -> 0.42 over steps 1-10 (mean 0.23) and at 0.70-0.81 over steps 21-30 (mean 0.77). This test runs 20 steps
+    on half the batch (``HALF_BATCH``), measured 2026-11-29: eval 1.0 at steps 10 and 20, reward mean 0.20 over steps
+    1-10 and 0.57 over steps 11-20 (0.43 -> 0.70), in two thirds of the time the whole batch takes (which gave
+    0.23 and 0.65). (As shipped, without the variant, both need 100-160 steps to evaluate 1.0:
+    docs/distributed.md.)"""
     from mmrlhf.config import load_config
     from mmrlhf.launch.ray.driver import run_ray
     from mmrlhf.testing.tiny_models import tiny_model_dir
@@ -312,7 +313,7 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
         f"trainer.max_steps={steps}", "trainer.eval_steps=10", "trainer.progress_bar=false",
         "trainer.tensorboard=false", "trainer.report_steps=0", "distributed.backend=ray",
         "distributed.num_rollout_actors=2", "distributed.num_trainer_actors=2", "distributed.rollout_actor_cpus=0.5",
-        "distributed.trainer_actor_cpus=0.5", *ANSWER_WORDS_ONLY, *WHOLE_STEP])
+        "distributed.trainer_actor_cpus=0.5", *HALF_BATCH, *ANSWER_WORDS_ONLY, *WHOLE_STEP])
     assert run_ray(config) == 0
     history = rows(tmp_path)
     assert [h["step"] for h in history] == list(range(1, steps + 1))
@@ -321,7 +322,7 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
     last10 = statistics.mean(h["reward/mean"] for h in history[-10:])
     print(f"\n2 + 2 actors: eval {evals}; reward first-10 {first10:.3f}, last-10 {last10:.3f}")
     assert evals[steps] >= 0.9 and history[0]["reward/mean"] < 0.15, (evals, first10, last10)
-    assert last10 >= 0.5 and last10 > first10 + 0.25, (evals, first10, last10)
+    assert last10 >= 0.45 and last10 > first10 + 0.25, (evals, first10, last10)
     assert all(h["ledger/produced"] == h["ledger/consumed"] > 0 for h in history)
     assert max(h["dynamic_sampling/rounds"] for h in history) > 1  # the actors refilled together
     assert len({round(h["kl_coef"], 9) for h in history}) == steps  # the coefficient moved, step after step
