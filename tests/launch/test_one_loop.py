@@ -54,12 +54,13 @@ SKIP = ("time/", "sync/", "throughput/", "async/", "engine_logprob_diff/", "roll
 # What carries from step to step on the rollout side, in every run of this module: a reward normaliser and an
 # adaptive KL coefficient that moves every step (a horizon of 4 steps of 128 samples: a few % per step, up or down),
 # advantage whitening (a batch statistic) and dynamic sampling, whose rounds read the stream and the sampling calls
-# on from where the last step stopped. And half the recipe's batch (8 prompts x 16 samples): what these runs compare
-# does not depend on its size, and each of the module's 11 runs costs less.
+# on from where the last step stopped.
 STATEFUL = ("algorithm.reward_normalization=true", "algorithm.kl_controller=adaptive", "algorithm.kl_reward_coef=0.05",
             "algorithm.kl_target=0.001", "algorithm.kl_horizon=1000", "algorithm.advantage_whitening=batch",
-            "algorithm.dynamic_sampling=true", "trainer.rollout_batch_size=8", "trainer.train_batch_size=128",
-            "trainer.micro_train_batch_size=128")
+            "algorithm.dynamic_sampling=true")
+# Half the recipe's batch (8 prompts x 16 samples), in every run too: what these runs compare does not depend on its
+# size, and each of the module's 11 runs costs less.
+HALF_BATCH = ("trainer.rollout_batch_size=8", "trainer.train_batch_size=128", "trainer.micro_train_batch_size=128")
 
 
 def _config(out: Path, *overrides: str):
@@ -69,7 +70,8 @@ def _config(out: Path, *overrides: str):
     return load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
         f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"trainer.output_dir={out}",
         f"trainer.max_steps={STEPS}", "trainer.eval_steps=0", "trainer.progress_bar=false",
-        "trainer.tensorboard=false", "trainer.report_steps=0", "trainer.save_steps=1000", *STATEFUL, *overrides])
+        "trainer.tensorboard=false", "trainer.report_steps=0", "trainer.save_steps=1000", *STATEFUL, *HALF_BATCH,
+        *overrides])
 
 
 def _rows(out: Path) -> list[dict]:
@@ -181,7 +183,8 @@ def _flat(config) -> list[tuple[str, str]]:
     return [("model.pretrain", config.model.pretrain), ("trainer.output_dir", t.output_dir),
             ("trainer.max_steps", t.max_steps), ("trainer.eval_steps", 0), ("trainer.progress_bar", "false"),
             ("trainer.tensorboard", "false"), ("trainer.report_steps", 0), ("trainer.save_steps", t.save_steps),
-            ("distributed.backend", config.distributed.backend), *(tuple(key.split("=", 1)) for key in STATEFUL)]
+            ("distributed.backend", config.distributed.backend),
+            *(tuple(key.split("=", 1)) for key in (*STATEFUL, *HALF_BATCH))]
 
 
 @pytest.mark.parametrize("mode", ["torchrun1", "ray"])

@@ -24,8 +24,8 @@ LEVEL = 0.5  # a reward the synchronous run reaches (5-step mean) around step 16
 # (2026-11-29): with the same seeds the k=1 run's reward curve follows the synchronous one a step or two behind (the
 # one-version-older policy samples each step): rewards 0.03 -> 0.87 over 30 steps in both, first-10 means 0.185
 # (sync) and 0.155 (k=1), last-10 means 0.752 and 0.745, LEVEL reached at steps 16 and 18. (The whole batch: last-10
-# means 0.769 and 0.754, LEVEL at steps 14 and 16, each run taking about 1.5x as long.) Margins: last-10 means within
-# 0.05 and LEVEL reached within 5 steps.
+# means 0.769 and 0.754, LEVEL at steps 14 and 16.) Margins: last-10 means within 0.05 and LEVEL reached within 5
+# steps.
 BATCH = 128
 HALF_BATCH = ("trainer.rollout_batch_size=8", f"trainer.train_batch_size={BATCH}",
               f"trainer.micro_train_batch_size={BATCH}")
@@ -299,9 +299,8 @@ def test_two_rollout_and_two_trainer_actors_learn_the_toy_task_like_one_process(
     (mean 0.24) and at 0.72-0.83 over steps 21-30; this 2 + 2 run evaluates 1.0 at the same steps, its reward
     0.03 -> 0.42 over steps 1-10 (mean 0.23) and at 0.70-0.81 over steps 21-30 (mean 0.77). This test runs 20 steps
     on half the batch (``HALF_BATCH``), measured 2026-11-29: eval 1.0 at steps 10 and 20, reward mean 0.20 over steps
-    1-10 and 0.57 over steps 11-20 (0.43 -> 0.70), in two thirds of the time the whole batch takes (which gave
-    0.23 and 0.65). (As shipped, without the variant, both need 100-160 steps to evaluate 1.0:
-    docs/distributed.md.)"""
+    1-10 and 0.57 over steps 11-20 (0.43 -> 0.70); the whole batch gave 0.23 and 0.65. (As shipped, without the
+    variant, both need 100-160 steps to evaluate 1.0: docs/distributed.md.)"""
     from mmrlhf.config import load_config
     from mmrlhf.launch.ray.driver import run_ray
     from mmrlhf.testing.tiny_models import tiny_model_dir

@@ -374,8 +374,9 @@ def test_an_offloaded_run_saves_and_resumes_where_it_stopped(tmp_path, toy_model
 @pytest.fixture(scope="module")
 def learned_run(tmp_path_factory, toy_model):
     """(folder, metrics rows) of a 30-step 2-rank run of the toy recipe's answer-words variant
-    (``mmrlhf.testing.toy_recipe``) on half its batch (8 prompts x 16 samples) with checkpoints at steps 29 and 30 (the second is the one a resume finds
-    first; the first is the intact one it falls back to when that is damaged)."""
+    (``mmrlhf.testing.toy_recipe``) on half its batch (8 prompts x 16 samples) with checkpoints at steps 29 and 30
+    (the second is the one a resume finds first; the first is the intact one it falls back to when that is
+    damaged)."""
     out = tmp_path_factory.mktemp("learned")
     proc = _torchrun("-m", "mmrlhf.cli", "train", str(TOY), *_learned_args(toy_model, out), "trainer.max_steps=30",
                      timeout=900)
