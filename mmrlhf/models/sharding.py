@@ -23,6 +23,7 @@ registered as a forward method of a sharded actor, so calling it directly gather
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 from mmrlhf.models.actor import ActorVL
 from mmrlhf.models.critic import CriticVL
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
+
+logger = logging.getLogger(__name__)
 
 
 def block_modules(model: nn.Module, block_classes: Iterable[str] | None = None) -> list[nn.Module]:
@@ -67,9 +70,30 @@ def shard_for_training(wrapper: nn.Module, *, block_classes: Iterable[str] | Non
     for block in block_modules(actor.model, block_classes):
         fully_shard(block, **fully_shard_kwargs)
     fully_shard(wrapper, **fully_shard_kwargs)
+    reduce_unused_parameters(wrapper)
     if isinstance(wrapper, ActorVL):
         register_fsdp_forward_method(wrapper, "hidden_states")
     return wrapper
+
+
+def reduce_unused_parameters(wrapper: nn.Module) -> None:
+    """Make every rank reduce-scatter every trainable parameter of every unit, used in its backward or not.
+
+    Why: FSDP2 reduce-scatters, after a unit's backward, only the parameters that got a gradient. A micro-batch
+    without images or video never runs the vision tower (its patch embedding, blocks and merger sit in the root
+    unit), so a rank whose micro-batch is text-only beside one whose micro-batch has images would send a smaller
+    reduce-scatter than the other expects: a collective mismatch (gloo aborts, NCCL hangs or corrupts). Mixed
+    text / image data, an inert sample beside a share with images and a padding forward all meet this. With the
+    switch, an unused parameter contributes a zero gradient: the sum over ranks is the gradient of the ranks that
+    used it, as one process on the whole batch computes it. (A step in which no rank used the tower leaves it a
+    zero gradient, where one process leaves none: AdamW's decoupled weight decay then still applies to it.)"""
+    switch = getattr(wrapper, "set_reduce_scatter_unused_params", None)
+    if switch is None:
+        logger.warning("this torch's FSDP2 cannot reduce-scatter unused parameters (set_reduce_scatter_unused_params, "
+                       "torch %s): ranks must not mix text-only micro-batches with ones that hold images or video",
+                       torch.__version__)
+        return
+    switch(True)
 
 
 # ---- the training plan with a run's switches (any world of more than one rank) ----------------------------------

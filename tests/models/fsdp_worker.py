@@ -24,12 +24,20 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models_testing import LinearCalls, load_bundle, random_value_head, sharded_batches  # noqa: E402
+from models_testing import (  # noqa: E402
+    IMAGE_ROWS,
+    TEXT_ROWS,
+    LinearCalls,
+    load_bundle,
+    picked_batch,
+    random_value_head,
+    sharded_batches,
+)
 
 from mmrlhf.models.actor import ActorVL  # noqa: E402
 from mmrlhf.models.critic import CriticVL  # noqa: E402
 from mmrlhf.models.gradient_checkpointing import checkpoint_blocks  # noqa: E402
-from mmrlhf.models.sharding import block_modules, shard_for_training  # noqa: E402
+from mmrlhf.models.sharding import block_modules, language_block_classes, shard_for_training  # noqa: E402
 
 
 def full_grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,7 +57,7 @@ def run_family(family: str, rank: int, world: int, out: Path, try_wrong_layout: 
     results: dict[str, torch.Tensor] = {}
     bundle = load_bundle(family)
     # before any sharding
-    critic_model, wrong_model, ckpt_model = (copy.deepcopy(bundle.model) for _ in range(3))
+    critic_model, wrong_model, ckpt_model, mixed_model = (copy.deepcopy(bundle.model) for _ in range(4))
     parts = sharded_batches(bundle, rank, world)  # layout -> (samples, vision_extra) of this rank's half
     actor = ActorVL(bundle.model, bundle.adapter, chunk_size=5)
     # trainer.gradient_checkpointing: checkpointed first, then sharded (every block trains here, vision ones too)
@@ -73,6 +81,16 @@ def run_family(family: str, rank: int, world: int, out: Path, try_wrong_layout: 
     with torch.no_grad():  # a direct call of the public method (the critic's and a trainer's way in)
         samples, extra = parts["packed"]
         results["actor.hidden_states"] = actor.hidden_states(samples, vision_extra=extra).detach()
+
+    # The training plan (language blocks their own units, the tower in the root): rank 0's micro-batch text-only,
+    # rank 1's with images, so the tower's parameters get a gradient on rank 1 only.
+    mixed = ActorVL(mixed_model, bundle.adapter, chunk_size=5)
+    mixed = shard_for_training(mixed, block_classes=language_block_classes(mixed), mesh=mesh)
+    built = picked_batch(bundle, TEXT_ROWS if rank == 0 else IMAGE_ROWS)
+    res = mixed(built.samples, vision_extra=built.vision_extra)
+    res.log_probs.sum().backward()
+    for name, g in full_grads(mixed).items():
+        results[f"mixed.grad.{name}"] = g
 
     head = random_value_head(bundle.model.config.get_text_config().hidden_size)  # non-zero gradients everywhere
     critic = shard_for_training(CriticVL(ActorVL(critic_model, bundle.adapter), head), mesh=mesh)

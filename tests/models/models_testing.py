@@ -120,6 +120,21 @@ def built_batches(bundle: Bundle, seed: int = 0):
             "packed": build_packed_samples(prompts, responses, **kw)}
 
 
+def picked_batch(bundle: Bundle, rows: list[int], seed: int = 0):
+    """The padded BuiltSamples of rows ``rows`` of the mixed test batch (in that order)."""
+    from mmrlhf.experience.samples import build_padded_samples
+
+    prompts, responses, vision, _ = batch_pieces(bundle, seed)
+    return build_padded_samples([prompts[i] for i in rows], [responses[i] for i in rows],
+                                pad_id=bundle.processor.tokenizer.pad_token_id, eos_id=bundle.eos_id,
+                                adapter=bundle.adapter, vision=[vision[i] for i in rows])
+
+
+# Rows of the mixed batch (cases interleaved: text, one image, two images, video, twice) by kind: a rank whose
+# micro-batch is text-only beside one whose micro-batch has images (the vision tower runs on one rank only).
+TEXT_ROWS, IMAGE_ROWS = [0, 4], [1, 5]
+
+
 def rank_range(batch: int, rank: int, world: int) -> range:
     """The contiguous samples rank ``rank`` of ``world`` scores (the batch divides evenly)."""
     assert batch % world == 0, (batch, world)

@@ -13,6 +13,7 @@ the fix. The ranks run on the CPU (gloo, a CPU mesh) also where a GPU is visible
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models_testing import built_batches, random_value_head, rank_range
+from models_testing import IMAGE_ROWS, TEXT_ROWS, built_batches, picked_batch, random_value_head, rank_range
 
 from mmrlhf.models.actor import ActorVL, select_samples
 from mmrlhf.models.critic import CriticVL
@@ -110,7 +111,8 @@ def test_sharded_actor_and_critic_match_one_process(fsdp_out, bundles, family):
             ref = plain.hidden_states(samples, vision_extra=extra)
         torch.testing.assert_close(res["actor.hidden_states"], ref, rtol=0, atol=ATOL)
 
-    critic = CriticVL(ActorVL(bundle.model, bundle.adapter),
+    # its own copy: a critic freezes its unused lm_head, and the bundle's model serves the actor tests too
+    critic = CriticVL(ActorVL(copy.deepcopy(bundle.model), bundle.adapter),
                       random_value_head(bundle.model.config.get_text_config().hidden_size))
     samples, extra = built["padded"].samples, built["padded"].vision_extra
     values = critic(samples, vision_extra=extra)  # [B, A]
@@ -155,3 +157,25 @@ def test_blocks_are_the_decoder_layers_and_vision_blocks(bundles, family):
     assert any("merger" in n for n in root_owned) and not any(".layers." in n for n in root_owned)
     with pytest.raises(ValueError, match="no module of .* is one of the block classes"):
         block_modules(model, ["NoSuchBlock"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_text_only_rank_beside_an_image_rank_trains_the_one_process_gradients(fsdp_out, bundles, family):
+    """The training plan (the tower in the root unit) with rank 0's micro-batch text-only and rank 1's with images:
+    the vision tower's parameters get a gradient on rank 1 alone, yet both ranks reduce-scatter them (a zero gradient
+    on rank 0), so the step finishes and every gradient is one process's on both micro-batches. Before, rank 0 sent
+    a smaller reduce-scatter than rank 1 expected and gloo aborted."""
+    bundle = bundles[family]
+    actor = ActorVL(bundle.model, bundle.adapter, chunk_size=5)
+    for rows in (TEXT_ROWS, IMAGE_ROWS):
+        built = picked_batch(bundle, rows)
+        (actor(built.samples, vision_extra=built.vision_extra).log_probs.sum() / WORLD).backward()
+    reference = _grads(actor)
+    tower, _ = bundle.adapter.vision_parts(bundle.model)
+    in_tower = {id(p) for p in tower.parameters()}
+    tower_names = {f"model.{n}" for n, p in bundle.model.named_parameters() if id(p) in in_tower}
+    assert tower_names and tower_names <= reference.keys()  # the tower trained (rank 1's images)
+    for rank in range(WORLD):
+        sharded, _ = _load(fsdp_out, family, rank)
+        _assert_grads_match(sharded, "mixed.grad.", reference)
