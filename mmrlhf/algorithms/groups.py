@@ -21,6 +21,8 @@ def isolate_invalid(group_ids: Tensor, valid: Tensor) -> Tensor:
     """``[N]`` group ids where every sample the reward engine masked out (``valid`` False) has a group of its own:
     a singleton has no spread, so a masked sample's placeholder reward never fakes variance in its prompt's group
     (group filtering) nor enters its group's statistics (advantages). The one place this rule is decided."""
+    if not group_ids.numel():  # a share with no sample (every prompt skipped)
+        return group_ids
     alone = group_ids.max() + 1 + torch.arange(len(group_ids), device=group_ids.device)  # [N] fresh ids
     return torch.where(valid, group_ids, alone)
 

@@ -34,10 +34,10 @@ from mmrlhf.algorithms.shaping import RunningRewardNorm
 from mmrlhf.experience.base import ExperienceMaker
 from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
-from mmrlhf.experience.kinds.base import RolloutCall, RolloutKind
+from mmrlhf.experience.kinds.base import Generated, RolloutCall, RolloutKind
 from mmrlhf.experience.kinds.single_turn import SingleTurn
 from mmrlhf.experience.maker_metrics import engine_mismatch, outside_metrics, rollout_metrics
-from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution
+from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution, describe_skips
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples
 from mmrlhf.experience.scoring_split import consecutive, regroup, scoring_plan
 from mmrlhf.experience.settings import ExperienceSettings
@@ -49,7 +49,7 @@ from mmrlhf.models.placement import to_host
 from mmrlhf.parallel.aligned import run_aligned
 from mmrlhf.parallel.micro_batches import Layout, split_metrics
 from mmrlhf.parallel.world import World, single
-from mmrlhf.rewards.types import RewardBatch
+from mmrlhf.rewards.types import RewardBatch, RewardResult
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
 from mmrlhf.rollout.types import SamplingSettings, mix_seed
 
@@ -165,23 +165,27 @@ class FastExperienceMaker(ExperienceMaker):
                 record_ids=record_ids, all_indices=record_indices, base_dirs=base_dirs)
         columns = dict(prompts=prompts, images=images, videos=videos, references=references, labels=labels,
                        record_ids=record_ids, base_dirs=base_dirs, extras=extras)
-        out = self.kind.generate(RolloutCall(
-            batch, n, sampling, timer, engine=self.engine, data_processor=self.data_processor,
-            tokenizer=self.tokenizer, adapter=self.adapter, eos_ids=self.eos_ids,
-            check_prompt_ids=self.settings.check_prompt_ids, columns=columns))
+        if len(batch):
+            out = self.kind.generate(RolloutCall(
+                batch, n, sampling, timer, engine=self.engine, data_processor=self.data_processor,
+                tokenizer=self.tokenizer, adapter=self.adapter, eos_ids=self.eos_ids,
+                check_prompt_ids=self.settings.check_prompt_ids, columns=columns))
+        else:  # every prompt was skipped by the processor: nothing to ask the engine
+            out = Generated(Rollout.empty(), 0, {}, 0)
         rows = out.rows
-        if not len(rows):
-            raise RuntimeError(f"the rollout kind {type(self.kind).__name__} returned no samples (prompts the engine "
-                               f"skipped: {out.skipped})")
-        with timer("reward"):
-            rewards = self._rewards(rows)
-            kind_metrics = self.kind.after_rewards(rows, rewards)
+        skipped = skipped_lines(batch, out)
+        if len(rows):
+            with timer("reward"):
+                rewards = self._rewards(rows)
+                kind_metrics = self.kind.after_rewards(rows, rewards)
+        else:  # an empty share (every prompt skipped): the caller decides (a counted skip, or the step's error)
+            rewards, kind_metrics = empty_rewards(), {}
         metrics = rollout_metrics(batch, out, timer)
         metrics.update(out.metrics)
         metrics.update(kind_metrics)
         metrics.update({k if k.startswith("reward/") else f"reward/{k}": float(v) for k, v in rewards.metrics.items()})
         return ScoredRollout(rows, rewards, sampling, metrics, timer.with_other(time.perf_counter() - t_start),
-                             self.settings.logprob_mode)
+                             self.settings.logprob_mode, skipped)
 
     def experiences_from(self, rollout: ScoredRollout, micro_batch_size: int | None = None, *,
                          world: World | None = None, step: int | None = None) -> list[ExperienceVL]:
@@ -198,6 +202,9 @@ class FastExperienceMaker(ExperienceMaker):
         collectives inside every forward: :mod:`mmrlhf.parallel.aligned`). ``step``: the
         steps finished before this one (the trainer's), which ``settings.tool_bonus_steps`` anneals the tool bonus
         by."""
+        if not len(rollout):
+            raise NothingToScoreError(f"no sample to score: every prompt of this rollout was skipped "
+                                      f"({describe_skips(rollout.skipped)})")
         t_start = time.perf_counter()
         timer = PhaseTimer()
         micro = int(micro_batch_size or self.settings.micro_batch_size)
@@ -439,6 +446,25 @@ class FastExperienceMaker(ExperienceMaker):
 
 
 DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a recipe or a default_recipe)
+
+
+class NothingToScoreError(ValueError):
+    """A rollout with no sample reached the scoring stage (every prompt of it was skipped)."""
+
+
+def skipped_lines(batch: Any, out: Generated) -> list[str]:
+    """One line per prompt a call skipped: the processor's (bad input, over ``prompt_max_len``) and the engine's
+    (over its context), each naming its record and the reason."""
+    lines = [s.message for s in batch.skipped]
+    lines += [f"{batch.describe_sample(i * batch.n_samples_per_prompt)}: {reason}"
+              for i, reason in sorted(out.skipped.items())]
+    return lines
+
+
+def empty_rewards() -> RewardResult:
+    """The reward result of no sample."""
+    return RewardResult(rewards=torch.zeros(0), valid=torch.zeros(0, dtype=torch.bool), sources={}, parts={},
+                        metrics={})
 
 
 def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):

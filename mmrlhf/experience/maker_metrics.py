@@ -19,14 +19,19 @@ def rollout_metrics(batch: Any, out: Generated, timer: PhaseTimer) -> dict[str, 
     """Counts, lengths and throughput of what a kind generated from the processor's ``batch``. Response lengths
     count policy tokens (a multi-turn response's observation tokens are in ``agent/observation_tokens/mean``)."""
     rows = out.rows
-    lengths = torch.tensor(rows.policy_lengths(), dtype=torch.float32)  # [N]
-    truncated = torch.tensor([not f for f in rows.finished], dtype=torch.float32)  # [N]
-    return {
+    counts = {
         "prompts": float(out.prompts),
         "samples": float(len(rows)),
         "skipped_prompts": float(len(out.skipped) + len(batch.skipped)),
         "truncated_prompts": float(batch.truncated),
         "generated_tokens": float(out.generated_tokens),
+    }
+    if not len(rows):  # an empty share: its counts only (a mean of nothing would be NaN in the step's merge)
+        return counts
+    lengths = torch.tensor(rows.policy_lengths(), dtype=torch.float32)  # [N]
+    truncated = torch.tensor([not f for f in rows.finished], dtype=torch.float32)  # [N]
+    return {
+        **counts,
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),

@@ -74,6 +74,11 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.sample_index)
 
+    @classmethod
+    def empty(cls) -> "Rollout":
+        """No rows: what a call whose every prompt was skipped produced."""
+        return cls(*[[] for _ in dataclasses.fields(cls)])
+
     @property
     def multi_turn(self) -> bool:
         return bool(self.policy_masks)
@@ -105,6 +110,9 @@ class ScoredRollout:
     metrics: dict[str, float] = field(default_factory=dict)  # generation + reward metrics of what was SAMPLED
     seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds (prepare, generate, reward)
     logprob_mode: str = "sampled"  # rollout.logprob_mode of the maker that generated it
+    # One line per prompt skipped in making it (its record and the reason: bad input, too long for the data limit or
+    # the engine's context), for the error of a step that has nothing left to train.
+    skipped: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -129,7 +137,7 @@ class ScoredRollout:
             weights={k: v[pick] for k, v in r.weights.items()},
             notes={k: [v[i] for i in rows] for k, v in r.notes.items()})
         return ScoredRollout(self.rows.select(rows), rewards, self.sampling, dict(self.metrics), dict(self.seconds),
-                             self.logprob_mode)
+                             self.logprob_mode, list(self.skipped))
 
     @staticmethod
     def concat(parts: Sequence["ScoredRollout"]) -> "ScoredRollout":
@@ -173,7 +181,16 @@ class ScoredRollout:
             for k, v in p.seconds.items():
                 seconds[k] = seconds.get(k, 0.0) + v
         metrics = merge_round_metrics([p.metrics for p in parts], [p.metrics.get("samples", len(p)) for p in parts])
-        return ScoredRollout(Rollout(**cols), rewards, parts[0].sampling, metrics, seconds, parts[0].logprob_mode)
+        return ScoredRollout(Rollout(**cols), rewards, parts[0].sampling, metrics, seconds, parts[0].logprob_mode,
+                             [line for p in parts for line in p.skipped])
+
+
+def describe_skips(lines: Sequence[str], limit: int = 5) -> str:
+    """The first ``limit`` skip lines joined, and how many more: an error message's account of what was skipped."""
+    if not lines:
+        return "no prompt was given"
+    shown = "; ".join(lines[:limit])
+    return shown + (f"; and {len(lines) - limit} more" if len(lines) > limit else "")
 
 
 # Metrics that are counts (they add up over rounds, ranks and rollout actors); everything else is a mean or a rate

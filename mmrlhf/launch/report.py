@@ -17,8 +17,10 @@ def runtime_user_errors() -> tuple[type[BaseException], ...]:
     from mmrlhf.rewards.types import RewardError
     from mmrlhf.rollout.types import PromptTooLongError, RequestRejectedError
     from mmrlhf.trainer.checkpoint import CheckpointSpaceError
+    from mmrlhf.trainer.rollouts import EmptyStepError
 
-    return DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError, CheckpointSpaceError
+    return (DataError, RewardError, PromptMismatchError, PromptTooLongError, RequestRejectedError, CheckpointSpaceError,
+            EmptyStepError)
 
 
 def build_or_report(config: Any, *, resume: bool, world: World | None = None, who: str = "") -> Any:

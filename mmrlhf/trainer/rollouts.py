@@ -30,7 +30,13 @@ from mmrlhf.algorithms.dynamic_sampling import (
 from mmrlhf.algorithms.groups import isolate_invalid
 from mmrlhf.data.stream import PromptStream, record_columns
 from mmrlhf.experience.batching import TrainItem, split_experience
-from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution, merge_round_metrics
+from mmrlhf.experience.rollout import (
+    Rollout,
+    ScoredRollout,
+    ScoringDistribution,
+    describe_skips,
+    merge_round_metrics,
+)
 from mmrlhf.experience.step_shaping import combined_rewards
 from mmrlhf.parallel.world import World
 from mmrlhf.rollout.base import WAKE_KV_CACHE, WAKE_WEIGHTS
@@ -42,6 +48,24 @@ logger = logging.getLogger(__name__)
 class RolloutSourceError(RuntimeError):
     """The source can deliver no more experiences (e.g. a rollout actor died and may not be restarted); the run
     saves the last finished step and stops."""
+
+
+SKIPS_SHOWN = 20  # skip lines per share sent with the step's emptiness check (the counts stay exact in metrics)
+
+
+class EmptyStepError(RuntimeError):
+    """No share of a step (no rank, no rollout actor) generated a sample: every prompt was skipped."""
+
+    def __init__(self, step: int, skipped: Sequence[str], shares: int) -> None:
+        self.step, self.skipped, self.shares = step, list(skipped), shares
+        where = "on any of the %d ranks / rollout actors" % shares if shares > 1 else "in this process"
+        super().__init__(
+            f"step {step + 1}: no sample to train {where}: every prompt of the step was skipped "
+            f"({describe_skips(self.skipped)}). Check the data and the limits that skip prompts (data.on_bad_input, "
+            "data.prompt_overflow with data.prompt_max_len, rollout.prompt_too_long with rollout.max_model_len)")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # it crosses processes (a Ray rollout actor's error reaches the driver)
+        return type(self), (self.step, self.skipped, self.shares)
 
 
 @dataclass
@@ -134,7 +158,7 @@ class LocalRollouts:
     def collect(self, step: int) -> StepBatch:
         seconds: dict[str, float] = {}
         with timed(seconds, "rollout"):
-            rollout, metrics, trains = self._rollout()
+            rollout, metrics, trains = self._rollout(step)
         if rollout is None:
             return StepBatch([], metrics, seconds=seconds)
         return self.prepare(rollout, metrics, seconds, describe=trains, step=step)
@@ -163,21 +187,23 @@ class LocalRollouts:
         return StepBatch(items, metrics, rollout.distribution, rollout=rollout if describe else None,
                          seconds=seconds)
 
-    def _rollout(self) -> tuple[ScoredRollout | None, dict[str, float], bool]:
+    def _rollout(self, step: int) -> tuple[ScoredRollout | None, dict[str, float], bool]:
         """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with
         reward variance are kept. Metrics describe everything sampled; the rollout holds what trains.
 
         With several ranks the rounds are the step's: the informative groups are taken in the order of the whole
         round (prompts interleave ranks, ``rank::world``) over every rank's candidates, so the kept set, and the
         number of rounds, are one process's; every rank keeps its own groups of that set. A rank whose share kept
-        none trains one inert sample (:func:`inert`) while the others train theirs: its forwards and updates must
-        pair with theirs (the flag: False for it). None: no rank kept a group."""
+        none, or whose every prompt was skipped, trains one inert sample (:func:`inert`) while the others train
+        theirs: its forwards and updates must pair with theirs (the flag: False for it). None: no rank kept a group.
+        A step with no sample on any rank is :class:`EmptyStepError` (:meth:`_cover`)."""
         s, rounds = self.s, []
         if not s.dynamic_sampling:
             rollout, _ = self._sample(s.rollout_batch_size)
             metrics = dict(rollout.metrics)
             metrics.update(variance_metrics([rollout], s.dynamic_sampling_tol, **self._combination))
-            return rollout, metrics, True
+            covered, trains = self._cover(rollout, True, [rollout], step)
+            return covered, metrics, trains
 
         shared = self.world.world_size > 1  # the step's shares choose together (torchrun ranks, Ray rollout actors)
 
@@ -192,12 +218,45 @@ class LocalRollouts:
         metrics = merge_round_metrics([r.metrics for r in rounds], [len(r) for r in rounds])
         metrics.update(variance_metrics(rounds, s.dynamic_sampling_tol, **self._combination))
         metrics.update(fill.metrics())
-        if not fill.num_groups:
-            return None, metrics, False
-        if not fill.parts:
-            return inert(rounds[-1]), metrics, False
-        parts = [part.payload.rollout.select(part.indices.tolist()) for part in fill.parts]
-        return ScoredRollout.concat(parts), metrics, True
+        if not fill.num_groups:  # (the step's count: every rank takes this branch together)
+            rollout, trains = None, False
+        elif not fill.parts:
+            rollout, trains = (inert(rounds[-1]) if len(rounds[-1]) else rounds[-1]), False
+        else:
+            parts = [part.payload.rollout.select(part.indices.tolist()) for part in fill.parts]
+            rollout, trains = ScoredRollout.concat(parts), True
+        rollout, trains = self._cover(rollout, trains, rounds, step)
+        return rollout, metrics, trains
+
+    def _cover(self, rollout: ScoredRollout | None, trains: bool, rounds: Sequence[ScoredRollout], step: int
+               ) -> tuple[ScoredRollout | None, bool]:
+        """A share with nothing to train made inert, or the step's error (collective over the step's shares).
+
+        Why: every prompt of a rank's share may be skipped (a missing image under ``data.on_bad_input=skip``, a
+        prompt over ``prompt_max_len`` or the engine's context, trajectories that ended before their first turn).
+        Its forwards and updates must still pair with the other ranks' (FSDP2 gathers in each), and its shaping with
+        the others' step statistics, so it trains the first sample of a share that has one (its donor, the lowest
+        such rank), made inert: it trains nothing and counts in no statistic. A step in which no share generated a
+        sample raises :class:`EmptyStepError` on every share alike, naming the step, the records and the reasons.
+        ``rounds``: what this share generated this step (its rows count as generated)."""
+        w = self.world
+        have = rollout is not None and len(rollout) > 0
+        generated = sum(len(r) for r in rounds)
+        skipped = [line for r in rounds for line in r.skipped]
+        shares = [(generated, have, skipped)] if w.world_size == 1 else \
+            w.gather_objects((generated, have, skipped[:SKIPS_SHOWN]))
+        if not sum(g for g, _, _ in shares):
+            raise EmptyStepError(step, [line for _, _, lines in shares for line in lines], w.world_size)
+        needy = [r for r, (_, h, _) in enumerate(shares) if not h]
+        if rollout is None or not needy:  # nothing kept anywhere (dynamic sampling), or nobody needs a donor
+            return rollout, trains
+        donor = next(r for r, (_, h, _) in enumerate(shares) if h)
+        given = w.gather_objects(inert(rollout) if w.rank == donor else None)[donor]
+        if have:
+            return rollout, trains
+        logger.warning("step %d: every prompt of share %d of %d was skipped (%s); it trains an inert sample beside "
+                       "the other shares", step + 1, w.rank, w.world_size, describe_skips(skipped))
+        return given, False
 
     @property
     def _combination(self) -> dict[str, Any]:

@@ -274,3 +274,14 @@ def test_a_masked_sample_gets_a_group_of_its_own():
     assert out[valid].tolist() == [3, 7]
     alone = out[~valid].tolist()
     assert len(set(alone)) == 3 and not set(alone) & {3, 7}
+
+
+def test_no_sample_has_no_group():
+    """A share whose every prompt was skipped has no sample: no group, no error (group filtering runs on it)."""
+    from mmrlhf.algorithms.dynamic_sampling import filter_groups
+    from mmrlhf.algorithms.groups import isolate_invalid
+
+    none = torch.zeros(0, dtype=torch.long)
+    assert isolate_invalid(none, torch.zeros(0, dtype=torch.bool)).tolist() == []
+    sel = filter_groups(torch.zeros(0), none)
+    assert sel.num_groups == 0 and sel.kept_groups.numel() == 0

@@ -138,7 +138,11 @@ ROUNDS = {
               "vary", "vary", "skip", "vary", "vary", "vary", "flat", "flat"] + ["flat"] * 16,
     # only rank 0's share ever varies: rank 1 keeps nothing and trains one inert sample
     "one_sided": ["vary", "flat", "vary", "flat", "flat", "flat", "flat", "flat"] + ["flat"] * 24,
+    # every prompt of rank 1's share is skipped in every round: it has nothing of its own, not even an inert sample
+    "one_skipped": ["vary", "skip", "vary", "skip", "flat", "skip", "flat", "skip"] * 4,
 }
+# Without dynamic sampling (4 prompts a step, 2 each): rank 1's whole share skipped, or the whole step.
+PLAIN = {"one_empty": ["vary", "skip", "flat", "skip"], "all_empty": ["skip"] * 4}
 
 
 class _Stream:
@@ -173,9 +177,11 @@ class _Maker:
                     cols[name].append(value)
                 rewards.append(float(j % 2) if ref == "vary" else 1.0)
                 valid.append(not (ref == "vary" and j == 0 and int(rid[1:]) % 2))
-        result = RewardResult(rewards=torch.tensor(rewards), valid=torch.tensor(valid), sources={}, parts={},
-                              metrics={})
-        return ScoredRollout(Rollout(**cols), result, SamplingSettings(), {"samples": float(len(rewards))})
+        result = RewardResult(rewards=torch.tensor(rewards, dtype=torch.float32),
+                              valid=torch.tensor(valid, dtype=torch.bool), sources={}, parts={}, metrics={})
+        skipped = [f"record {rid}: missing image" for ref, rid in zip(references, record_ids) if ref == "skip"]
+        return ScoredRollout(Rollout(**cols), result, SamplingSettings(), {"samples": float(len(rewards))},
+                             skipped=skipped)
 
 
 def _sampled(case: str, world: World, *, control: bool = False) -> dict[str, Any]:
@@ -186,10 +192,25 @@ def _sampled(case: str, world: World, *, control: bool = False) -> dict[str, Any
                                          dynamic_sampling_max_extra_rounds=3))
     if control:
         source._choose = choose_first  # every rank takes its first informative groups, as one process alone would
-    rollout, metrics, trains = source._rollout()
+    rollout, metrics, trains = source._rollout(0)
     ids = list(dict.fromkeys(rollout.rows.record_ids)) if trains else []  # an inert sample keeps no group
     return {"ids": ids, "trains": trains, "valid": None if rollout is None else rollout.rewards.valid,
-            "metrics": {k: v for k, v in metrics.items() if k.startswith("dynamic_sampling/")}}
+            "metrics": {k: v for k, v in metrics.items() if k.startswith("dynamic_sampling/")},
+            "inert_ids": None if trains or rollout is None else rollout.rows.record_ids}
+
+
+def _plain(case: str, world: World) -> dict[str, Any]:
+    """This rank's rollout of one step without dynamic sampling (or the error it raised): its record ids, whether it
+    trains, its validity and its count of skipped prompts."""
+    from mmrlhf.trainer.rollouts import EmptyStepError
+
+    source = LocalRollouts(_Maker(), _Stream(PLAIN[case]), world, LocalSettings(rollout_batch_size=4))
+    try:
+        rollout, metrics, trains = source._rollout(2)
+    except EmptyStepError as exc:
+        return {"error": str(exc)}
+    return {"ids": rollout.rows.record_ids, "trains": trains, "valid": rollout.rewards.valid.tolist(),
+            "samples": metrics["samples"]}
 
 
 # ---- the 2 ranks -----------------------------------------------------------------------------------------------
@@ -204,6 +225,7 @@ def _worker(rank: int, port: int, out: Path) -> None:
             "entropy": ([it.token["policy_loss_mask"] for it in items], entropy_metrics),
             "sampling": {case: _sampled(case, world) for case in ROUNDS},
             "sampling_control": _sampled("mixed", world, control=True),
+            "plain": {case: _plain(case, world) for case in PLAIN},
         }
         torch.save(result, out / f"rank{rank}.pt")
     finally:
@@ -243,7 +265,8 @@ def _actor(rank: int, exchange: _LoopExchange, out: list[Any]) -> None:
                                          step=step)
         out[rank] = {"shaping": {name: _shape(name, rank, world(k)) for k, name in enumerate(ESTIMATORS)},
                      "sampling": {case: _sampled(case, world(10 + k)) for k, case in enumerate(ROUNDS)},
-                     "sampling_control": _sampled("mixed", world(20), control=True)}
+                     "sampling_control": _sampled("mixed", world(20), control=True),
+                     "plain": {case: _plain(case, world(30 + k)) for k, case in enumerate(PLAIN)}}
     except BaseException as exc:  # noqa: BLE001 (reported by the fixture)
         out[rank] = exc
 
@@ -355,10 +378,43 @@ def test_dynamic_sampling_over_ranks_keeps_the_one_process_groups(shares, case):
         assert alone["ids"] == ["r0", "r1", "r2", "r3", "r6", "r8", "r9", "r11"]
         assert alone["metrics"]["dynamic_sampling/rounds"] == 2
         assert all(s["trains"] for s in shares)
-    else:
+    elif case == "one_sided":
         assert alone["ids"] == ["r0", "r2"] and alone["metrics"]["dynamic_sampling/rounds"] == 4
         assert shares[0]["trains"] and shares[0]["valid"].all()
         assert not shares[1]["trains"] and shares[1]["valid"].tolist() == [False]  # inert: trains nothing
+        assert int(shares[1]["inert_ids"][0][1:]) % RANKS == 1  # its own last round's first sample
+    else:  # rank 1 generated nothing: it trains the first sample of rank 0's share, inert
+        assert alone["ids"] == ["r0", "r2", "r8", "r10", "r16", "r18", "r24", "r26"]
+        assert shares[0]["trains"] and shares[0]["valid"].all()
+        assert not shares[1]["trains"] and shares[1]["valid"].tolist() == [False]
+        assert shares[1]["inert_ids"] == ["r0"]
+
+
+def test_a_share_whose_every_prompt_was_skipped_trains_an_inert_sample_of_another(shares):
+    """Without dynamic sampling: rank 1's two prompts were skipped (bad input, too long). It trains rank 0's first
+    sample made inert (valid False: it trains nothing and counts in no statistic) beside rank 0's own share, and
+    counts no sample of its own; rank 0 trains its share as it is."""
+    ranks = [share["plain"]["one_empty"] for share in shares]
+    assert ranks[0]["trains"] and ranks[0]["ids"] == ["r0"] * N_PER_GROUP + ["r2"] * N_PER_GROUP
+    assert ranks[0]["valid"].count(False) == 0 and ranks[0]["samples"] == 2 * N_PER_GROUP
+    assert not ranks[1]["trains"] and ranks[1]["ids"] == ["r0"] and ranks[1]["valid"] == [False]
+    assert ranks[1]["samples"] == 0
+
+
+def test_a_step_with_no_sample_on_any_share_is_one_error_naming_the_step_and_the_records(shares):
+    """Every prompt of the step skipped: every share raises the same error, which names the step (the third: the
+    worker asks for step index 2), each skipped record and the keys that skip prompts."""
+    errors = [share["plain"]["all_empty"]["error"] for share in shares]
+    assert errors[0] == errors[1]
+    assert errors[0].startswith("step 3: no sample to train on any of the 2 ranks / rollout actors")
+    for rid in ("r0", "r1", "r2", "r3"):
+        assert f"record {rid}: missing image" in errors[0]
+    assert "data.on_bad_input" in errors[0] and "rollout.prompt_too_long" in errors[0]
+    alone = LocalRollouts(_Maker(), _Stream(PLAIN["all_empty"]), single(), LocalSettings(rollout_batch_size=4))
+    from mmrlhf.trainer.rollouts import EmptyStepError
+
+    with pytest.raises(EmptyStepError, match="step 1: no sample to train in this process"):
+        alone._rollout(0)
 
 
 def test_dynamic_sampling_control_per_rank_decisions_differ(shares):
