@@ -173,7 +173,7 @@ class FastExperienceMaker(ExperienceMaker):
         else:  # every prompt was skipped by the processor: nothing to ask the engine
             out = Generated(Rollout.empty(), 0, {}, 0)
         rows = out.rows
-        skipped = skipped_lines(batch, out)
+        skipped = skipped_lines(batch, out, self.kind)
         if len(rows):
             with timer("reward"):
                 rewards = self._rewards(rows)
@@ -452,12 +452,17 @@ class NothingToScoreError(ValueError):
     """A rollout with no sample reached the scoring stage (every prompt of it was skipped)."""
 
 
-def skipped_lines(batch: Any, out: Generated) -> list[str]:
+def skipped_lines(batch: Any, out: Generated, kind: Any) -> list[str]:
     """One line per prompt a call skipped: the processor's (bad input, over ``prompt_max_len``) and the engine's
-    (over its context), each naming its record and the reason."""
+    (over its context), each naming its record and the reason; and where prompts were left that gave no sample
+    (trajectories that all ended before their first turn), one line saying so."""
     lines = [s.message for s in batch.skipped]
     lines += [f"{batch.describe_sample(i * batch.n_samples_per_prompt)}: {reason}"
               for i, reason in sorted(out.skipped.items())]
+    left = len(batch) // max(batch.n_samples_per_prompt, 1) - len(out.skipped)
+    if not len(out.rows) and left > 0:
+        lines.append(f"the rollout kind {type(kind).__name__} made no sample of the {left} prompt(s) left (multi-turn: "
+                     "every trajectory ended before its first turn, see agent/ended/before_first_turn/count)")
     return lines
 
 

@@ -23,6 +23,14 @@ def runtime_user_errors() -> tuple[type[BaseException], ...]:
             EmptyStepError)
 
 
+def user_message(exc: BaseException) -> str:
+    """What an ``error:`` line says of ``exc``: its own message, also where it was raised in a Ray actor (Ray's
+    task error is an instance of the actor's exception class, and its text carries the actor's traceback: the
+    cause's message is what names the record or the key)."""
+    cause = getattr(exc, "cause", None)
+    return str(cause if isinstance(cause, BaseException) else exc)
+
+
 def build_or_report(config: Any, *, resume: bool, world: World | None = None, who: str = "") -> Any:
     """The rank's trainer (an engine in this process), or None after printing the ``error:`` line of a
     configuration, output folder, checkpoint or model-file problem (exit code 2)."""
@@ -52,7 +60,7 @@ def fit_or_report(trainer: Any, who: str = "") -> tuple[int, dict[str, float]]:
     except (NonFiniteError, *runtime_user_errors()) as exc:
         latest = trainer.p.checkpoints.latest()
         where = f"; the last checkpoint is {latest}" if latest is not None else ""
-        print(f"error{who}: {exc}{where}", file=sys.stderr)
+        print(f"error{who}: {user_message(exc)}{where}", file=sys.stderr)
         return 1, {}
     finally:
         trainer.p.source.close()

@@ -60,7 +60,7 @@ class EmptyStepError(RuntimeError):
         self.step, self.skipped, self.shares = step, list(skipped), shares
         where = "on any of the %d ranks / rollout actors" % shares if shares > 1 else "in this process"
         super().__init__(
-            f"step {step + 1}: no sample to train {where}: every prompt of the step was skipped "
+            f"step {step + 1}: no sample to train {where}: every prompt of the step was skipped or gave no sample "
             f"({describe_skips(self.skipped)}). Check the data and the limits that skip prompts (data.on_bad_input, "
             "data.prompt_overflow with data.prompt_max_len, rollout.prompt_too_long with rollout.max_model_len)")
 
@@ -254,8 +254,8 @@ class LocalRollouts:
         given = w.gather_objects(inert(rollout) if w.rank == donor else None)[donor]
         if have:
             return rollout, trains
-        logger.warning("step %d: every prompt of share %d of %d was skipped (%s); it trains an inert sample beside "
-                       "the other shares", step + 1, w.rank, w.world_size, describe_skips(skipped))
+        logger.warning("step %d: share %d of %d has no sample (%s); it trains an inert sample beside the other "
+                       "shares", step + 1, w.rank, w.world_size, describe_skips(skipped))
         return given, False
 
     @property

@@ -113,7 +113,10 @@ class RayRollouts:
             try:
                 parts = self._parts(step)
             except Exception as exc:  # the other ranks wait for their parts: they stop too, then this one raises
-                self.world.scatter_objects([("error", f"{type(exc).__name__}: {exc}")] * self.world.world_size)
+                from mmrlhf.launch.report import user_message
+
+                self.world.scatter_objects([("error", f"{type(exc).__name__}: {user_message(exc)}")]
+                                           * self.world.world_size)
                 raise
             mine = self.world.scatter_objects(parts if self.world.world_size == 1 else
                                               [{**part, "items": pack_items(part["items"])} for part in parts])
