@@ -88,6 +88,16 @@ def test_cross_field_validation_names_section():
         build_config({}, ["rollout.max_new_tokens=4", "rollout.min_new_tokens=8"])
 
 
+def test_a_check_across_sections_is_one_plain_line():
+    """A rule the whole config's validator checks (keys of two sections) names its keys in its own words: the line
+    carries neither an empty key nor pydantic's "Value error" prefix."""
+    with pytest.raises(ConfigError) as info:
+        build_config({}, ["rollout.partial=true"])
+    text = str(info.value)
+    assert text.startswith("config: rollout.partial=true needs the asynchronous Ray mode"), text
+    assert "''" not in text and "Value error" not in text
+
+
 def test_bad_yaml_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")

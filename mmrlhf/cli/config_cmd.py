@@ -9,12 +9,19 @@ import sys
 from mmrlhf.config import ConfigError, dump_config, load_config
 
 
+def config_sections() -> list[str]:
+    """The config's top-level sections, in schema order (the help text lists them)."""
+    from mmrlhf.config import MMRLHFConfig
+
+    return list(MMRLHFConfig.model_fields)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "config",
         help="inspect configurations",
-        description="Inspect configurations. Configs are YAML files of sections (model, data, rollout, reward, "
-        "algorithm, trainer); any key can be overridden on the command line as section.key=value.",
+        description="Inspect configurations. Configs are YAML files of sections ("
+        f"{', '.join(config_sections())}); any key can be overridden on the command line as section.key=value.",
     )
     actions = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     show = actions.add_parser(

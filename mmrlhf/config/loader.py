@@ -185,12 +185,15 @@ def format_validation_error(exc: ValidationError) -> str:
             lines.append(_unknown_key_message(dotted, loc[-1], fields or {}))
             continue
         msg = err["msg"]
+        if err["type"] == "value_error":  # a validator's own message (it names its keys): without pydantic's prefix
+            msg = msg.removeprefix("Value error, ")
         if err["type"] == "literal_error":
             expected = err.get("ctx", {}).get("expected", "")
             msg = f"invalid value {err.get('input')!r}; allowed values: {expected}"
         elif "input" in err and not isinstance(err["input"], (dict, list)):
             msg = f"{msg} (got {err['input']!r})"
-        lines.append(f"config key {dotted!r}: {msg}")
+        # a check across sections (the whole config's validator) has no key of its own: its message names them
+        lines.append(f"config key {dotted!r}: {msg}" if dotted else f"config: {msg}")
     return "\n".join(lines)
 
 

@@ -374,7 +374,7 @@ def test_an_offloaded_run_saves_and_resumes_where_it_stopped(tmp_path, toy_model
 @pytest.fixture(scope="module")
 def learned_run(tmp_path_factory, toy_model):
     """(folder, metrics rows) of a 30-step 2-rank run of the toy recipe's answer-words variant
-    (``mmrlhf.testing.toy_recipe``) on half its batch (8 prompts x 16 samples) with checkpoints at steps 29 and 30
+    (``mmrlhf.testing.toy_recipe``) on its whole batch (16 prompts x 16 samples) with checkpoints at steps 29 and 30
     (the second is the one a resume finds first; the first is the intact one it falls back to when that is
     damaged)."""
     out = tmp_path_factory.mktemp("learned")
@@ -389,19 +389,17 @@ def _learned_args(toy_model: str, out: Path) -> list[str]:
 
     return [f"model.pretrain={toy_model}", f"trainer.output_dir={out}", "trainer.eval_steps=0",
             "trainer.report_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
-            "trainer.save_steps=29", "trainer.rollout_batch_size=8", "trainer.train_batch_size=128",
-            "trainer.micro_train_batch_size=128", *ANSWER_WORDS_ONLY]
+            "trainer.save_steps=29", *ANSWER_WORDS_ONLY]
 
 
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_two_rank_run_raises_the_reward(learned_run):
-    """Measured (2026-11-29, half the batch): the sampled reward rose from 0.03 at step 1 (0.13 over steps 1-10) to
-    0.74 over steps 21-30 (0.47 over steps 11-20). (The whole batch: 0.20 over steps 1-10, 0.77 over 21-30; one
-    process and the Ray mode, in the same variant, at 0.77 there too.)"""
+    """Measured (2026-11-29): the sampled reward rose from 0.03 at step 1 (0.20 over steps 1-10) to 0.77 over steps
+    21-30; one process and the Ray mode, in the same variant, at 0.77 there too."""
     out, rows = learned_run
     assert [r["step"] for r in rows] == list(range(1, 31))
-    assert all(r["samples"] == 128 and r["train/samples_trained"] == 128 for r in rows)  # both ranks' shares
+    assert all(r["samples"] == 256 and r["train/samples_trained"] == 256 for r in rows)  # both ranks' shares
     reward = [r["reward/mean"] for r in rows]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     assert reward[0] < 0.15 and last >= 0.6 and last > first + 0.3, (reward[0], first, last)
