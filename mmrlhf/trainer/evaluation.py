@@ -11,8 +11,10 @@ from typing import Any, Sequence
 
 import torch
 
+from mmrlhf.data.errors import DataError
 from mmrlhf.data.stream import record_columns
 from mmrlhf.data.types import PromptRecord
+from mmrlhf.experience.rollout import describe_skips
 from mmrlhf.rollout.types import mix_seed
 
 # Mixed into the run's seed for evaluations: their samples never share a stream with a training call's.
@@ -43,6 +45,9 @@ class Evaluator:
             overrides["temperature"] = 0.0
         rollout = self.maker.generate_rollout(**record_columns(self.records), n=1 if self.greedy else self.n_samples,
                                               **overrides)
+        if not len(rollout):  # a held-out set that cannot be scored is the data's problem, said once
+            raise DataError(f"evaluation: every held-out prompt was skipped ({describe_skips(rollout.skipped)})",
+                            reason="evaluation_empty")
         r = rollout.rewards
         valid = r.valid
         out = {

@@ -162,5 +162,10 @@ def test_the_documented_kind_drops_the_groups_a_plain_run_would(parts, example):
 
     strict = _maker(parts, build_rollout_kind(f"{example}:DistinctGroups", KindSetup(),
                                                          {"min_distinct": N + 1}))
-    with pytest.raises(RuntimeError, match="the rollout kind DistinctGroups returned no samples"):
-        strict.generate_rollout(PROMPTS)
+    empty = strict.generate_rollout(PROMPTS)  # every group dropped: an empty share, whose caller decides
+    assert len(empty) == 0 and empty.metrics["samples"] == 0 and empty.metrics["prompts"] == len(PROMPTS)
+    from mmrlhf.experience.fast_maker import NothingToScoreError
+
+    with pytest.raises(NothingToScoreError, match=r"the rollout kind DistinctGroups made no sample of the "
+                                                  rf"{len(PROMPTS)} prompt\(s\) left"):
+        strict.experiences_from(empty)

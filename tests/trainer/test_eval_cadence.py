@@ -58,6 +58,23 @@ def test_the_evaluator_names_its_own_seed(greedy):
     assert mix_seed(7, EVAL_STREAM) not in {mix_seed(7, k) for k in range(1000)}
 
 
+def test_an_evaluation_whose_every_prompt_was_skipped_is_one_data_error():
+    """A held-out set with no usable prompt (every image missing, say) is refused naming the records, not a mean of
+    nothing or a missing metric."""
+    from mmrlhf.data.errors import DataError
+    from mmrlhf.data.types import PromptRecord
+    from mmrlhf.experience.fast_maker import empty_rewards
+    from mmrlhf.experience.rollout import Rollout, ScoredRollout
+
+    class Empty:
+        def generate_rollout(self, **kwargs):
+            return ScoredRollout(Rollout.empty(), empty_rewards(), SamplingSettings(), {"samples": 0.0},
+                                 skipped=["record 0 (id='r0'), field 'images': image file not found"])
+
+    with pytest.raises(DataError, match=r"every held-out prompt was skipped \(record 0 \(id='r0'\), field 'images'"):
+        Evaluator(Empty(), [PromptRecord(prompt="x", record_id="r0", index=0)]).run()
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_training_is_the_same_whatever_the_evaluation_cadence(tmp_path):
