@@ -31,7 +31,7 @@ from mmrlhf.config.schema import MMRLHFConfig
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
-SECTIONS = tuple(MMRLHFConfig.model_fields)  # model, data, rollout, reward, algorithm, trainer
+SECTIONS = tuple(MMRLHFConfig.model_fields)  # model, data, rollout, reward, algorithm, trainer, distributed, agent
 # Dotted names in code spans that start like a config key but are not one. Keep it short and explain each.
 NOT_CONFIG_KEYS = {
     "model.language_model.embed_tokens.weight",  # a transformers parameter name (environment.md, weight push)
