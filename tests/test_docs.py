@@ -1,16 +1,18 @@
 """The user documentation stays true to the code, cheaply (no model, no engine; well under a second).
 
-Three checks over README.md and docs/*.md:
+Four checks over README.md and docs/*.md:
 
 1. every config key written in code (``section.key`` in an inline code span, or a ``section.key=value`` override
    in a fenced block) exists in the schema (``mmrlhf/config``); keys under a dict-valued field (e.g.
    ``data.generator_options.task``) are accepted below that field;
 2. every relative Markdown link points to an existing file (and, for a ``#anchor`` into a Markdown file, to one of
    its headings);
-3. every ``mmrlhf <subcommand>`` written in code exists in the CLI, with the ``--flags`` written after it.
+3. every ``mmrlhf <subcommand>`` written in code exists in the CLI, with the ``--flags`` written after it;
+4. every ``examples/...`` path named anywhere (prose, code spans, fenced commands, links) exists in the repository:
+   a recipe path in a command line is not a Markdown link, so check 2 never sees it.
 
-Each checker is a plain function of a text, so the controls below can show it catches a wrong key, a dead link and
-an unknown command in synthetic text.
+Each checker is a plain function of a text, so the controls below can show it catches a wrong key, a dead link, an
+unknown command and a made-up example path in synthetic text.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mmrlhf.config.schema import MMRLHFConfig
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 
-SECTIONS = tuple(MMRLHFConfig.model_fields)  # model, data, rollout, reward, algorithm, trainer
+SECTIONS = tuple(MMRLHFConfig.model_fields)  # model, data, rollout, reward, algorithm, trainer, distributed, agent
 # Dotted names in code spans that start like a config key but are not one. Keep it short and explain each.
 NOT_CONFIG_KEYS = {
     "model.language_model.embed_tokens.weight",  # a transformers parameter name (environment.md, weight push)
@@ -43,6 +45,10 @@ _KEY = re.compile(r"(?<![\w./:-])(" + "|".join(SECTIONS) + r")((?:\.[A-Za-z_][A-
 _OVERRIDE = re.compile(r"(?<![\w./:-])((?:" + "|".join(SECTIONS) + r")(?:\.[A-Za-z_][A-Za-z0-9_]*)+)=")
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _COMMAND = re.compile(r"(?<![\w./-])mmrlhf[ \t]+([^\n|;&#`]*)")
+# A path under the repository's examples/ folder: at a word start or after ``../`` (a link from docs/), never inside
+# another path (``tests/examples/...``); it ends on a word character, so a sentence's full stop or a ``:fn`` suffix
+# is not part of it, and the bare folder (``examples/``) or a glob (``examples/*.yaml``) names no file.
+_EXAMPLE_PATH = re.compile(r"(?:(?<=\.\./)|(?<![\w./-]))examples/[\w./-]*\w")
 
 
 # ---- splitting Markdown into prose, inline code and fenced code ------------------------------------------------
@@ -168,6 +174,16 @@ def unknown_commands(text: str) -> list[str]:
     return bad
 
 
+# ---- 4. example paths -------------------------------------------------------------------------------------------
+def example_paths_in(text: str) -> set[str]:
+    """Every ``examples/...`` path named in ``text``, relative to the repository root."""
+    return set(_EXAMPLE_PATH.findall(text))
+
+
+def missing_example_paths(text: str, root: Path = ROOT) -> list[str]:
+    return sorted(p for p in example_paths_in(text) if not (root / p).exists())
+
+
 # ---- the checks over the real docs -------------------------------------------------------------------------------
 def test_the_docs_exist_and_the_readme_links_every_doc():
     readme = (ROOT / "README.md").read_text()
@@ -191,6 +207,18 @@ def test_relative_links_resolve(path):
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
 def test_mmrlhf_commands_in_the_docs_exist(path):
     assert unknown_commands(path.read_text()) == []
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.name)
+def test_example_paths_in_the_docs_exist(path):
+    assert missing_example_paths(path.read_text()) == [], f"{path.name} names files that examples/ does not hold"
+
+
+def test_the_example_path_check_reads_the_docs_recipes():
+    """Not vacuous: the extraction finds the recipes the README's table and the docs' commands name."""
+    named = set().union(*(example_paths_in(p.read_text()) for p in DOC_FILES))
+    assert len(named) >= 15, sorted(named)
+    assert {"examples/grpo_toy_shapes_cpu.yaml", "examples/rewards/custom_reward.py"} <= named
 
 
 def test_the_allow_list_holds_only_names_that_are_not_config_keys():
@@ -222,3 +250,18 @@ def test_control_an_unknown_command_or_flag_is_caught():
             "`mmrlhf --help`\n```bash\nmmrlhf serve-reward --reward math --port 0\nmmrlhf launch --nodes 2\n"
             "mmrlhf config explain\nmmrlhf train x.yaml --resume-from 3\n```\n")
     assert unknown_commands(text) == ["mmrlhf launch", "mmrlhf config explain", "mmrlhf train --resume-from"]
+
+
+def test_control_a_made_up_example_path_is_caught():
+    text = ("Run `mmrlhf train examples/grpo_toy_shapes_cpu.yaml` or "
+            "[the 7B](../examples/grpo_geometry3k_qwen2_5_vl_7b.yaml).\n"
+            "```bash\ntorchrun --nproc-per-node 8 -m mmrlhf train examples/grpo_geometry3k_qwen25vl_7b.yaml \\\n"
+            "    reward.x=examples/rewards/custom_reward.py:score\n```\n"
+            "A [gone link](../examples/gone/reward.py), a sentence ending in examples/no_such_recipe.yaml. "
+            "Not paths here: [the folder](examples/), `examples/*.yaml`, `tests/examples/fixture.yaml`.\n")
+    assert example_paths_in(text) == {
+        "examples/grpo_toy_shapes_cpu.yaml", "examples/grpo_geometry3k_qwen2_5_vl_7b.yaml",
+        "examples/grpo_geometry3k_qwen25vl_7b.yaml", "examples/rewards/custom_reward.py", "examples/gone/reward.py",
+        "examples/no_such_recipe.yaml"}
+    assert missing_example_paths(text) == [
+        "examples/gone/reward.py", "examples/grpo_geometry3k_qwen25vl_7b.yaml", "examples/no_such_recipe.yaml"]
