@@ -138,3 +138,33 @@ def test_a_gpu_vllm_engine_streams_once_the_doctor_proved_it(record_file, monkey
     Core.__name__ = "InprocClient"
     assert engine.stream_proof() == (True, "vLLM's CPU platform with the engine core in this process: the stream "
                                            "the suite runs")
+
+
+def test_the_agent_loop_runs_lockstep_over_a_stream_not_proven_here_and_says_why_once(caplog):
+    """``agent.loop: auto`` over an engine whose stream streams but has not run on this kind of machine (a CUDA
+    vLLM before the doctor's check): lockstep, logged once however many steps ask."""
+    from transformers import AutoProcessor
+
+    from mmrlhf.agents.loop_types import AgentLimits
+    from mmrlhf.agents.rollout import AgentLoop
+    from mmrlhf.agents.runner import ToolRunner
+    from mmrlhf.models.adapters import get_adapter
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    path = tiny_model_dir("qwen2_vl")
+    tok, adapter = AutoProcessor.from_pretrained(path).tokenizer, get_adapter(path)
+    runner = ToolRunner({}, workers=1, timeout_s=1.0, max_image_pixels=10**6)
+
+    def loop(engine, mode="auto"):
+        return AgentLoop(engine, tok, adapter, lambda images: [], AgentLimits(stop_at_tool_call=False, loop=mode),
+                         [tok.eos_token_id], runner, tools={})
+
+    try:
+        unproven = loop(_Streams(False))
+        with caplog.at_level(logging.INFO, logger="mmrlhf.agents.rollout"):
+            assert [unproven.driver() for _ in range(3)] == ["lockstep"] * 3
+        assert [r.getMessage() for r in caplog.records] == ["agent.loop=auto: lockstep (because)"]
+        assert loop(_Streams(True)).driver() == "async"
+        assert loop(_Streams(False), "async").driver() == "async"  # asked for by name: runs unproven
+    finally:
+        runner.close()

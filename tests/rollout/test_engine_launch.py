@@ -101,7 +101,7 @@ def fresh_warnings(monkeypatch, caplog):
     """A process that has warned of no vLLM version yet; yields the warnings ``check_vllm_version`` logs."""
     import logging
 
-    monkeypatch.setattr(vllm_setup, "_warned_versions", set())
+    monkeypatch.setattr(vllm_setup, "_warned_versions", set(), raising=False)
     with caplog.at_level(logging.WARNING, logger="mmrlhf.rollout.vllm_setup"):
         yield lambda: [r.getMessage() for r in caplog.records if r.name == "mmrlhf.rollout.vllm_setup"]
 
