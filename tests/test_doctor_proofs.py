@@ -142,9 +142,11 @@ def test_the_loop_verdict():
 
 
 def _fla_machine(monkeypatch):
-    """A CUDA machine with fla, as far as check_fla can tell, computing on the CPU in float32 with the fake kernels
-    (bf16 is what the check asks for; the fake rule takes any dtype)."""
+    """A CUDA machine with fla, as far as check_fla can tell, computing on the CPU with the fake kernels, in float32
+    (what is checked here is the check's orchestration and its proof; its bf16 arithmetic on the CPU is the rule
+    test's, and bf16 without CPU support is slow)."""
     _fake_kernels(monkeypatch)
+    monkeypatch.setattr(dp, "FLA_DTYPE", "float32")
     monkeypatch.setattr(dp, "cuda_device", lambda device: True)
     monkeypatch.setattr(delta_kernels, "FLA_DEVICE_TYPES", ("cuda", "cpu"))  # "fla" may compute here
     monkeypatch.setattr(delta_kernels, "fla_rule", dp.torch_reference_rule)

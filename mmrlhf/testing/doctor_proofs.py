@@ -32,6 +32,7 @@ RULE_TENSORS = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")  # outputs, f
 GRAD_FACTOR = 3.0  # the model row: the varlen kernel's gradient error at most this many times the torch rule's ...
 GRAD_FLOOR = 0.01  # ... in the same dtype, plus this (a ratio of norms)
 MIN_IDENTICAL_SHARE = 0.5  # bf16: at least this share of trajectories token for token the same in both loops
+FLA_DTYPE = "bfloat16"  # what the fla rows compute in: what a GPU run's layers hand the kernel
 
 
 def error_ratio(got: Any, ref: Any) -> float:
@@ -295,9 +296,9 @@ def check_fla(opts: DoctorOptions) -> list[CheckResult]:
 
     from mmrlhf.devices import resolve_device
 
-    device = resolve_device(opts.device)
-    rows = [guarded("fla/rule", lambda: rule_row(delta_kernels.fla_rule(), device, torch.bfloat16)),
-            guarded("fla/qwen3_5", lambda: model_row("fla", device, torch.bfloat16))]
+    device, dtype = resolve_device(opts.device), getattr(torch, FLA_DTYPE)
+    rows = [guarded("fla/rule", lambda: rule_row(delta_kernels.fla_rule(), device, dtype)),
+            guarded("fla/qwen3_5", lambda: model_row("fla", device, dtype))]
     rows.append(settle_proof(delta_kernels.FLA_CHECK, delta_kernels.fla_fingerprint(device), rows))
     delta_kernels.auto_kernel.cache_clear()  # this process's auto now reads the new record
     return rows
