@@ -15,6 +15,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("FORCE_QWENVL_VIDEO_READER", "decord")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite never reads the machine's own record of what `mmrlhf doctor --gpu` proved (mmrlhf.proofs): on a GPU
+# machine where the doctor ran, `auto` defaults would otherwise change under the tests that pin them.
+import tempfile  # noqa: E402
+
+os.environ["MMRLHF_PROOFS"] = os.path.join(tempfile.mkdtemp(prefix="mmrlhf-proofs-"), "gpu_proofs.json")
 
 # Each pytest-xdist worker gets its share of the cores for OpenMP (torch's and vLLM's CPU kernels), and so do the
 # processes it starts (mmrlhf.testing.suite_order.worker_threads says why). OpenMP reads it once, when torch loads.

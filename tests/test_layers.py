@@ -26,7 +26,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 # not exist (yet): it covers nothing.
 LAYERS: list[tuple[str, ...]] = [
     ("mmrlhf.config",),
-    ("mmrlhf.registry", "mmrlhf.devices", "mmrlhf.startup"),
+    ("mmrlhf.registry", "mmrlhf.devices", "mmrlhf.startup", "mmrlhf.proofs"),
     # The rank / world object with its collectives (one process is a world of one rank).
     ("mmrlhf.parallel",),
     ("mmrlhf.data",),

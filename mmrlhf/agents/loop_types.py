@@ -43,7 +43,7 @@ class AgentLimits:
     stop_at_tool_call: bool = True
     max_concurrent_trajectories: int | None = None  # live at once, whole groups; None: the step's batch at once
     # "async": each trajectory on its own (mmrlhf.agents.async_loop); "lockstep": in waves; "auto": async over an
-    # engine with a continuous batch, lockstep over one without
+    # engine whose continuous-batch stream has run on this kind of machine (mmrlhf.rollout.streaming.auto_loop)
     loop: str = "auto"
 
     def __post_init__(self) -> None:

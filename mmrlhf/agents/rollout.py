@@ -7,9 +7,13 @@ results appended as observation tokens (:class:`~mmrlhf.agents.template.Observat
 encoded once by the processor (pixel values and ``grid_thw`` kept with the trajectory, never re-processed).
 
 Two drivers run these turns (``agent.loop``): the asynchronous one (:mod:`mmrlhf.agents.async_loop`, what ``auto``
-picks over vLLM) sends each trajectory's next turn as soon as its observation is ready, into the engine's continuous
-batch; the lockstep one (:mod:`mmrlhf.agents.lockstep`) waits for every trajectory of a wave at every turn. This module holds
-what a trajectory does at each turn, which both share; both sample the same trajectories.
+picks over a vLLM engine whose stream has run on this kind of machine: :func:`~mmrlhf.rollout.streaming.auto_loop`)
+sends each trajectory's next turn as soon as its observation is ready, into the engine's continuous batch; the
+lockstep one (:mod:`mmrlhf.agents.lockstep`) waits for every trajectory of a wave at every turn. This module holds
+what a trajectory does at each turn, which both share. Both sample the same trajectories where the engine's results
+do not depend on which requests share its batch (float32 on the CPU: exact); on a GPU in bf16 a request's logits
+move with its batch by bf16 rounding, so a trajectory may part from its lockstep twin at a near-tie token (``mmrlhf
+doctor --gpu`` measures how often) unless vLLM runs batch-invariant (``VLLM_BATCH_INVARIANT=1``).
 
 Invariants (each checked or built in):
 
@@ -46,7 +50,7 @@ from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, Imag
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
 from mmrlhf.agents.types import ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
-from mmrlhf.rollout.streaming import continuous
+from mmrlhf.rollout.streaming import auto_loop
 from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed, request_seed
 
 logger = logging.getLogger(__name__)
@@ -74,6 +78,7 @@ class AgentLoop:
                  environment: Callable[[], Any] | None = None) -> None:
         if (tools is None) == (environment is None):
             raise ValueError("an agent loop needs either tools or an environment")
+        self._auto: tuple[str, str] | None = None  # agent.loop=auto's choice over this engine, and why (logged once)
         self.engine = engine
         self.tokenizer = tokenizer
         self.adapter = adapter
@@ -105,17 +110,22 @@ class AgentLoop:
             logger.info("rollout.partial: the agent turns run lockstep (agent.loop=async is not replayable from a "
                         "checkpoint's segment versions)")
         self.engine = engine
+        self._auto = None
         self.limits = dataclasses.replace(self.limits, loop="lockstep")
         # a stop string could straddle a segment boundary (refused there); the closing tag's own token still stops
         # a turn, and what an engine writes past a call inside a larger token is dropped (_append_turn)
         self.call_stop_string = False
 
     def driver(self) -> str:
-        """The loop that runs the turns: ``agent.loop``, with ``auto`` resolved by the engine (``async`` where it
-        keeps a continuous batch, :func:`~mmrlhf.rollout.streaming.continuous`)."""
+        """The loop that runs the turns: ``agent.loop``, with ``auto`` resolved by the engine
+        (:func:`~mmrlhf.rollout.streaming.auto_loop`: ``async`` where it keeps a continuous batch whose stream has
+        run on this kind of machine), decided and logged once per engine."""
         if self.limits.loop != "auto":
             return self.limits.loop
-        return "async" if continuous(self.engine) else "lockstep"
+        if self._auto is None:
+            self._auto = auto_loop(self.engine)
+            logger.info("agent.loop=auto: %s (%s)", *self._auto)
+        return self._auto[0]
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def run(self, batch: Any, n: int, sampling: SamplingSettings, contexts: Sequence[ToolContext]) -> AgentResult:

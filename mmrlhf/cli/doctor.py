@@ -1,6 +1,8 @@
 """``mmrlhf doctor``: the first command on a new machine. Runs the checks of :mod:`mmrlhf.testing.doctor` (engine
 vs trainer log-probs per family, toy runs with sleep off and on, a weight-sync round trip, bf16 vs fp32 updates,
-torchrun with one rank, the GPU benchmarks), prints a pass / fail / skip table and writes it to a file."""
+torchrun with one rank, the memory plan, the GPU paths that ``auto`` defaults take only once proven here: fla's
+kernel and the asynchronous agent loop over vLLM, the GPU benchmarks), prints a pass / fail / skip table and writes
+it to a file. A passing ``fla`` or ``agent_loop`` check records its proof for this machine (:mod:`mmrlhf.proofs`)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     parser = sub.add_parser(
         "doctor",
-        help="check this machine (GPU first): engine log-probs, toy runs with sleep, weight sync, bf16, torchrun",
+        help="check this machine (GPU first): engine log-probs, toy runs with sleep, weight sync, bf16, torchrun, "
+        "the fla kernel and the asynchronous agent loop",
         description="Runs every check on the tiny offline models and prints one row per check (pass / fail / skip, "
         "its number, the reason), written to OUT/doctor.md and OUT/doctor.json. Without a CUDA device the CPU "
-        "checks run and the GPU-only ones are skipped with the reason. Exits 1 if any check failed.",
+        "checks run and the GPU-only ones are skipped with the reason. The fla and agent_loop checks compare a GPU "
+        "path with the exercised one; passing, they record a proof for this machine (GPU, torch and package "
+        "versions; $MMRLHF_PROOFS, default ~/.cache/mmrlhf/gpu_proofs.json) that lets model.linear_attention_kernel"
+        "=auto and agent.loop=auto take that path here. Exits 1 if any check failed.",
     )
     parser.add_argument("--gpu", action="store_true",
                         help="require an accelerator: run on the one torch finds, or stop with an error")

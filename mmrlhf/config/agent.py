@@ -72,11 +72,14 @@ class AgentConfig(Section):
     loop: Literal["auto", "async", "lockstep"] = "auto"
     """How trajectories share the engine. ``async``: each runs on its own, its next turn sent as soon as its
     observation is ready, its calls started as soon as its turn ends. ``lockstep``: every turn waits for the whole
-    wave's turns, then for all its tool calls. ``auto``: ``async`` over an engine with a continuous batch (vLLM),
-    ``lockstep`` over one without (the transformers engine, a CPU engine capturing routed experts, partial
-    rollouts), where each ``generate`` call is a batch and the asynchronous loop would split the wave into many
-    small calls. Both sample the same trajectories (each turn draws from its trajectory's own seed); ``async`` does
-    not wait for the slowest tool or turn (docs/agents.md)."""
+    wave's turns, then for all its tool calls. ``auto``: ``async`` over a vLLM engine whose stream has run on this
+    kind of machine (vLLM's CPU platform in-process, which the suite runs; on a GPU once ``mmrlhf doctor --gpu``
+    compared it with lockstep there and recorded the pass), else ``lockstep`` (an unproven CUDA vLLM, the
+    transformers engine, a CPU engine capturing routed experts, partial rollouts); the choice and why are logged
+    once. Each turn draws from its trajectory's own seed, so both sample the same trajectories where the engine is
+    batch-invariant (float32 on the CPU: exact); in bf16 on a GPU within its batch variance (a trajectory may part
+    at a near-tie token) unless vLLM runs with ``VLLM_BATCH_INVARIANT=1``. ``async`` does not wait for the slowest
+    tool or turn (docs/agents.md)."""
     stop_at_tool_call: bool = True
     """End a turn at ``</tool_call>`` (the engine stops there), so nothing the policy writes after a call is kept or
     trained; the template's end-of-turn token is then part of the observation."""

@@ -87,8 +87,10 @@ class ModelConfig(Section):
     the reference, exact in every layout. ``fla``: flash-linear-attention's variable-length chunked kernel, the
     sequences' tokens in one row with their boundaries and initial states (CUDA; no padding rows; bf16 compute:
     fla has no float32 kernel, so a float32 forward takes the torch path).
-    ``auto``: ``fla`` on CUDA where the package is installed, else ``torch``. ``mmrlhf doctor`` reports the path a
-    run takes (docs/models.md)."""
+    ``auto``: ``fla`` on CUDA where the package is installed and ``mmrlhf doctor --gpu`` compared it with the torch
+    rule on this machine and it passed (its proof record, keyed by the GPU and the torch / fla / triton versions),
+    else ``torch``; the choice and why are logged once. ``fla`` runs it unchecked. ``mmrlhf doctor`` reports the path
+    a run takes (docs/models.md)."""
     trust_remote_code: bool = False
     """Allow model repositories to run their own Python code (off: only transformers' built-in families)."""
     reference: str = ""

@@ -11,20 +11,31 @@ Two paths, both exact (tests/models/test_models_delta_kernels.py):
   padding rows at all (:func:`mmrlhf.models.gated_delta.varlen_forward`). CUDA, bf16 / fp16 compute: fla has no
   float32 kernel, so a float32 forward (``model.dtype: float32``) takes the torch path.
 
-``model.linear_attention_kernel`` picks: ``auto`` is ``fla`` where it can run (CUDA and the package importable),
-else ``torch``. A kernel is registered by name in :data:`VARLEN_RULES` as a factory returning a :data:`VarlenRule`;
-the tests register a fake one to run the varlen path on the CPU. ``mmrlhf doctor`` reports the resolved path.
+``model.linear_attention_kernel`` picks: ``auto`` is ``fla`` only where it can run (CUDA, the package importable)
+AND it has run there: ``mmrlhf doctor --gpu`` compared it with the torch rule on this machine (its ``fla`` rows:
+the rule's output, final states and gradients, the initial states' included, and a tiny Qwen3.5's grouped forward
+and gradients, bf16) and recorded the pass (:mod:`mmrlhf.proofs`, keyed by the GPU's name and the torch, fla and
+triton versions). Else ``auto`` is ``torch``. Why not fla wherever it imports: the suite runs on CPUs, where fla
+cannot run (its tests there use a fake that calls the torch rule), so an unchecked fla is a path that never ran; the
+torch path is exact and merely slower. The choice and its reason are logged once per device and process
+(:func:`resolve_delta_kernel`); naming ``fla`` runs it without a proof (the user's choice). A kernel is registered by
+name in :data:`VARLEN_RULES` as a factory returning a :data:`VarlenRule`; the tests register a fake one to run the
+varlen path on the CPU. ``mmrlhf doctor`` reports the resolved path.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from typing import Any, Callable
 
 import torch
 
+from mmrlhf import proofs
 from mmrlhf.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 # (q [1, T, H, dk], k, v [1, T, H, dv], g [1, T, H] log decay, beta [1, T, H], cu_seqlens [N + 1] long,
 #  initial_state [N, H, dk, dv] | None, output_final_state) -> (out [1, T, H, dv], final [N, H, dk, dv] | None);
@@ -33,6 +44,7 @@ VarlenRule = Callable[..., tuple[torch.Tensor, Any]]
 VARLEN_RULES: Registry[Callable[[], VarlenRule]] = Registry("linear-attention kernel")
 TORCH = "torch"  # the gather path: no varlen rule
 FLA_DEVICE_TYPES = ("cuda",)  # where fla's (Triton) kernels run
+FLA_CHECK = "linear_attention_fla"  # the doctor's check whose proof lets ``auto`` pick fla (mmrlhf.proofs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,17 +85,46 @@ def check_setting(setting: str) -> None:
                          "(pip install flash-linear-attention): use auto or torch")
 
 
+def fla_fingerprint(device: torch.device | str) -> dict[str, str] | None:
+    """What a proof of fla on ``device`` is valid for (:func:`mmrlhf.proofs.fingerprint`): the GPU's name, torch,
+    flash-linear-attention and triton (its kernels are Triton programs) versions; None where fla cannot be proven."""
+    return proofs.fingerprint(device, {"fla": ("flash-linear-attention", "fla-core"), "triton": ("triton",)})
+
+
 def resolve_delta_kernel(setting: str, device: torch.device | str) -> str:
     """``model.linear_attention_kernel`` -> ``"torch"`` or a registered varlen kernel's name, for layers computing on
-    ``device``. ``auto``: ``fla`` on CUDA where the package is installed, else ``torch``. Naming ``fla`` where it
-    cannot run is an error naming the key."""
+    ``device``. ``auto``: ``fla`` where it can run and the doctor proved it on this machine, else ``torch``
+    (:func:`auto_kernel`). Naming ``fla`` where it cannot run is an error naming the key."""
     check_setting(setting)
-    fla_device = torch.device(device).type in FLA_DEVICE_TYPES
-    if setting in ("auto", TORCH):
-        return "fla" if setting == "auto" and fla_device and fla_available() else TORCH
-    if setting == "fla" and not fla_device:
+    if setting == "auto":
+        return auto_kernel(str(torch.device(device)))[0]
+    if setting == TORCH:
+        return TORCH
+    if setting == "fla" and torch.device(device).type not in FLA_DEVICE_TYPES:
         raise ValueError(f"model.linear_attention_kernel=fla runs on CUDA only, not on {device}: use auto or torch")
     return setting
+
+
+@functools.lru_cache(maxsize=None)
+def auto_kernel(device: str) -> tuple[str, str]:
+    """What ``auto`` picks on ``device`` and why; decided (and logged, in one line) once per device and process:
+    the layers ask at every forward, and the answer cannot change while the process runs."""
+    name, why = TORCH, ""
+    if torch.device(device).type not in FLA_DEVICE_TYPES:
+        why = "not CUDA"
+    elif not fla_available():
+        why = "flash-linear-attention not installed"
+    else:
+        fp = fla_fingerprint(device)
+        proof = proofs.find(FLA_CHECK, fp)
+        if proof is not None:
+            name, why = "fla", f"proven on this machine by mmrlhf doctor on {proof.get('date', '?')}"
+        else:
+            why = ("fla is installed but has not been checked on this machine (GPU, torch, fla and triton versions): "
+                   "run `mmrlhf doctor --gpu --only fla` to compare it with the torch rule and use it, or set "
+                   "model.linear_attention_kernel=fla")
+    logger.info("model.linear_attention_kernel=auto on %s: %s (%s)", device, name, why)
+    return name, why
 
 
 def varlen_rule(name: str) -> VarlenRule | None:
@@ -95,8 +136,7 @@ def describe(setting: str, device: torch.device | str) -> str:
     """One line for the doctor: the path a run with ``setting`` takes on ``device``, and why."""
     name = resolve_delta_kernel(setting, device)
     if name != TORCH:
-        return f"{name} (variable-length: sequence boundaries and initial states, no padding rows)"
-    why = ("flash-linear-attention not installed" if not fla_available() else
-           "not CUDA" if torch.device(device).type not in FLA_DEVICE_TYPES else
-           f"model.linear_attention_kernel={setting}")
+        why = f"; {auto_kernel(str(torch.device(device)))[1]}" if setting == "auto" else ""
+        return f"{name} (variable-length: sequence boundaries and initial states, no padding rows{why})"
+    why = auto_kernel(str(torch.device(device)))[1] if setting == "auto" else f"model.linear_attention_kernel={setting}"
     return f"torch (each sequence gathered into a padded batch; {why})"

@@ -98,3 +98,21 @@ def open_stream(engine: Any) -> Stream:
 def continuous(engine: Any) -> bool:
     """Whether ``engine`` keeps a continuous batch (its stream finishes requests one by one)."""
     return open_stream(engine).continuous
+
+
+def auto_loop(engine: Any) -> tuple[str, str]:
+    """``agent.loop: auto`` over ``engine``: ``("async" | "lockstep", why)``, the one place that decides it.
+
+    ``async`` where the engine keeps a continuous batch AND its stream has run on this kind of machine: an engine
+    that can say so has a ``stream_proof()`` (the vLLM engine: its stream drives vLLM's engine core request by
+    request, exercised by the suite on vLLM's CPU platform in-process, elsewhere only once ``mmrlhf doctor --gpu``
+    compared it with lockstep there, :meth:`~mmrlhf.rollout.vllm_engine.VLLMEngine.stream_proof`). An engine
+    without one that streams is taken at its word. Everything else runs lockstep, which needs nothing but
+    ``generate``."""
+    if not continuous(engine):
+        return "lockstep", "the engine keeps no continuous batch: the asynchronous loop would gain nothing"
+    proof = getattr(engine, "stream_proof", None)
+    if not callable(proof):
+        return "async", "the engine streams requests into a continuous batch"
+    proven, why = proof()
+    return ("async" if proven else "lockstep"), why

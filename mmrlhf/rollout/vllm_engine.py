@@ -261,6 +261,34 @@ class VLLMEngine(RolloutEngine):
 
         return VLLMStream(self)
 
+    def stream_proof(self) -> tuple[bool, str]:
+        """Whether this engine's stream (:meth:`open_stream`) has run on this kind of machine, and why
+        (``agent.loop: auto`` reads it: :func:`~mmrlhf.rollout.streaming.auto_loop`).
+
+        The stream drives vLLM's engine core itself (``add_request`` / ``step``, the prompt rendered with a private
+        ``LLM`` method) and this engine's private parts (its sampling parameters, inputs, LoRA request, output
+        conversion). The suite runs it on vLLM's CPU platform with the core in this process, where it samples what
+        lockstep samples; that is proven. Anywhere else (CUDA vLLM, or a core in another process) only a passing
+        ``mmrlhf doctor --gpu`` check on this machine proves it (:mod:`mmrlhf.proofs`, keyed by the GPU's name,
+        torch and vLLM versions and the core's kind)."""
+        from mmrlhf import proofs
+        from mmrlhf.devices import resolve_device
+        from mmrlhf.rollout.vllm_stream import STREAM_CHECK, engine_core_kind, stream_fingerprint
+
+        core = engine_core_kind(self.llm)
+        if self._cpu:
+            if core == "InprocClient":
+                return True, "vLLM's CPU platform with the engine core in this process: the stream the suite runs"
+            return False, (f"vLLM's CPU platform with a {core} engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1): the "
+                           "stream is tested with the core in this process only; set agent.loop=async to use it")
+        device = resolve_device("auto")
+        proof = proofs.find(STREAM_CHECK, stream_fingerprint(device, self.llm))
+        if proof is not None:
+            return True, f"the stream over vLLM was proven on this machine by mmrlhf doctor on {proof.get('date', '?')}"
+        return False, (f"the stream over vLLM on {proofs.device_name(device) or device} ({core} core) has not been "
+                       "compared with lockstep on this machine: run `mmrlhf doctor --gpu --only agent_loop` to prove "
+                       "it and use it, or set agent.loop=async")
+
     def _convert(self, index: int, out: Any) -> GenerationOutput:
         completions = []
         n = len(out.outputs)

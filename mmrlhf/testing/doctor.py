@@ -21,7 +21,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mmrlhf.testing.doctor_agent_loop import check_agent_loop
 from mmrlhf.testing.doctor_bench import check_benchmarks
+from mmrlhf.testing.doctor_fla import check_fla
 from mmrlhf.testing.doctor_types import (  # noqa: F401 - the doctor's public names (cli, tests)
     STATUSES,
     CheckResult,
@@ -398,6 +400,8 @@ CHECKS: dict[str, Callable[[DoctorOptions], list[CheckResult]]] = {
     "bf16_update": check_bf16_update,
     "torchrun": check_torchrun,
     "memory_plan": check_memory_plan,
+    "fla": check_fla,
+    "agent_loop": check_agent_loop,
     "benchmarks": check_benchmarks,
 }
 

@@ -96,34 +96,59 @@ def test_launch_ranks_need_torchrun_and_a_joined_group(monkeypatch):
 
 
 # ---- the vLLM version range -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1.dev12+cpu"])
-def test_tested_versions_pass(version):
-    assert vllm_setup.check_vllm_version(version, {}) is True
+@pytest.fixture()
+def fresh_warnings(monkeypatch, caplog):
+    """A process that has warned of no vLLM version yet; yields the warnings ``check_vllm_version`` logs."""
+    import logging
+
+    monkeypatch.setattr(vllm_setup, "_warned_versions", set(), raising=False)
+    with caplog.at_level(logging.WARNING, logger="mmrlhf.rollout.vllm_setup"):
+        yield lambda: [r.getMessage() for r in caplog.records if r.name == "mmrlhf.rollout.vllm_setup"]
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "not-a-version"])
-def test_untested_versions_are_refused_unless_overridden(version):
-    with pytest.raises(vllm_setup.VLLMVersionError, match=r"vllm>=0\.32,<0\.33.*MMRLHF_ALLOW_UNTESTED_VLLM"):
-        vllm_setup.check_vllm_version(version, {})
-    assert vllm_setup.check_vllm_version(version, {"MMRLHF_ALLOW_UNTESTED_VLLM": "1"}) is False
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1.dev12+cpu", "0.33.0", "0.33.2"])
+def test_tested_versions_pass_silently(version, fresh_warnings):
+    assert vllm_setup.check_vllm_version(version) is True
+    assert fresh_warnings() == []
 
 
-def test_the_engine_build_refuses_an_untested_vllm(monkeypatch):
+@pytest.mark.parametrize("version", ["0.31.2", "0.20.0", "0.31.99.dev3"])
+def test_an_older_vllm_is_refused_naming_the_lowest_tested_release(version, monkeypatch):
+    monkeypatch.setenv("MMRLHF_ALLOW_UNTESTED_VLLM", "1")  # the old override is gone: nothing lets it through
+    with pytest.raises(vllm_setup.VLLMVersionError,
+                       match=rf"vLLM {version} is older than the oldest release .* tested with \(0\.32; tested: "
+                             r"vllm>=0\.32,<0\.34\).*pip install 'vllm>=0\.32,<0\.34'"):
+        vllm_setup.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "1.0.0", "not-a-version"])
+def test_a_newer_vllm_runs_with_one_warning_naming_the_range_and_the_doctor(version, fresh_warnings):
+    assert vllm_setup.check_vllm_version(version) is False
+    assert vllm_setup.check_vllm_version(version) is False  # every engine build asks; one warning per process
+    [warning] = fresh_warnings()
+    assert f"vLLM {version} is newer than" in warning and "vllm>=0.32,<0.34" in warning and "mmrlhf doctor" in warning
+
+
+def test_the_engine_build_refuses_an_older_vllm_and_builds_with_a_newer_one(monkeypatch, fresh_warnings,
+                                                                            tiny_qwen2_vl):
     import vllm
 
     built = []
-    monkeypatch.delenv("MMRLHF_ALLOW_UNTESTED_VLLM", raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.34.1")
-    monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw))
-    with pytest.raises(vllm_setup.VLLMVersionError, match="0.34.1"):
-        vllm_setup.make_llm("/m")
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: built.append(kw) or "engine")
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
+    with pytest.raises(vllm_setup.VLLMVersionError, match="0.31.1"):
+        vllm_setup.make_llm(str(tiny_qwen2_vl))
     assert built == []
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    assert vllm_setup.make_llm(str(tiny_qwen2_vl)) == "engine"
+    assert [kw["model"] for kw in built] == [str(tiny_qwen2_vl)]
+    assert len(fresh_warnings()) == 1 and "0.35.0" in fresh_warnings()[0]
 
 
 def test_installed_vllm_is_in_range_and_the_gpu_extra_pins_the_same_range():
     import vllm
 
-    assert vllm_setup.check_vllm_version(vllm.__version__, {}) is True
+    assert vllm_setup.check_vllm_version(vllm.__version__) is True
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     low, high = vllm_setup.VLLM_TESTED_RANGE
     assert extras["vllm"] == [f"vllm>={low},<{high}"]
