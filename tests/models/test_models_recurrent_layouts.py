@@ -143,7 +143,7 @@ def _grads(actor, built) -> dict[str, torch.Tensor]:
 
 
 DECAY = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.in_proj_a.weight")  # the decay gate's inputs
-DECAY_SCALE_TOL = 2e-3  # their gradients' (see _scale_tol)
+DECAY_SCALE_TOL = 1.5e-3  # their gradients' (see _scale_tol)
 
 
 def _scale_tol(name: str) -> float:
@@ -151,8 +151,9 @@ def _scale_tol(name: str) -> float:
     layer's (a random tiny model's decay barely matters), each a sum over every token of the delta rule's state
     terms, so float32 summation order moves them relatively more than any other parameter: measured up to 7.3e-4 of
     the tensor's largest entry on an AVX2-only CPU, under 1e-4 on an AVX-512 one. Every other parameter keeps the
-    summation tolerance. (The control below, the
-    shipped layers' cancellation over left padding, is 3e-3 of their scale and is checked at the tight tolerance.)"""
+    summation tolerance. The control below, the shipped layers' cancellation over left padding, measured 3.0e-3 of
+    their scale, is held to this same tolerance: 1.5e-3 sits a factor 2 above the worst noise and 2 below the
+    control."""
     return DECAY_SCALE_TOL if name.endswith(DECAY) else SUMMATION_SCALE_TOL
 
 
