@@ -31,6 +31,7 @@ from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
 from mmrlhf.trainer.minibatch import GuardedStepper
 from mmrlhf.trainer.optim import build_optimizer, build_scheduler, freeze_vision
 from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings
+from mmrlhf.trainer.preflight import check_before_models
 from mmrlhf.trainer.reporting import StepReporter
 from mmrlhf.trainer.resume_changes import apply_changes, check_changes
 from mmrlhf.trainer.rollouts import LocalRollouts, LocalSettings, RolloutSource
@@ -215,6 +216,7 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
         vllm_quiet.install_cpu_training()
     record = config.model_dump(mode="json")  # what the user configured (the ranks' seeds are derived from it)
     configured, config = config, _rank_config(config, world)
+    check_before_models(config)  # what the config and the data tell, before the output folder or any model
     t = config.trainer
     out = Path(t.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", t.keep_last)

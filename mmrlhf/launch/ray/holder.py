@@ -70,6 +70,7 @@ class ExperienceMakerHolder:
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
+        from mmrlhf.trainer.preflight import check_before_models
         from mmrlhf.trainer.state import seed_everything
 
         torch.set_num_threads(threads)
@@ -83,6 +84,7 @@ class ExperienceMakerHolder:
         self.config = cfg
         self.index, self.count = index, count
         t = cfg.trainer
+        check_before_models(cfg)  # refused by the config or the data: before its engine and models load
         seed_everything(t.seed)
         critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
         if critic is not None:
