@@ -50,6 +50,16 @@ def items_from_parts(prompt: list, kind: str) -> list:
     return out
 
 
+def row_videos(row: dict, columns: Any) -> list:
+    """The videos of a raw row (undecoded): its ``data.video_key`` column, else the video parts of its chat prompt.
+    The one definition, for records and for the scans that look at the data before any model loads."""
+    videos = as_video_list(None if _is_missing(row.get(columns.video_key)) else row.get(columns.video_key))
+    prompt = row.get(columns.prompt_key)
+    if not videos and isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+        videos = items_from_parts(prompt, "video")
+    return videos
+
+
 def record_from_row(row: dict, index: int, columns: Any, *, base_dir: Optional[str] = None,
                     source: Optional[str] = None) -> PromptRecord:
     """Build and validate a record. ``columns``: a ``DataConfig`` (its ``*_key`` and placeholder fields)."""
@@ -68,12 +78,9 @@ def record_from_row(row: dict, index: int, columns: Any, *, base_dir: Optional[s
         raise fail(f"prompt must be text or a list of chat messages, got {type(prompt).__name__}", columns.prompt_key)
 
     images = as_image_list(None if _is_missing(row.get(columns.image_key)) else row.get(columns.image_key))
-    videos = as_video_list(None if _is_missing(row.get(columns.video_key)) else row.get(columns.video_key))
-    if isinstance(prompt, list):
-        if not images:
-            images = items_from_parts(prompt, "image")
-        if not videos:
-            videos = items_from_parts(prompt, "video")
+    videos = row_videos(row, columns)
+    if isinstance(prompt, list) and not images:
+        images = items_from_parts(prompt, "image")
     check_slots(prompt, len(images), len(videos), columns.image_placeholder, columns.video_placeholder,
                 index=index, record_id=record_id, file=source, field=columns.prompt_key)
 

@@ -49,6 +49,11 @@ class FamilyAdapter:
     recurrent_layers: ClassVar[bool] = False
     # Decoder MLPs that route tokens to experts (routing replay, load-balancing loss, expert metrics apply).
     routed_experts: ClassVar[bool] = False
+    # Whether a prompt with videos can go to the engine as token ids (one pad per video, which vLLM expands as the
+    # processor did). False where the expansion interleaves frame-timestamp text with the pads (Qwen3-VL and the
+    # families built on it): such prompts go as text, which a multi-turn rollout (token ids in, token ids out)
+    # cannot do. Read from the class alone, so the refusal comes before any model loads (mmrlhf.trainer.preflight).
+    video_token_prompts: ClassVar[bool] = True
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "FamilyAdapter":
@@ -78,8 +83,10 @@ class FamilyAdapter:
     def engine_prompt_ids(self, ids: Sequence[int]) -> list[int] | None:
         """The processor's prompt ids (vision pads expanded) in the form vLLM expands itself: one pad token per
         image / video. Sending ids instead of text lets the engine see exactly the processor's (possibly
-        left-truncated) prompt. None where the family's expansion is not a plain run of pads (the caller then
-        sends the prompt text)."""
+        left-truncated) prompt. None where the family's expansion is not a plain run of pads (a video of a family
+        without :attr:`video_token_prompts`: the caller then sends the prompt text)."""
+        if not self.video_token_prompts and self.video_token_id in ids:
+            return None
         return self.collapse_vision_pads(ids)
 
     def collapse_vision_pads(self, ids: Sequence[int]) -> list[int]:
@@ -262,12 +269,7 @@ class Qwen3VLAdapter(FamilyAdapter):
     vllm_video_needs_metadata = True
     processor_needs_video_metadata = True
     merger_attrs = ("merger", "deepstack_merger_list")  # deepstack features enter the decoder through their own
-
-    def engine_prompt_ids(self, ids: Sequence[int]) -> list[int] | None:
-        # Video expansion interleaves frame-timestamp text with the pads: not a plain run to collapse.
-        if self.video_token_id in ids:
-            return None
-        return super().engine_prompt_ids(ids)
+    video_token_prompts = False  # a video's expansion interleaves frame-timestamp text with the pads
 
     def rope_units(
         self, image_grid_thw: torch.Tensor | None, video_grid_thw: torch.Tensor | None, **rope_extra: torch.Tensor
@@ -356,10 +358,16 @@ def adapter_class(model_dir: str | Path) -> type[FamilyAdapter] | None:
     return None
 
 
+def family_class(model_dir: str | Path, family: str = "auto") -> type[FamilyAdapter] | None:
+    """The adapter class of ``family`` (``model.family``), or under ``auto`` of ``model_dir``'s ``config.json`` (None:
+    no config there, or a model type no adapter claims). Read from the config alone, before any model loads."""
+    return adapter_class(model_dir) if family == "auto" else ADAPTERS.get(family)
+
+
 def has_recurrent_layers(model_dir: str | Path, family: str = "auto") -> bool:
     """Whether the family (``family``, or ``model_dir``'s ``config.json`` under ``auto``) has recurrent decoder layers;
     False for a model no adapter knows. Read from the config alone, before any model loads (layout decisions)."""
-    cls = adapter_class(model_dir) if family == "auto" else ADAPTERS.get(family)
+    cls = family_class(model_dir, family)
     return bool(cls is not None and cls.recurrent_layers)
 
 

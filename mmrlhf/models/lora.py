@@ -109,6 +109,19 @@ def resolve_target_modules(model: nn.Module, adapter: Any, cfg: LoraConfig) -> l
     return sorted(language | set(vision_lora_modules(model, adapter, cfg.vision)))
 
 
+def planned_targets(path: str | Path, adapter: Any, cfg: LoraConfig, *, trust_remote_code: bool = False) -> list[str]:
+    """:func:`resolve_target_modules` on an empty copy of the model at ``path``: its modules built from its
+    ``config.json`` on the meta device (no weight read, no memory taken), so that every refusal of the targets (a
+    name that matches nothing, the output head, a routed-expert MLP, an empty vision part) comes before a model of
+    any size loads. The names are those of the loaded model: the same class from the same config."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        empty = AutoModelForImageTextToText.from_config(config, trust_remote_code=trust_remote_code)
+    return resolve_target_modules(empty, adapter, cfg)
+
+
 def apply_lora(actor: Any, cfg: LoraConfig, *, adapter_path: str | Path | None = None) -> Any:
     """Put adapters into ``actor.model`` in place and freeze everything else; returns the ``PeftModel``.
 

@@ -20,6 +20,13 @@ def sampling_settings(cfg: RolloutConfig, *, n: int | None = None, forbidden: li
     )
 
 
+def engine_seed(seed: int) -> int:
+    """The seed the vLLM engine is built with: vLLM seeds NumPy with it, which takes 32 bits, while a rank's sampling
+    seed has 62 (:func:`~mmrlhf.rollout.types.rank_seed`). Seeded samples do not depend on it: each draws from its
+    own seed (or, per step, the call's), which keeps every bit."""
+    return int(seed) % (1 << 32)
+
+
 def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", hf_model: Any = None,
                  tokenizer: Any = None, trust_remote_code: bool = False, lora_rank: int = 0,
                  lora_vision: bool = False,
@@ -46,7 +53,7 @@ def build_engine(cfg: RolloutConfig, model_path: str, *, family: str = "auto", h
         return VLLMEngine(
             model_path, adapter, max_model_len=cfg.max_model_len, prompt_too_long=cfg.prompt_too_long,
             limit_mm_per_prompt=limits or None, trust_remote_code=trust_remote_code,
-            weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=cfg.dtype, seed=cfg.seed,
+            weight_sync_bucket_mb=cfg.weight_sync_bucket_mb, dtype=cfg.dtype, seed=engine_seed(cfg.seed),
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager, enable_sleep=cfg.enable_sleep, lora_rank=lora_rank,
             lora_vision=lora_vision, sleep_level=cfg.sleep_level, seed_mode=cfg.resolved_seed_mode(cuda_available()),

@@ -87,6 +87,28 @@ def mix_seed(*parts: int) -> int:
     return x >> 2
 
 
+# Mixed into the run's seed for the sampling seed of a rank (or rollout actor) > 0: no other stream of the run, and no
+# rank of another run seed, draws from it.
+RANK_STREAM = 0x72616E6B  # "rank"
+# How a rank's sampling seed derives from ``rollout.seed``: ``mixed`` (:func:`rank_seed`), or ``offset``
+# (``seed + rank``), the scheme of the checkpoints written before the mixed one, which a run resumed from one keeps.
+RANK_SEED_SCHEMES = ("mixed", "offset")
+
+
+def rank_seed(seed: int, rank: int, scheme: str = "mixed") -> int:
+    """The sampling seed of training rank (or Ray rollout actor) ``rank`` of a run seeded ``seed``.
+
+    ``mixed``: rank 0 keeps ``seed`` (a one-process run, and its checkpoints, are what they were, and rank 0 of
+    torchrun samples as one process does), a rank r > 0 draws from ``mix_seed(seed, RANK_STREAM, r)``: unrelated
+    to every other rank's and to every seed a user picks. ``offset``: ``seed + rank``, under which rank 1 of seed s
+    drew rank 0's stream of seed s + 1 (kept only for a run resumed from a checkpoint written that way)."""
+    if scheme not in RANK_SEED_SCHEMES:
+        raise ValueError(f"unknown rank-seed scheme {scheme!r}; valid: {', '.join(RANK_SEED_SCHEMES)}")
+    if not rank:
+        return int(seed)
+    return int(seed) + int(rank) if scheme == "offset" else mix_seed(seed, RANK_STREAM, rank)
+
+
 def request_seed(seed: int, request_index: int, n: int) -> int:
     """Seed of request ``request_index``: a multiple of ``n``, so its samples ``+ 0 .. n-1`` (vLLM seeds the j-th
     child of a request with ``request seed + j``) never reach another request's."""

@@ -23,6 +23,7 @@ from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
 from mmrlhf.models.sharding import shard_models
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rollout import vllm_quiet
+from mmrlhf.rollout.types import rank_seed
 from mmrlhf.startup import loaded
 from mmrlhf.trainer.checkpoint import CheckpointManager, check_resume_mode, read_trainer_state
 from mmrlhf.trainer.critic_update import CriticUpdater, CriticUpdateSettings
@@ -30,9 +31,11 @@ from mmrlhf.trainer.loop import LoopSettings, Trainer, TrainerParts
 from mmrlhf.trainer.minibatch import GuardedStepper
 from mmrlhf.trainer.optim import build_optimizer, build_scheduler, freeze_vision
 from mmrlhf.trainer.policy_update import PolicyUpdater, PolicyUpdateSettings
+from mmrlhf.trainer.preflight import check_before_models
 from mmrlhf.trainer.reporting import StepReporter
 from mmrlhf.trainer.resume_changes import apply_changes, check_changes
 from mmrlhf.trainer.rollouts import LocalRollouts, LocalSettings, RolloutSource
+from mmrlhf.trainer.run_checkpoint import RANK_SEEDS, rank_seeds_of
 from mmrlhf.trainer.state import seed_everything
 from mmrlhf.trainer.tracking import METRICS_FILE, TENSORBOARD_DIR, WANDB_ID_FILE
 
@@ -212,7 +215,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
     if world.device.type == "cpu":  # a GPU user is told which kernels to install; on the CPU there are none
         vllm_quiet.install_cpu_training()
     record = config.model_dump(mode="json")  # what the user configured (the ranks' seeds are derived from it)
-    config = _rank_config(config, world)
+    configured, config = config, _rank_config(config, world)
+    check_before_models(config)  # what the config and the data tell, before the output folder or any model
     t = config.trainer
     out = Path(t.output_dir)
     checkpoints = CheckpointManager(out / "checkpoints", t.keep_last)
@@ -230,6 +234,9 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
         resume_from = Path(resume_from)
         check_resume_mode(resume_from, launch=world.launch, world_size=world.world_size)
     changes = _resume_changes(resume_from, record) if resume_from is not None else []
+    seeds = RANK_SEEDS
+    if resume_from is not None:
+        config, seeds = resumed_rank_config(configured, config, world, resume_from)
     seed_everything(t.seed)
 
     def freeze(actor: Any) -> None:
@@ -263,7 +270,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
         processor=made.processor, shuffle=torch.Generator().manual_seed(t.seed), world=world)
     settings = LoopSettings(
         max_steps=t.max_steps, output_dir=str(out), save_steps=t.save_steps, log_steps=t.log_steps,
-        eval_steps=t.eval_steps, report_steps=t.report_steps, progress_bar=t.progress_bar, config=record)
+        eval_steps=t.eval_steps, report_steps=t.report_steps, progress_bar=t.progress_bar, config=record,
+        rank_seeds=seeds)
     trainer = Trainer(parts, settings)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
@@ -354,17 +362,35 @@ def _check_group(offload: str) -> None:
                          "world from mmrlhf.parallel.world.join_alone")
 
 
-def _rank_config(config: MMRLHFConfig, world: World) -> MMRLHFConfig:
-    """What differs per rank, checked first: every rank samples with its own seed (``rollout.seed + rank``: rank 0's
-    is the one-process seed). The step-wide statistics (advantage whitening, reward normalisation, the adaptive KL
-    controller, dynamic sampling, high-entropy token selection) are collectives over the ranks, and LoRA adapters
-    are sharded with the base (docs/distributed.md): every rank computes what one process computes."""
+def _rank_config(config: MMRLHFConfig, world: World, *, seeds: str = RANK_SEEDS) -> MMRLHFConfig:
+    """What differs per rank, checked first: every rank samples with its own seed (:func:`rank_seed` of
+    ``rollout.seed`` and the rank under the scheme ``seeds``: rank 0's is the one-process seed, the others' are
+    mixed, so that no rank of seed s draws another rank's stream of seed s + 1). The step-wide statistics (advantage
+    whitening, reward normalisation, the adaptive KL controller, dynamic sampling, high-entropy token selection) are
+    collectives over the ranks, and LoRA adapters are sharded with the base (docs/distributed.md): every rank
+    computes what one process computes."""
     t, r = config.trainer, config.rollout
     world.share(t.rollout_batch_size, "trainer.rollout_batch_size")
     world.share(t.train_batch_size, "trainer.train_batch_size")
     if r.seed is None or not world.rank:
         return config
-    return config.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + world.rank})})
+    return config.model_copy(update={"rollout": r.model_copy(update={"seed": rank_seed(r.seed, world.rank, seeds)})})
+
+
+def resumed_rank_config(configured: MMRLHFConfig, config: MMRLHFConfig, world: World,
+                        checkpoint: Path) -> tuple[MMRLHFConfig, str]:
+    """This rank's config (``config``, derived from ``configured`` by :func:`_rank_config`) and rank-seed scheme for a
+    run resumed from ``checkpoint``: the scheme the checkpoint records, so that every rank's sampling goes on as it
+    began. One written before the mixed seeds records none: the run keeps ``rollout.seed + rank`` to its end (and its
+    next checkpoints say so), with one warning where that differs from the mixed seeds (torchrun ranks > 0; the Ray
+    rollout actors are told by their source, :class:`~mmrlhf.launch.ray.source.RayRollouts`)."""
+    seeds = rank_seeds_of(checkpoint)
+    if seeds == RANK_SEEDS:
+        return config, seeds
+    if world.is_main and world.world_size > 1 and world.launch != "ray" and configured.rollout.seed is not None:
+        logger.warning("%s was written before the ranks' sampling seeds were mixed: this run keeps rollout.seed + rank "
+                       "to its end, so that its ranks' streams go on as they began (a new run mixes them)", checkpoint)
+    return _rank_config(configured, world, seeds=seeds), seeds
 
 
 def build_prompt_source(config: MMRLHFConfig) -> Any:

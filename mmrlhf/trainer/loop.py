@@ -43,6 +43,7 @@ class LoopSettings:
     report_steps: int = 50
     progress_bar: bool = True
     config: dict[str, Any] = field(default_factory=dict)  # the resolved run config (saved with checkpoints)
+    rank_seeds: str = "mixed"  # how the ranks' sampling seeds derive from rollout.seed (saved with checkpoints)
 
 
 @dataclass

@@ -5,7 +5,8 @@ optimiser's groups, the controller's target), while ``config.yaml`` and the next
 ones: a silent drift. So on resume the saved config is compared with the new one, key by key:
 
 - **refused** (:data:`REFUSED`): keys that change what the saved state means (the model, the data order, the
-  critic's presence, the running statistics kept): an error names every such key and the way out;
+  critic's presence, the running statistics kept): an error names every such key and the way out; the ``model.``
+  keys of :data:`KERNEL_KEYS` are not among them (how the same weights compute, not which);
 - **applied** (:data:`APPLIED`): keys whose value lives in restored state; the builder writes the new value into
   that state (:func:`apply_changes`);
 - everything else is read afresh from the config at every step anyway.
@@ -33,6 +34,21 @@ REFUSED: dict[str, str] = {
     "algorithm.reward_normalization": "the running reward statistics would be dropped or made up",
 }
 
+# ``model.`` keys that choose how the saved weights compute, never which weights, in what precision, or what the
+# checkpoint holds (a checkpoint is the same whatever their values): each choice computes the same function to
+# rounding (docs/training.md, docs/models.md), so a run started on a CPU or with sdpa resumes on a GPU with flash
+# attention. ``trainer.gradient_checkpointing`` (recompute in the backward) is no ``model.`` key: never refused.
+# Kept out, refused with the section: the precision (model.dtype, model.lora.base_dtype: the values computed change,
+# and the reference is stored in it), the paths (pretrain, reference, teacher, critic, lora.adapter), the family,
+# trust_remote_code (another module may be built, whose names the saved weights may not match), and every adapter
+# setting (lora.rank / alpha / target_modules / vision: the saved adapter has its shape; dropout changes what trains).
+KERNEL_KEYS: dict[str, str] = {
+    "model.attn_implementation": "the attention kernel (the same attention, another implementation)",
+    "model.masked_attention": "how packed and shared-prompt rows are masked (the same values)",
+    "model.linear_attention_kernel": "how the Gated DeltaNet layers run a batch (the same values)",
+    "model.lora.sync": "how the engine receives the adapter (merged weights or vLLM's LoRA; the same policy)",
+}
+
 # keys whose value the restored state holds, and what applying them means
 APPLIED: dict[str, str] = {
     "trainer.lr": "the policy optimiser's base learning rate (the schedule continues from its step)",
@@ -50,7 +66,7 @@ class Change:
     new: Any
 
     def line(self) -> str:
-        what = next((why for k, why in APPLIED.items() if self.key == k), "read from the new config")
+        what = APPLIED.get(self.key) or KERNEL_KEYS.get(self.key) or "read from the new config"
         return f"resume: {self.key}: {self.old!r} -> {self.new!r} ({what})"
 
 
@@ -84,6 +100,8 @@ def refused(changes: list[Change]) -> list[tuple[Change, str]]:
     """The changes a resume cannot honour, each with its reason."""
     out = []
     for change in changes:
+        if change.key in KERNEL_KEYS:
+            continue
         reason = next((why for prefix, why in REFUSED.items()
                        if change.key == prefix or (prefix.endswith(".") and change.key.startswith(prefix))
                        or change.key.startswith(prefix + ".")), None)

@@ -11,8 +11,9 @@ Layout (inside a :class:`~mmrlhf.trainer.checkpoint.CheckpointManager` folder):
 - ``steppers.pt``: the schedulers and skip counters (plain values, read with ``weights_only=True``).
 - ``rng-rank<r>.pt`` / ``.json``: each rank's random states (restored when the number of ranks is the same).
 - ``trainer_state.json``: one schema (:data:`SCHEMA`) in every mode: the launch mode and ranks that wrote it, the
-  trainer's counters, the rollout source's position (data order, sampling counters) and the run's config; and that
-  the save records a manifest (so a lost ``manifest.json`` reads as damage, not as an older checkpoint).
+  trainer's counters, the rollout source's position (data order, sampling counters), the run's config and how its
+  ranks' sampling seeds were derived (:data:`RANK_SEEDS`); and that the save records a manifest (so a lost
+  ``manifest.json`` reads as damage, not as an older checkpoint).
 - ``manifest.json``: every file's size and checksum, written by the save itself once all ranks' files exist
   (:mod:`mmrlhf.trainer.checkpoint_manifest`).
 """
@@ -35,6 +36,18 @@ from mmrlhf.trainer.state import TrainerState, restore_rng, rng_state_json, rng_
 logger = logging.getLogger(__name__)
 
 SCHEMA = 2  # trainer_state.json; 1 (unversioned) was written per launch mode before the loop was one
+# How the run's ranks (and Ray rollout actors) derive their sampling seeds (mmrlhf.rollout.types.rank_seed), recorded
+# in trainer_state.json as ``rank_seeds``; a checkpoint without it was written under ``offset`` (seed + rank).
+RANK_SEEDS = "mixed"
+LEGACY_RANK_SEEDS = "offset"
+
+
+def rank_seeds_of(folder: Path) -> str:
+    """The rank-seed scheme of the run that wrote checkpoint ``folder``: a resumed run keeps it, so that each rank's
+    sampling goes on as it began (:data:`LEGACY_RANK_SEEDS` for a checkpoint that records none)."""
+    state_file = Path(folder) / "trainer_state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    return str(state.get("rank_seeds", LEGACY_RANK_SEEDS))
 
 
 def write_run_state(trainer: Any, folder: Path) -> None:
@@ -55,7 +68,8 @@ def write_run_state(trainer: Any, folder: Path) -> None:
         steppers["critic"] = _counters(p.critic.stepper)
     torch.save(steppers, folder / "steppers.pt")
     state = {"schema": SCHEMA, "launch": world.launch, "world_size": world.world_size,
-             "trainer": trainer.state.to_json(), "rollouts": rollouts, "config": trainer.s.config, STATE_KEY: MANIFEST}
+             "trainer": trainer.state.to_json(), "rollouts": rollouts, "config": trainer.s.config,
+             "rank_seeds": trainer.s.rank_seeds, STATE_KEY: MANIFEST}
     (folder / "trainer_state.json").write_text(json.dumps(state, indent=1, default=float))
 
 

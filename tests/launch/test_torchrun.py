@@ -74,13 +74,14 @@ def test_shares_must_divide_over_ranks():
 ])
 def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
     from mmrlhf.config import load_config
+    from mmrlhf.rollout.types import rank_seed
     from mmrlhf.trainer.builder import _rank_config
 
     rank1 = World(rank=1, world_size=2, launch="torchrun")
     config = load_config(TOY, override.split())
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         _rank_config(config, rank1)
-    assert _rank_config(load_config(TOY), rank1).rollout.seed == load_config(TOY).rollout.seed + 1  # own stream
+    assert _rank_config(load_config(TOY), rank1).rollout.seed == rank_seed(load_config(TOY).rollout.seed, 1)
 
 
 @pytest.mark.parametrize("override, key", [

@@ -143,3 +143,40 @@ def test_a_checkpoint_written_before_manifests_resumes_with_one_warning(run, cap
     warned = [r.getMessage() for r in caplog.records
               if r.name == "mmrlhf.trainer.checkpoint" and r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "has no manifest.json" in warned[0] and "cannot be verified" in warned[0]
+
+
+def test_a_checkpoint_written_before_the_mixed_rank_seeds_resumes_keeping_seed_plus_rank(run, caplog):
+    """A checkpoint records how its run's ranks derive their sampling seeds; one that records nothing (an older
+    mmrlhf, ``seed + rank``) is resumed under that scheme to the run's end, so each rank's sampling goes on as it
+    began: rank 0 is the same under both, rank 1 keeps seed + 1 (one warning, from rank 0), and the resumed run's
+    next checkpoint records the scheme it kept. A checkpoint of the mixed seeds resumes mixed."""
+    from mmrlhf.parallel.world import World
+    from mmrlhf.rollout.types import rank_seed
+    from mmrlhf.trainer.builder import _rank_config, resumed_rank_config
+    from mmrlhf.trainer.checkpoint_manifest import write_manifest
+
+    config = _config(run, max_steps=5)
+    seed = config.rollout.seed
+    ranks = [World(rank=r, world_size=2, launch="torchrun") for r in (0, 1)]
+    mixed = [resumed_rank_config(config, _rank_config(config, w), w, _ckpt(run, 2)) for w in ranks]
+    assert [(c.rollout.seed, s) for c, s in mixed] == [(seed, "mixed"), (rank_seed(seed, 1), "mixed")]
+
+    folder = _ckpt(run, 4)
+    state = json.loads((folder / "trainer_state.json").read_text())
+    assert state.pop("rank_seeds") == "mixed"
+    (folder / "trainer_state.json").write_text(json.dumps(state))  # what an older mmrlhf wrote
+    write_manifest(folder)  # sealed again: an intact checkpoint of the old format
+    with caplog.at_level(logging.WARNING, logger="mmrlhf.trainer.builder"):
+        old = [resumed_rank_config(config, _rank_config(config, w), w, folder) for w in ranks]
+    assert [(c.rollout.seed, s) for c, s in old] == [(seed, "offset"), (seed + 1, "offset")]
+    warned = [r.getMessage() for r in caplog.records if r.name == "mmrlhf.trainer.builder"]
+    assert len(warned) == 1 and "keeps rollout.seed + rank" in warned[0] and str(folder) in warned[0]
+
+    caplog.clear()
+    trainer = build_trainer(config, resume=True)  # one process: rank 0, whose seed is the same under both
+    assert trainer.state.step == 4 and trainer.s.rank_seeds == "offset"
+    assert trainer.p.source.maker.sampling.seed == seed
+    assert not [r for r in caplog.records if r.name == "mmrlhf.trainer.builder" and r.levelno >= logging.WARNING]
+    with trainer.p.tracker:
+        trainer.fit()
+    assert json.loads((_ckpt(run, 5) / "trainer_state.json").read_text())["rank_seeds"] == "offset"

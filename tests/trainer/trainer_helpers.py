@@ -29,7 +29,7 @@ def toy_config(out: Path, *, engine: str = "transformers", family: str = "qwen2_
                     "progress_bar": False, "tensorboard": False, "seed": 5},
     }
     for name, values in sections.items():
-        data[name] = {**data[name], **values}
+        data[name] = {**data.get(name, {}), **values}
     return build_config(data)
 
 

@@ -187,9 +187,12 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, int
     checkpoint, 1 stopped by a failure, 2 misconfigured)."""
     import ray
 
+    from mmrlhf.trainer.preflight import check_before_models
+
     d = config.distributed
     try:
         check_ray_config(config)
+        check_before_models(config)  # what the config and the data tell, before any actor starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -20,12 +20,15 @@ in-flight batch with the same versions at the same boundaries (``generate(..., r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import Any
 
 import torch
+
+from mmrlhf.rollout.types import rank_seed
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +70,21 @@ class ExperienceMakerHolder:
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
+        from mmrlhf.trainer.preflight import check_before_models
         from mmrlhf.trainer.state import seed_everything
 
         torch.set_num_threads(threads)
         cfg = build_config(config)
         r = cfg.rollout
+        self._run_seed = r.seed
         if cfg.algorithm.dynamic_sampling and index and r.seed is not None:
             # its sampling calls run on from step to step as every actor's do (rather than being set per step and
             # actor): its own seed, as each torchrun rank has, so the actors' samples are not alike
-            cfg = cfg.model_copy(update={"rollout": r.model_copy(update={"seed": r.seed + index})})
+            cfg = cfg.model_copy(update={"rollout": r.model_copy(update={"seed": rank_seed(r.seed, index)})})
         self.config = cfg
         self.index, self.count = index, count
         t = cfg.trainer
+        check_before_models(cfg)  # refused by the config or the data: before its engine and models load
         seed_everything(t.seed)
         critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
         if critic is not None:
@@ -243,12 +249,18 @@ class ExperienceMakerHolder:
             self._seek(step)
             return self.stream.state_dict()
 
-    def load_position(self, step: int, stream: dict[str, Any], maker: dict[str, Any]) -> None:
+    def load_position(self, step: int, stream: dict[str, Any], maker: dict[str, Any],
+                      rank_seeds: str = "mixed") -> None:
         """Dynamic sampling, a resume: step ``step`` begins where the checkpoint's stream and maker (call count,
-        running statistics) stood."""
+        running statistics) stood, and this actor samples with its seed under the run's scheme ``rank_seeds``
+        (:func:`~mmrlhf.rollout.types.rank_seed`: a run resumed from a checkpoint written before the mixed seeds
+        keeps ``offset``)."""
         with self._lock:
             self.stream.load_state_dict(stream)
             self.maker.load_state_dict(maker)
+            if self._run_seed is not None:
+                seed = rank_seed(self._run_seed, self.index, rank_seeds)
+                self.maker.sampling = dataclasses.replace(self.maker.sampling, seed=seed)
             self._next_step = step
             self._positions[step] = (self.stream.state_dict(), self.maker.state_dict())
 

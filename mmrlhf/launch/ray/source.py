@@ -18,6 +18,7 @@ continues, and reports, exactly as the straight one would.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ from mmrlhf.launch.ray.schedule import RolloutSchedule, ScheduleSettings
 from mmrlhf.parallel.dealing import deal_by_cost, imbalance
 from mmrlhf.parallel.world import World
 from mmrlhf.trainer.rollouts import RolloutSourceError, StepBatch
+from mmrlhf.trainer.run_checkpoint import RANK_SEEDS, rank_seeds_of
+
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RaySettings:
@@ -77,6 +81,8 @@ class RayRollouts:
         # ahead are regenerated from it at a resume)
         self.running: dict[str, Any] = {}
         self.waits = WaitShares()
+        # how the rollout actors > 0 derive their seeds with dynamic sampling (the checkpoint's, on a resume)
+        self.rank_seeds = RANK_SEEDS
 
     def start(self, step: int, policy: Any, critic: Any | None) -> None:
         self.weights.policy, self.weights.critic = policy, critic
@@ -202,7 +208,7 @@ class RayRollouts:
         handles = [self.pool.handles[i] for i in shares]
         stream, maker = self.stream_after.get(step - 1), self.maker_after.get(step - 1, {})
         if self.s.sequential and stream is not None:
-            ray.get([h.load_position.remote(step, stream, maker) for h in handles])
+            ray.get([h.load_position.remote(step, stream, maker, self.rank_seeds) for h in handles])
             return
         if running_state(maker):
             ray.get([h.load_running_state.remote(running_state(maker)) for h in handles])
@@ -241,6 +247,11 @@ class RayRollouts:
 
     def load(self, folder: Path, state: dict[str, Any]) -> None:
         self.resume = dict(state)
+        self.rank_seeds = rank_seeds_of(folder)
+        if self.rank_seeds != RANK_SEEDS and self.s.sequential and self.pool.count > 1 and self.world.is_main:
+            logger.warning("%s was written before the rollout actors' sampling seeds were mixed: this run keeps "
+                           "rollout.seed + actor to its end (its streams go on as they began); a new run mixes them",
+                           folder)
         inflight = inflight_versions(state.get("inflight", []))
         self.resume["tensors"] = WeightDelivery.load(folder, inflight) if self.world.is_main else {}
         # the run-long counts go on (a checkpoint of another launch mode has none: the histogram starts here)
