@@ -11,8 +11,13 @@ engine step; tests hold the two loops to the same ids, masks, log-probs and imag
 
 Sessions form a pool: at most ``agent.max_concurrent_trajectories`` trajectories are alive (whole groups, a new
 group admitted as soon as there is room for it, not when a wave ends). An environment that declares itself
-``reusable`` goes back to the pool when its trajectory ends and is ``reset`` for the next one; any other is
-closed, and its slot freed once the close returned, so a backend never holds more sessions than the bound.
+``reusable`` goes back to the pool when its trajectory ends and is ``reset`` for the next one, if it is clean; any
+other is closed, and its slot freed once the close returned, so a backend never holds more sessions than the
+bound. Clean means its last ``reset`` and ``step`` answered: one that raised, timed out (its call may still run in
+an abandoned thread) or returned what the runner refused is closed, never handed to the next trajectory, whose
+record it might still be playing the previous episode of. It is closed at once, not after its abandoned call (which
+may never return): the close runs beside that call, under the deadline. Whatever the step holds when it ends,
+normally or by an exception, is closed (:class:`~mmrlhf.agents.sessions.Sessions`).
 
 The main thread drives the engine and does every piece of bookkeeping; tool calls, environment steps, resets and
 closes run in observer threads (each through the :class:`~mmrlhf.agents.runner.ToolRunner`, which bounds them by
@@ -30,6 +35,7 @@ from typing import Any, Sequence
 
 from mmrlhf.agents.live import LiveTrajectory
 from mmrlhf.agents.loop_types import LoopStats
+from mmrlhf.agents.sessions import Sessions, count_close_failures
 from mmrlhf.agents.types import ToolContext
 from mmrlhf.rollout.streaming import Finished, open_stream
 from mmrlhf.rollout.types import SamplingSettings
@@ -54,7 +60,8 @@ class AsyncTurns:
         self.ready: list[tuple[str, Any]] = []  # turns to send
         self.pending: dict[concurrent.futures.Future, tuple[str, Any, Any, float]] = {}  # observer work in flight
         self.resetting: dict[int, int] = {}  # group -> resets still running
-        self.free_envs: list[Any] = []  # reusable environments between trajectories
+        self.free_envs: list[Any] = []  # reusable, clean environments between trajectories
+        self.sessions = Sessions(loop.runner, stats)  # every environment not yet handed to a close
         self.skipped: dict[int, str] = {}
         self.live = 0  # trajectories (with their environment sessions) holding a slot
 
@@ -91,20 +98,36 @@ class AsyncTurns:
                     break
                 for future in [f for f in self.pending if f.done()]:
                     self._observed(future)
-            self._close_free_environments()
+            self.free_envs = []
+            self.seconds["tools"] += self.sessions.close_all(failing=False)  # the pool's (nothing else is held)
             done = True
         finally:
             self.stream.close()
+            if not done:
+                self._close_after_failure()
             self.executor.shutdown(wait=done, cancel_futures=not done)
         return sorted(everyone, key=lambda t: t.sample_index), self.skipped
+
+    def _close_after_failure(self) -> None:
+        """The step is raising: close every environment it holds (live, pooled, and those whose close was queued
+        but never started), so no session outlives the step. Calls still running in observer threads are not
+        waited for (their environments are closed beside them, as an abandoned call's)."""
+        for future, (kind, _, env, _) in list(self.pending.items()):
+            if kind == "close" and future.cancel():  # queued, never to run: closed here instead
+                self.sessions.opened(env)
+        self.free_envs = []
+        self.sessions.close_all(failing=True)
 
     # ---- admission and sending -------------------------------------------------------------------------------
     def _admit(self, batch: Any, first: int, n: int, contexts: Sequence[ToolContext]) -> list[LiveTrajectory]:
         """Start the group of samples ``first .. first + n - 1``: its environments reset (off this thread), or its
         shared first turn queued."""
         loop = self.loop
-        group = [loop._start(batch, k, n, contexts[k // n], env=self.free_envs.pop() if self.free_envs else None)
-                 for k in range(first, first + n)]
+        group = []
+        for k in range(first, first + n):  # each environment entered as made: an exit path closes it
+            group.append(loop._start(batch, k, n, contexts[k // n],
+                                     env=self.free_envs.pop() if self.free_envs else None))
+            self.sessions.opened(group[-1].env)
         self.live += n
         if loop.environment is None:
             self.ready.append(("group", group))
@@ -188,7 +211,7 @@ class AsyncTurns:
         result = future.result()  # the runner answers every failure itself: an exception here is a bug, raised
         loop, stats = self.loop, self.stats
         if kind == "close":
-            self._count_failures(result)
+            count_close_failures(self.stats, result)
             self.live -= 1  # the session is gone: its slot is free
             return
         t.tool_wait += time.perf_counter() - since
@@ -223,28 +246,15 @@ class AsyncTurns:
 
     # ---- endings -----------------------------------------------------------------------------------------------
     def _end(self, t: LiveTrajectory) -> None:
-        """``t`` is over: stamp it, and give its slot back (a reusable environment to the pool, any other closed
-        first, off this thread)."""
+        """``t`` is over: stamp it, and give its slot back (a reusable environment that is still clean to the pool;
+        any other closed first, off this thread, at once even where an abandoned call still runs inside it)."""
         if t.ended_at is None:
             t.ended_at = time.perf_counter() - self.start
         if t.env is None:
             self.live -= 1
-        elif reusable(t.env):
+        elif reusable(t.env) and t.env_clean:
             self.free_envs.append(t.env)
             self.live -= 1
         else:
-            self._observe(None, "close", None, self.loop.runner.run_environment_closes, [t.env])
-
-    def _close_free_environments(self) -> None:
-        if not self.free_envs:
-            return
-        t0 = time.perf_counter()
-        self._count_failures(self.loop.runner.run_environment_closes(self.free_envs))
-        self.free_envs = []
-        self.seconds["tools"] += time.perf_counter() - t0
-
-    def _count_failures(self, closed: list[tuple[Any, float]]) -> None:
-        """Count each close that failed (``tool_raised``, ``timeout``) under its kind."""
-        for failure, _ in closed:
-            if failure is not None:
-                self.stats.errors[failure.error] = self.stats.errors.get(failure.error, 0) + 1
+            self.sessions.closing(t.env)
+            self._observe(None, "close", t.env, self.loop.runner.run_environment_closes, [t.env])

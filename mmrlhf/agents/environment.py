@@ -2,10 +2,18 @@
 
 One environment object serves one trajectory: the rollout makes it with the factory :func:`load_environment`
 returns, calls ``reset(record)`` once (its return value, if not None, is the first observation, shown before the
-first turn), then ``step(action_text)`` with the decoded text of each policy turn until a step says ``done`` or a
-budget ends the trajectory, then ``close()`` if the object has one. ``reset``, ``step`` and ``close`` may be
-``async def``; the runner (:meth:`mmrlhf.agents.runner.ToolRunner.run_environment_steps`) calls each under the tool
-deadline, and whatever one raises (``BaseException`` included) is counted as that trajectory's failure.
+first turn; a ``StepResult`` with ``done`` says the record has no episode to play), then ``step(action_text)`` with
+the decoded text of each policy turn until a step says ``done`` or a budget ends the trajectory, then ``close()``
+if the object has one. ``reset``, ``step`` and ``close`` may be ``async def``; the runner
+(:meth:`mmrlhf.agents.runner.ToolRunner.run_environment_steps`) calls each under the tool deadline, and whatever
+one raises (``BaseException`` included) is counted as that trajectory's failure.
+
+A class that says ``reusable = True`` serves trajectory after trajectory in the asynchronous loop's pool, ``reset``
+for each; but only while it is clean: one whose last ``reset`` or ``step`` failed (raised, timed out, returned what
+the runner refused) is closed and never handed on, since its episode (or a call abandoned in its thread) may still
+be the previous record's. ``close()`` can then run while such an abandoned call is still inside the object: for a
+backend, closing is what stops it, and the rollout never waits for an abandoned call (a close that blocks is held to
+the deadline, counted as a ``timeout``).
 
 Example: :class:`mmrlhf.agents.example_env.GuessNumber` (``agent.environment:
 mmrlhf.agents.example_env:GuessNumber``).
@@ -16,7 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from mmrlhf.agents.types import StepResult, ToolResult
+from mmrlhf.agents.types import FailedStep, StepResult, ToolResult
 from mmrlhf.registry import check_options, import_object
 
 
@@ -28,8 +36,9 @@ class EnvironmentSpecError(ValueError):
 class Environment(Protocol):
     """What an environment provides (``close()`` is optional: see :func:`close_environment`)."""
 
-    def reset(self, record: dict[str, Any]) -> ToolResult | None:
-        """Start the episode of dataset record ``record``; the first observation, or None for none."""
+    def reset(self, record: dict[str, Any]) -> ToolResult | StepResult | None:
+        """Start the episode of dataset record ``record``; the first observation, or None for none (a StepResult
+        with ``done``: there is no episode for this record, the trajectory ends before its first turn)."""
         ...
 
     def step(self, action_text: str) -> StepResult:
@@ -76,16 +85,16 @@ def load_environment(spec: str, options: dict[str, Any] | None = None) -> Callab
 
 class FailedEnvironment:
     """Stands in for the environment of one trajectory whose factory raised (a sandbox that did not start, a lost
-    connection, a ``sys.exit`` in a constructor): its reset gives the failure as the first observation, counted as
-    ``tool_raised`` like a reset that raises, and its first step ends the episode. One trajectory's failed start
-    never ends the step. (A factory that makes something without ``reset`` / ``step`` is a spec error instead,
-    raised: it would fail every trajectory alike.)"""
+    connection, a ``sys.exit`` in a constructor): its reset fails as a reset that raises does (``tool_raised``,
+    the trajectory ends ``reset_failed`` before its first turn, counted). One trajectory's failed start never ends
+    the step. (A factory that makes something without ``reset`` / ``step`` is a spec error instead, raised: it
+    would fail every trajectory alike.)"""
 
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def reset(self, record: dict[str, Any]) -> ToolResult:
-        return ToolResult(text=self.message, error="tool_raised")
+    def reset(self, record: dict[str, Any]) -> FailedStep:
+        return FailedStep(observation=ToolResult(text=self.message, error="tool_raised"))
 
     def step(self, action_text: str) -> StepResult:
         return StepResult(observation=ToolResult(text=""), done=True)

@@ -22,6 +22,9 @@ class LiveTrajectory:
     images: list[Any]
     context: ToolContext
     env: Any = None
+    # False once a reset or step of ``env`` failed (raised, timed out: its thread may still run inside it): the env
+    # is then closed when the trajectory ends, never pooled for the next one
+    env_clean: bool = True
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)

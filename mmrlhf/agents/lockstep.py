@@ -5,6 +5,10 @@ Simple and the reference the asynchronous loop (:mod:`mmrlhf.agents.async_loop`)
 the same trajectories, since every turn draws from its own trajectory's seed (:meth:`AgentLoop._seed`) with the same
 token cap (:meth:`AgentLoop._cap`). Its cost is the wait: one slow tool call or one long turn holds the whole wave at
 every turn, and the engine idles while tools run.
+
+Each wave's environments are made for it and closed when it ends, on every exit path (an exception included:
+:class:`~mmrlhf.agents.sessions.Sessions`); none is reused, so an environment a failed call left unclean never
+serves another trajectory.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Sequence
 
 from mmrlhf.agents.live import LiveTrajectory, mark_ended, waited
 from mmrlhf.agents.loop_types import LoopStats
+from mmrlhf.agents.sessions import Sessions
 from mmrlhf.agents.types import ToolCall, ToolContext
 from mmrlhf.rollout.types import SamplingSettings
 
@@ -34,9 +39,20 @@ class Lockstep:
         skipped: dict[int, str] = {}
         everyone: list[LiveTrajectory] = []
         for wave in self._waves(len(batch), n):
-            live = [self.loop._start(batch, k, n, contexts[k // n]) for k in wave]
-            skipped.update(self._run_wave(live, n))
-            everyone += live
+            sessions = Sessions(self.loop.runner, self.stats)
+            done = False
+            try:
+                live = []
+                for k in wave:  # each environment entered as made: an exit path closes it
+                    live.append(self.loop._start(batch, k, n, contexts[k // n]))
+                    sessions.opened(live[-1].env)
+                skipped.update(self._run_wave(live, n))
+                everyone += live
+                done = True
+            finally:  # closed under the tool deadline; a close that fails is counted (logged, if the step fails)
+                t_close = time.perf_counter()
+                sessions.close_all(failing=not done)
+                self.seconds["tools"] += time.perf_counter() - t_close
         return everyone, skipped
 
     def _waves(self, size: int, n: int) -> list[range]:
@@ -83,12 +99,6 @@ class Lockstep:
                     t.ended_at = t_obs - start
             waited([t for t in observing if t.ended_at is None], time.perf_counter() - t_obs, seconds)
             mark_ended(live, time.perf_counter() - start)
-        if loop.environment is not None:  # closed under the tool deadline; a close that fails is counted
-            t_close = time.perf_counter()
-            closed = loop.runner.run_environment_closes([t.env for t in live])
-            for failure in (f for f, _ in closed if f is not None):
-                self.stats.errors[failure.error] = self.stats.errors.get(failure.error, 0) + 1
-            seconds["tools"] += time.perf_counter() - t_close
         return skipped
 
     def _first_turn(self, groups: list[list[LiveTrajectory]], n: int) -> dict[int, str]:

@@ -94,6 +94,7 @@ class LoopStats:
     errors: dict[str, int] = field(default_factory=dict)
     calls_by_tool: dict[str, int] = field(default_factory=dict)
     empty: int = 0  # trajectories left out: ended before their first turn
+    reset_failed: int = 0  # trajectories whose environment's reset failed or timed out (left out, among ``empty``)
     escaped: int = 0  # shown results whose text held an added token's string (escaped: mmrlhf.agents.plain_text)
     trajectory_seconds: list[float] = field(default_factory=list)  # per kept trajectory: rollout start to its end
     tool_wait: list[float] = field(default_factory=list)  # per kept trajectory: seconds waiting on tools
@@ -127,6 +128,7 @@ class LoopStats:
         for ending in ("answer", "done", "max_turns", "context", "length"):
             out[f"agent/ended/{ending}/count"] = float(sum(t.ended == ending for t in trajs))
         out["agent/ended/before_first_turn/count"] = float(self.empty)
+        out["agent/ended/reset_failed/count"] = float(self.reset_failed)
         out["agent/escaped_texts/count"] = float(self.escaped)
         return out
 

@@ -49,7 +49,7 @@ from mmrlhf.agents.lockstep import Lockstep
 from mmrlhf.agents.loop_types import AgentLimits, AgentResult, AgentSample, ImageEncoder, LoopStats
 from mmrlhf.agents.runner import ToolRunner
 from mmrlhf.agents.template import ObservationRenderer
-from mmrlhf.agents.types import ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
+from mmrlhf.agents.types import FailedStep, ToolCall, ToolContext, ToolResult, Trajectory, TurnRecord
 from mmrlhf.rollout.streaming import auto_loop
 from mmrlhf.rollout.types import GenerationRequest, SamplingSettings, mix_seed, request_seed
 
@@ -352,8 +352,11 @@ class AgentLoop:
         return True
 
     def _stepped(self, t: LiveTrajectory, step: Any, sec: float, stats: LoopStats) -> None:
-        """Take the environment's answer ``step`` (after ``sec`` seconds) to ``t``'s last turn."""
+        """Take the environment's answer ``step`` (after ``sec`` seconds) to ``t``'s last turn; a failed one
+        (:class:`~mmrlhf.agents.types.FailedStep`) ends the episode and marks the environment unclean."""
         stats.latency.append(sec)
+        if isinstance(step, FailedStep):
+            t.env_clean = False
         t.info.update(step.info or {})
         if step.done:  # the episode is over: its last observation is not shown, a failure still counted
             t.ended = "done"
@@ -366,12 +369,32 @@ class AgentLoop:
 
     def _was_reset(self, t: LiveTrajectory, first: Any, sec: float, stats: LoopStats) -> None:
         """Take ``t``'s environment's ``reset`` answer (after ``sec`` seconds): its first observation, if it gives
-        one, comes before the first turn (which is then generated per trajectory). A reset that failed or timed out
-        gives its error as that observation (counted by kind); the environment's next step ends the episode."""
+        one, comes before the first turn (which is then generated per trajectory).
+
+        A reset that failed or timed out (:class:`~mmrlhf.agents.types.FailedStep`) ends the trajectory before its
+        first turn, ``reset_failed`` (counted, and its failure by kind), and marks the environment unclean: its
+        error is never shown as the record's opening, and no step runs on an episode that did not start (a reused
+        environment's would still be the previous record's). A reset that says ``done`` (no episode for this
+        record) ends it too, ``done``. Either way the trajectory has no turn, so it is left out of the step
+        (``agent/ended/before_first_turn``)."""
         stats.latency.append(sec)
-        if first is not None:
-            t.info.update(first.info or {})
-            self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
+        if first is None:
+            return
+        t.info.update(first.info or {})
+        if isinstance(first, FailedStep):
+            t.env_clean = False
+            t.ended = "reset_failed"
+            stats.reset_failed += 1
+            kind = first.observation.error or "tool_raised"
+            stats.errors[kind] = stats.errors.get(kind, 0) + 1
+            t.turns.append(TurnRecord(role="tool", text=first.observation.text, errors=[kind], latency_s=sec))
+            logger.warning("trajectory %s (record %r): its environment's reset failed (%s); it ends before its first "
+                           "turn", t.sample_index, t.context.record.get("id"), first.observation.text[:200])
+            return
+        if first.done:
+            t.ended = "done"
+            return
+        self._commit(t, [first.observation], sec, stats, environment=True, opening=True)
 
     def _commit(self, t: LiveTrajectory, results: list[ToolResult], latency: float, stats: LoopStats, *, environment: bool,
                 opening: bool = False) -> None:

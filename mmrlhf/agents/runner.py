@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import inspect
 import logging
 import threading
@@ -47,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 from mmrlhf.agents.environment import Environment
 from mmrlhf.agents.runner_pool import Bounds, DaemonPool, Gate
 from mmrlhf.agents.tool_base import Tool, as_result, is_async_tool
-from mmrlhf.agents.types import StepResult, ToolCall, ToolContext, ToolResult
+from mmrlhf.agents.types import FailedStep, StepResult, ToolCall, ToolContext, ToolResult
 from mmrlhf.config.agent import AgentConfig
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,8 @@ class ToolRunner:
     def run_environment_steps(self, envs: Sequence[Environment], actions: Sequence[str]
                               ) -> list[tuple[StepResult, float]]:
         """``envs[i].step(actions[i])`` for all i, concurrently; a step that raises, times out, returns something
-        other than a StepResult or an oversize image ends its episode: ``StepResult(observation=ToolResult(
-        error=<kind>, text=...), done=True)``."""
+        other than a StepResult or an oversize image ends its episode: ``FailedStep(observation=ToolResult(
+        error=<kind>, text=...))`` (``done``; the environment is then closed, never reused)."""
         if len(envs) != len(actions):
             raise ValueError(f"{len(envs)} environments but {len(actions)} actions")
         work: list[_Job | _Failure] = [
@@ -188,8 +189,9 @@ class ToolRunner:
     def run_environment_resets(self, envs: Sequence[Environment], records: Sequence[dict[str, Any]]
                                ) -> list[tuple[StepResult | None, float]]:
         """``envs[i].reset(records[i])`` for all i, under the same rules: None where reset gave no observation,
-        ``StepResult(observation, done=False)`` where it gave one, ``StepResult(error observation, done=True)``
-        where it failed (the episode cannot start)."""
+        ``StepResult(observation, done=False)`` where it gave one (a StepResult it returned is kept as it is, its
+        ``done`` and ``info`` included), ``FailedStep(error observation)`` where it failed (the episode cannot
+        start)."""
         if len(envs) != len(records):
             raise ValueError(f"{len(envs)} environments but {len(records)} records")
         work: list[_Job | _Failure] = [
@@ -271,8 +273,10 @@ class ToolRunner:
         def finish(value: Any) -> StepResult | _Failure | None:
             if value is None:
                 return None
-            observation = self._check_result(as_result(value, f"{env_name}.reset"), env_name)
-            return observation if isinstance(observation, _Failure) else StepResult(observation=observation)
+            given = value if isinstance(value, StepResult) else StepResult(observation=value)
+            observation = self._check_result(as_result(given.observation, f"{env_name}.reset"), env_name)
+            return observation if isinstance(observation, _Failure) else dataclasses.replace(given,
+                                                                                            observation=observation)
 
         return finish
 
@@ -283,7 +287,7 @@ class ToolRunner:
     @staticmethod
     def _as_step_result(outcome: Any) -> StepResult:
         if isinstance(outcome, _Failure):
-            return StepResult(observation=ToolResult(text=outcome.text, error=outcome.kind), done=True)
+            return FailedStep(observation=ToolResult(text=outcome.text, error=outcome.kind))
         return outcome
 
     # ------------------------------------------------------------------------------------------------ running

@@ -128,6 +128,16 @@ class StepResult:
 
 
 @dataclass
+class FailedStep(StepResult):
+    """What the runner answers for an environment call (``reset`` or ``step``) that failed: it raised, timed out
+    (a plain call's thread may still be running inside the environment), or returned what the runner refused (not a
+    StepResult, an image or a text over its limit). The episode is over, and the environment is no longer known to
+    be clean: the loop closes it and never hands it to another trajectory."""
+
+    done: bool = True
+
+
+@dataclass
 class TurnRecord:
     """One step of a trajectory as reward functions and reports see it.
 

@@ -65,7 +65,7 @@ class AgentConfig(Section):
     max_concurrent_trajectories: Optional[int] = Field(default=None, ge=1)
     """Most trajectories (and so environment sessions) alive at once, whole groups (one group at least, so ``n``
     when it is below ``n``). With ``loop: async`` a pool: a group starts as soon as there is room for it, a
-    trajectory's session counting until its ``close()`` returned (a ``reusable`` environment instead serves the
+    trajectory's session counting until its ``close()`` returned (a ``reusable`` environment still clean serves the
     next trajectory after ``reset``); with ``lockstep``, waves, each wave's environments closed before the next
     starts. For an environment or tool backend that holds only so many sessions. The trajectories are the same
     whatever the bound (each turn samples from its own trajectory's seed). None: the whole step at once."""

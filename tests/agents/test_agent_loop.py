@@ -314,11 +314,12 @@ def test_waves_bound_the_live_sessions_and_keep_the_trajectories(tiny, limit, mo
         assert policy == turns[s.sample_index][0] * s.trajectory.num_turns
 
 
-def test_an_environment_factory_that_raises_fails_its_trajectory_only(tiny):
+def test_an_environment_factory_that_raises_fails_its_trajectory_only(tiny, caplog):
     """The factory is user code run once per trajectory: one that raises (a sandbox that did not start; here
-    ``sys.exit`` for the second trajectory) gives that trajectory its failure as the first observation, counted as
-    ``tool_raised``, and ends it at its first step; the other trajectory runs its episode. A factory making
-    something that is not an environment (a spec error, the same for every trajectory) still stops the step."""
+    ``sys.exit`` for the second trajectory) fails that trajectory as a failed reset does: counted as
+    ``tool_raised`` and ``reset_failed``, ended before its first turn, so left out (no turn answers an error that
+    is not the task's); the other trajectory runs its episode. A factory making something that is not an
+    environment (a spec error, the same for every trajectory) still stops the step."""
     import sys
 
     from mmrlhf.agents.environment import EnvironmentSpecError
@@ -339,13 +340,15 @@ def test_an_environment_factory_that_raises_fails_its_trajectory_only(tiny):
     loop = _loop(tiny, ScriptedEngine({0: [turn] * 4, 1: [turn] * 4}), environment=factory,
                  limits=AgentLimits(max_turns=4, max_new_tokens_per_turn=8))
     result = loop.run(batch, 2, SamplingSettings(n=2, max_new_tokens=8), [_context(batch, image)])
-    good, failed = result.samples
+    (good,) = result.samples
+    assert good.sample_index == 0
     assert good.trajectory.ended == "done" and good.trajectory.info == {"solved": True} and not good.trajectory.errors
-    assert failed.trajectory.ended == "done" and failed.trajectory.errors == ["tool_raised"]
-    assert failed.trajectory.num_turns == 1  # its first turn answered the error; the stand-in's step ended it
-    first = next(t for t in failed.trajectory.turns if t.role == "tool")
-    assert "could not be created (SystemExit: sandbox pool exhausted)" in first.text
-    assert result.metrics["agent/errors/tool_raised/count"] == 1.0
+    m = result.metrics
+    assert m["agent/errors/tool_raised/count"] == 1.0 and m["agent/ended/reset_failed/count"] == 1.0
+    assert m["agent/ended/before_first_turn/count"] == 1.0
+    assert not [req for req, _ in loop.engine.requests if req.request_id.endswith("#1")]  # never generated for
+    assert "record 'rec'): its environment's reset failed (Error: the environment could not be created " \
+        "(SystemExit: sandbox pool exhausted))" in caplog.text
 
     def not_an_environment():
         raise EnvironmentSpecError("environment 'x:Y' made a dict without reset() / step()")
