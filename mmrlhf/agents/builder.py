@@ -16,7 +16,8 @@ def agent_limits(cfg: AgentConfig, *, max_new_tokens: int, max_model_len: int) -
     return AgentLimits(max_turns=cfg.max_turns, max_tool_calls=cfg.max_tool_calls, max_context_tokens=context,
                        max_new_tokens_per_turn=cfg.max_new_tokens_per_turn or max_new_tokens,
                        max_images=cfg.max_images, stop_at_tool_call=cfg.stop_at_tool_call,
-                       max_concurrent_trajectories=cfg.max_concurrent_trajectories, loop=cfg.loop)
+                       max_concurrent_trajectories=cfg.max_concurrent_trajectories, loop=cfg.loop,
+                       gather_window_s=cfg.gather_window_s)
 
 
 def build_tool_map(cfg: AgentConfig) -> dict[str, Any]:

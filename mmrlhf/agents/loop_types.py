@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from mmrlhf.agents.types import ERROR_KINDS, Trajectory
+from mmrlhf.config.agent import AgentConfig
 
 
 @dataclass
@@ -45,10 +46,15 @@ class AgentLimits:
     # "async": each trajectory on its own (mmrlhf.agents.async_loop); "lockstep": in waves; "auto": async over an
     # engine whose continuous-batch stream has run on this kind of machine (mmrlhf.rollout.streaming.auto_loop)
     loop: str = "auto"
+    # the asynchronous loop: seconds it waits for calls that just started before the engine's next step, so that
+    # the turns they make ready go to the engine together (0: never); the config's default (one source for both)
+    gather_window_s: float = AgentConfig.model_fields["gather_window_s"].default
 
     def __post_init__(self) -> None:
         if self.loop not in ("auto", "async", "lockstep"):
             raise ValueError(f"agent.loop must be 'auto', 'async' or 'lockstep', got {self.loop!r}")
+        if not self.gather_window_s >= 0:
+            raise ValueError(f"agent.gather_window_s must be >= 0, got {self.gather_window_s!r}")
 
 
 @dataclass

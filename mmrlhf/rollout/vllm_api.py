@@ -68,7 +68,7 @@ SURFACE: tuple[Api, ...] = (
     Api("vllm.v1.engine.core_client", "InprocClient", used_by="vllm_stream.engine_core_kind (the proof's key)"),
     Api("vllm.sampling_params", "SamplingParams",
         fields=("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop", "stop_token_ids",
-                "seed", "logprobs", "logit_bias", "output_kind"), used_by="vllm_engine._sampling_params"),
+                "seed", "logprobs", "logit_bias", "output_kind", "skip_clone"), used_by="vllm_engine._sampling_params"),
     Api("vllm.sampling_params", "RequestOutputKind", ("FINAL_ONLY",), used_by="vllm_stream"),
     Api("vllm.outputs", "RequestOutput", fields=("request_id", "prompt_token_ids", "outputs", "finished"),
         used_by="vllm_engine._convert, vllm_stream.step"),

@@ -189,6 +189,9 @@ class VLLMEngine(RolloutEngine):
             seed=seed,
             logprobs=0 if settings.logprobs else None,
             logit_bias=forbid_tokens_bias(forbidden_token_ids(self.adapter, settings)),
+            # made fresh for this request and never reused: vLLM's deep copy of it (its logit bias holds every
+            # forbidden id, often most of the vocabulary: 1.3 ms a request on the agent toy) is not needed
+            skip_clone=True,
         )
 
     def _vllm_input(self, req: GenerationRequest) -> dict[str, Any]:

@@ -6,7 +6,7 @@
   continuous batch.
 - Over a scripted engine (``agent.loop: async`` asked for): a slow call holds its own trajectory only (lockstep, the control, holds every one); the
   session pool's bound, with reusable environments reset and reused; a tool's ``max_concurrency`` over every
-  trajectory's calls at once.
+  trajectory's calls at once; turns ready within the gathering window sent in one engine call.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mmrlhf.agents.builtin_tools import ImageZoom
 from mmrlhf.agents.loop_types import AgentLimits
 from mmrlhf.agents.rollout import AgentLoop
 from mmrlhf.agents.runner import ToolRunner
+from mmrlhf.agents.tools import Tool
 from mmrlhf.agents.types import StepResult, ToolContext, ToolResult
 from mmrlhf.experience.agent_rows import encoder_of
 from mmrlhf.rollout.types import SamplingSettings
@@ -217,3 +218,69 @@ def test_a_tools_max_concurrency_holds_across_trajectories(tiny):
     result = loop.run(batch, 6, SamplingSettings(n=6, max_new_tokens=64), [_context(batch, RED)])
     assert [s.trajectory.num_tool_calls for s in result.samples] == [1] * 6
     assert state["most"] == 1
+
+
+class Sleeps(Tool):
+    """Answers after ``s`` seconds (its argument)."""
+
+    name, description = "sleeps", "waits"
+    parameters = {"type": "object", "properties": {"s": {"type": "number"}}}
+
+    def __call__(self, arguments, context):
+        time.sleep(float(arguments["s"]))
+        return "awake"
+
+
+class CallsEngine(ScriptedEngine):
+    """The scripted engine, recording which trajectories each ``generate`` call served."""
+
+    def __init__(self, scripts):
+        super().__init__(scripts)
+        self.calls: list[list[int]] = []
+
+    def generate(self, requests, settings):
+        self.calls.append([int(r.request_id.rsplit("#", 1)[1]) for r in requests])
+        return super().generate(requests, settings)
+
+
+@pytest.mark.parametrize("window, delays, later_calls", [
+    (2.0, (0.0, 0.1, 0.2, 0.3), [[0, 1, 2, 3]]),  # all back within the window: one call, once the last is back
+    (0.0, (0.0, 0.1, 0.2, 0.3), None),  # the control: no window, each second turn on its own as it is ready
+    (0.1, (0.0, 0.0, 0.0, 1.0), [[0, 1, 2], [3]]),  # the window bounds the wait: the slow call's turn goes alone
+])
+def test_turns_ready_within_the_gathering_window_go_to_the_engine_together(tiny, window, delays, later_calls):
+    """Four trajectories call a tool answering after the given delays, then answer. The calls that answer within
+    ``agent.gather_window_s`` of their start make their turns ready before the engine's next step, and those go to
+    the engine in one call; the window is never waited out once every call answered (the first case ends long
+    before its 2 s window), and never holds a turn for a call past it. The trajectories are the same whatever the
+    window."""
+    processor, adapter, data = tiny
+    tok = processor.tokenizer
+    answer = _ids(tok, "red", "<|im_end|>")
+    scripts = {k: [_call_ids(tok, '{"name": "sleeps", "arguments": {"s": %g}}' % d), answer]
+               for k, d in enumerate(delays)}
+    batch = _batch(data, 4, RED)
+    runs = {}
+    for w in (window, 0.0):
+        engine = CallsEngine(scripts)
+        loop = _loop(tiny, engine, tools={"sleeps": Sleeps()},
+                     limits=AgentLimits(max_turns=3, max_new_tokens_per_turn=64, loop="async", gather_window_s=w))
+        t0 = time.perf_counter()
+        runs[w] = (loop.run(batch, 4, SamplingSettings(n=4, max_new_tokens=64, seed=5), [_context(batch, RED)]),
+                   engine.calls, time.perf_counter() - t0)
+    result, calls, took = runs[window]
+    assert [s.response_ids for s in result.samples] == [s.response_ids for s in runs[0.0][0].samples]
+    assert calls[0] == [0]  # the group's shared first turn
+    assert [s.trajectory.ended for s in result.samples] == ["answer"] * 4
+    if later_calls is None:
+        assert len(calls) > 2, calls  # one by one (4 calls on an idle machine)
+    else:
+        assert calls[1:] == later_calls, calls
+    if window == 2.0:
+        assert took < 1.5, took
+    if window == 0.1:  # the fast three did not wait for the slow call
+        m = result.metrics
+        assert m["agent/trajectory_s/p50"] < 0.6 <= 1.0 <= m["agent/trajectory_s/max"], m
+    control = runs[0.0][0]
+    for a, b in zip(result.samples, control.samples, strict=True):
+        assert (a.sample_index, a.response_ids, a.policy_mask) == (b.sample_index, b.response_ids, b.policy_mask)
