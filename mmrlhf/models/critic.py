@@ -30,7 +30,6 @@ class CriticVL(nn.Module):
     def __init__(self, body: ActorVL, value_head: nn.Module | None = None) -> None:
         super().__init__()
         self.body = body
-        freeze_unused_head(body.model)
         if value_head is None:
             hidden = body.model.config.get_text_config().hidden_size  # not the lm_head (sharded under FSDP)
             value_head = nn.Linear(hidden, 1)
@@ -59,10 +58,12 @@ class CriticVL(nn.Module):
 
 
 def freeze_unused_head(model: nn.Module) -> None:
-    """The critic never reads the language-model head: frozen, unless it is tied to the input embeddings (which
-    the critic does read). Why it matters: a trainable parameter the forward never uses would still get a zero
-    gradient under FSDP2's reduce-scatter of unused parameters (:func:`~mmrlhf.models.sharding.
-    reduce_unused_parameters`), and with it AdamW moments the size of the vocabulary times the hidden size."""
+    """The critic never reads the language-model head: frozen (in place), unless it is tied to the input embeddings
+    (which the critic does read). Done where a critic is sharded for training (:func:`~mmrlhf.models.sharding.
+    shard_for_training`), which owns the model by then. Why: a trainable parameter the forward never uses would
+    still get a zero gradient under FSDP2's reduce-scatter of unused parameters (:func:`~mmrlhf.models.sharding.
+    reduce_unused_parameters`), and with it AdamW moments the size of the vocabulary times the hidden size. (Unsharded,
+    its gradient stays None and AdamW skips it.)"""
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or (embed is not None and head.weight is embed.weight):
         return

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from mmrlhf.models.actor import ActorVL
-from mmrlhf.models.critic import CriticVL
+from mmrlhf.models.critic import CriticVL, freeze_unused_head
 from mmrlhf.models.fsdp_layout import check_wrapper_layout
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def shard_for_training(wrapper: nn.Module, *, block_classes: Iterable[str] | Non
         actor = wrapper
     elif isinstance(wrapper, CriticVL):
         actor = wrapper.body
+        freeze_unused_head(actor.model)  # before any unit is made: its lm_head trains nothing
     else:
         raise TypeError(f"expected an ActorVL or a CriticVL, got {type(wrapper).__name__}")
     check_wrapper_layout(actor.model)
