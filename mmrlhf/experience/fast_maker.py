@@ -41,6 +41,7 @@ from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistributio
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples
 from mmrlhf.experience.scoring_split import consecutive, regroup, scoring_plan
 from mmrlhf.experience.settings import ExperienceSettings
+from mmrlhf.experience.skips import NothingToScoreError, empty_rewards, skipped_lines
 from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
@@ -49,7 +50,7 @@ from mmrlhf.models.placement import to_host
 from mmrlhf.parallel.aligned import run_aligned
 from mmrlhf.parallel.micro_batches import Layout, split_metrics
 from mmrlhf.parallel.world import World, single
-from mmrlhf.rewards.types import RewardBatch, RewardResult
+from mmrlhf.rewards.types import RewardBatch
 from mmrlhf.rollout.base import forbidden_token_ids, stop_token_ids
 from mmrlhf.rollout.types import SamplingSettings, mix_seed
 
@@ -446,30 +447,6 @@ class FastExperienceMaker(ExperienceMaker):
 
 
 DEFAULT_LABEL = "default"  # label of samples whose record has none (give it a recipe or a default_recipe)
-
-
-class NothingToScoreError(ValueError):
-    """A rollout with no sample reached the scoring stage (every prompt of it was skipped)."""
-
-
-def skipped_lines(batch: Any, out: Generated, kind: Any) -> list[str]:
-    """One line per prompt a call skipped: the processor's (bad input, over ``prompt_max_len``) and the engine's
-    (over its context), each naming its record and the reason; and where prompts were left that gave no sample
-    (trajectories that all ended before their first turn), one line saying so."""
-    lines = [s.message for s in batch.skipped]
-    lines += [f"{batch.describe_sample(i * batch.n_samples_per_prompt)}: {reason}"
-              for i, reason in sorted(out.skipped.items())]
-    left = len(batch) // max(batch.n_samples_per_prompt, 1) - len(out.skipped)
-    if not len(out.rows) and left > 0:
-        lines.append(f"the rollout kind {type(kind).__name__} made no sample of the {left} prompt(s) left (multi-turn: "
-                     "every trajectory ended before its first turn, see agent/ended/before_first_turn/count)")
-    return lines
-
-
-def empty_rewards() -> RewardResult:
-    """The reward result of no sample."""
-    return RewardResult(rewards=torch.zeros(0), valid=torch.zeros(0, dtype=torch.bool), sources={}, parts={},
-                        metrics={})
 
 
 def _right_padded(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int):

@@ -164,7 +164,7 @@ def test_the_documented_kind_drops_the_groups_a_plain_run_would(parts, example):
                                                          {"min_distinct": N + 1}))
     empty = strict.generate_rollout(PROMPTS)  # every group dropped: an empty share, whose caller decides
     assert len(empty) == 0 and empty.metrics["samples"] == 0 and empty.metrics["prompts"] == len(PROMPTS)
-    from mmrlhf.experience.fast_maker import NothingToScoreError
+    from mmrlhf.experience.skips import NothingToScoreError
 
     with pytest.raises(NothingToScoreError, match=r"the rollout kind DistinctGroups made no sample of the "
                                                   rf"{len(PROMPTS)} prompt\(s\) left"):

@@ -63,7 +63,7 @@ def test_an_evaluation_whose_every_prompt_was_skipped_is_one_data_error():
     nothing or a missing metric."""
     from mmrlhf.data.errors import DataError
     from mmrlhf.data.types import PromptRecord
-    from mmrlhf.experience.fast_maker import empty_rewards
+    from mmrlhf.experience.skips import empty_rewards
     from mmrlhf.experience.rollout import Rollout, ScoredRollout
 
     class Empty:
