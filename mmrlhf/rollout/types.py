@@ -92,10 +92,10 @@ def mix_seed(*parts: int) -> int:
 RANK_STREAM = 0x72616E6B  # "rank"
 # How a rank's sampling seed derives from ``rollout.seed``: ``mixed`` (:func:`rank_seed`), or ``offset``
 # (``seed + rank``), the scheme of the checkpoints written before the mixed one, which a run resumed from one keeps.
-RANK_SEED_SCHEMES = ("mixed", "offset")
+RANK_SEED_SCHEMES = ("mixed", "offset")  # the current one first
 
 
-def rank_seed(seed: int, rank: int, scheme: str = "mixed") -> int:
+def rank_seed(seed: int, rank: int, scheme: str = RANK_SEED_SCHEMES[0]) -> int:
     """The sampling seed of training rank (or Ray rollout actor) ``rank`` of a run seeded ``seed``.
 
     ``mixed``: rank 0 keeps ``seed`` (a one-process run, and its checkpoints, are what they were, and rank 0 of

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from mmrlhf.experience.batching import TrainItem
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.parallel.world import World
+from mmrlhf.rollout.types import RANK_SEED_SCHEMES
 from mmrlhf.trainer.checkpoint import CheckpointManager, save_collective
 from mmrlhf.trainer.interrupt import stop_on_interrupt
 from mmrlhf.trainer.policy_update import prepare_policy_targets
@@ -43,7 +44,8 @@ class LoopSettings:
     report_steps: int = 50
     progress_bar: bool = True
     config: dict[str, Any] = field(default_factory=dict)  # the resolved run config (saved with checkpoints)
-    rank_seeds: str = "mixed"  # how the ranks' sampling seeds derive from rollout.seed (saved with checkpoints)
+    # how the ranks' sampling seeds derive from rollout.seed (mmrlhf.rollout.types.rank_seed; saved with checkpoints)
+    rank_seeds: str = RANK_SEED_SCHEMES[0]
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from mmrlhf.parallel.world import full
+from mmrlhf.rollout.types import RANK_SEED_SCHEMES
 from mmrlhf.trainer.checkpoint_manifest import MANIFEST, STATE_KEY
 from mmrlhf.trainer.progress import no_library_bars
 from mmrlhf.trainer.state import TrainerState, restore_rng, rng_state_json, rng_state_tensors
@@ -38,8 +39,7 @@ logger = logging.getLogger(__name__)
 SCHEMA = 2  # trainer_state.json; 1 (unversioned) was written per launch mode before the loop was one
 # How the run's ranks (and Ray rollout actors) derive their sampling seeds (mmrlhf.rollout.types.rank_seed), recorded
 # in trainer_state.json as ``rank_seeds``; a checkpoint without it was written under ``offset`` (seed + rank).
-RANK_SEEDS = "mixed"
-LEGACY_RANK_SEEDS = "offset"
+RANK_SEEDS, LEGACY_RANK_SEEDS = RANK_SEED_SCHEMES
 
 
 def rank_seeds_of(folder: Path) -> str:
