@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from mmrlhf.launch.ray.exchange import start_step_exchange
 from mmrlhf.launch.ray.pool import HolderPool
-from mmrlhf.launch.ray.runtime import PlacementPlan, plan_placement
+from mmrlhf.launch.ray.runtime import PlacementPlan, check_custom_resources, plan_placement
 from mmrlhf.parallel.ray_actors import actor_options, actor_threads, connect, describe_actor_error
 from mmrlhf.launch.ray.trainer_actor import RayTrainerRank, trainer_name
 from mmrlhf.startup import loaded
@@ -145,11 +145,13 @@ class RayRun:
 
 def cluster_placement(config: Any) -> PlacementPlan:
     """The actors' placement on the connected Ray cluster (:func:`~mmrlhf.launch.ray.runtime.plan_placement`
-    with the cluster's GPU count)."""
+    with the cluster's GPU count; the custom resources the actors ask for must be in the cluster)."""
     import ray
 
-    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    resources = ray.cluster_resources()
+    gpus = float(resources.get("GPU", 0.0))
     plan = plan_placement(config.distributed, config.rollout.tensor_parallel_size, gpus)
+    check_custom_resources(config.distributed, plan, resources)
     _check_judges(config, plan, gpus)
     return plan
 
