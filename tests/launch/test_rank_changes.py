@@ -12,6 +12,8 @@ Why greedy: torchrun ranks sample with seeds of their own (docs/distributed.md, 
 of the prompts, so with temperature > 0 a run continued on another number of ranks draws other answers than the
 straight run and the two agree only in distribution. Greedy answers do not depend on the seeds, so the continued run
 trains what the straight run trained, and what differs can only be what the resume restored.
+
+A rank's random states are restored where it sees fewer GPUs than the rank that saved them (the fast test at the end).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ import pytest
 
 from launch_testing import GREEDY_TOY, GREEDY_TOY_LR, REDUCTION_NOISE_KEYS, checkpoint_weights, metric_rows, \
     stopped_at, training_gaps, update_gap
-
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "examples/grpo_toy_shapes_cpu.yaml"
@@ -77,6 +77,8 @@ def _initial() -> dict:
     return load_file(str(next(Path(_model()).glob("*.safetensors"))))
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.parametrize("name, since, writer, reader", [("one_to_two", 1, ("single", 1), ("torchrun", 2)),
                                                          ("two_to_one", 2, ("torchrun", 2), ("single", 1))])
 def test_a_checkpoint_resumed_on_another_number_of_ranks_continues_the_straight_run(runs, name, since, writer,
@@ -114,3 +116,22 @@ def _steppers(out: Path) -> dict:
     import torch
 
     return torch.load(out / "checkpoints" / f"step-{STEPS:08d}" / "steppers.pt", weights_only=True)
+
+
+def test_random_states_resume_on_a_process_that_sees_fewer_gpus(monkeypatch):
+    """A torchrun rank of a node saves the generator of every GPU it sees (here 12); resumed by a process that sees
+    fewer (a Ray trainer actor sees its one GPU; a rank of a 4-GPU node, 4), each of its devices gets the state of
+    the device of the same index, in device order (``torch_cuda_10`` after ``torch_cuda_9``), and none is asked for
+    a device it does not have (torch raises for one)."""
+    import torch
+
+    from mmrlhf.trainer.state import restore_rng, rng_state_json, rng_state_tensors
+
+    saved = {**rng_state_tensors(), **{f"torch_cuda_{i}": torch.full((4,), i, dtype=torch.uint8) for i in range(12)}}
+    for visible in (1, 4, 12):
+        set_states: list = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: set_states.extend(states))
+        restore_rng(rng_state_json(), saved)
+        assert [int(s[0]) for s in set_states] == list(range(visible))
