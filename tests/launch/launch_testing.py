@@ -34,8 +34,8 @@ def stopped_at(run: Path, out: Path, step: int) -> Path:
 # answers independent of the ranks' sampling seeds, so a run continued on another number of ranks generates what the
 # straight run generates and trains it within fp32 reduction noise. REINFORCE's advantages (the rewards, whitened over
 # the step) then still differ between the prompts, and the KL and entropy terms move every weight.
-GREEDY_TOY = ("trainer.eval_steps=0", "trainer.report_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false",
-              "trainer.save_steps=1", "rollout.temperature=0", "rollout.n_samples_per_prompt=1",
+GREEDY_TOY = ("trainer.eval_steps=0", "trainer.report_steps=0", "trainer.progress_bar=false",
+              "trainer.tensorboard=false", "trainer.save_steps=1", "rollout.temperature=0", "rollout.n_samples_per_prompt=1",
               "trainer.rollout_batch_size=32", "trainer.train_batch_size=32", "trainer.micro_train_batch_size=32",
               "algorithm.advantage_estimator=reinforce", "algorithm.kl_loss_coef=0.05", "algorithm.entropy_coef=0.01",
               'reward.label_map={first_word: {type: function, function: '
@@ -55,8 +55,9 @@ def metric_rows(out: Path) -> list[dict]:
 
 
 def training_gaps(a: list[dict], b: list[dict]) -> dict[str, float]:
-    """Per training metric both runs report (:data:`NOT_COMPARED` left out), the largest |a - b| over the rows relative to the metric's largest |value| (1 for GRPO / REINFORCE's
-    policy loss: a mean of O(1) terms that sums to ~0)."""
+    """Per training metric both runs report (:data:`NOT_COMPARED` left out), the largest |a - b| over the rows
+    relative to the metric's largest |value| (1 for GRPO / REINFORCE's policy loss: a mean of O(1) terms that sums
+    to ~0)."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
     gaps = {}
     for key in sorted({k for r in a for k in r} & {k for r in b for k in r}):
