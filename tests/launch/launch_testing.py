@@ -35,7 +35,8 @@ def stopped_at(run: Path, out: Path, step: int) -> Path:
 # straight run generates and trains it within fp32 reduction noise. REINFORCE's advantages (the rewards, whitened over
 # the step) then still differ between the prompts, and the KL and entropy terms move every weight.
 GREEDY_TOY = ("trainer.eval_steps=0", "trainer.report_steps=0", "trainer.progress_bar=false",
-              "trainer.tensorboard=false", "trainer.save_steps=1", "rollout.temperature=0", "rollout.n_samples_per_prompt=1",
+              "trainer.tensorboard=false", "trainer.save_steps=1", "rollout.temperature=0",
+              "rollout.n_samples_per_prompt=1",
               "trainer.rollout_batch_size=32", "trainer.train_batch_size=32", "trainer.micro_train_batch_size=32",
               "algorithm.advantage_estimator=reinforce", "algorithm.kl_loss_coef=0.05", "algorithm.entropy_coef=0.01",
               'reward.label_map={first_word: {type: function, function: '
