@@ -184,3 +184,21 @@ def test_a_resource_the_cluster_lacks_is_refused_before_any_actor_starts(two_nod
             f"{TRAINER_NODE}=3 x 1) but the cluster has 2") in err, err
     # refused before the placement group: every group the cluster ever had (the module's runs') is removed
     assert all(group["state"] == "REMOVED" for group in ray.util.placement_group_table().values())
+
+
+
+def test_custom_resources_on_a_ray_of_its_own_are_refused_with_the_way_to_a_cluster():
+    """Without ``distributed.ray_address`` / ``RAY_ADDRESS`` the driver starts a Ray of its own, which holds no
+    custom resource: the refusal says how to join the cluster that has them (and only then)."""
+    from mmrlhf.config.distributed import DistributedConfig
+    from mmrlhf.launch.ray.driver import placement_error
+    from mmrlhf.launch.ray.runtime import check_custom_resources, plan_placement
+
+    d = DistributedConfig(backend="ray", rollout_actor_resources={"rollout_node": 1})
+    with pytest.raises(ValueError) as refused:
+        check_custom_resources(d, plan_placement(d, 1, 0), {"CPU": 2.0})
+    own = placement_error(refused.value, own_ray=True)
+    assert own.startswith("error: the actors ask for 1 of the Ray resource 'rollout_node'") and \
+        "set distributed.ray_address or RAY_ADDRESS" in own
+    assert "ray_address" not in placement_error(refused.value, own_ray=False)
+    assert "ray_address" not in placement_error(ValueError("need 9 GPUs"), own_ray=True)

@@ -11,6 +11,7 @@ groups (:class:`~mmrlhf.launch.ray.source.RayRollouts`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Callable
 
@@ -156,6 +157,14 @@ def cluster_placement(config: Any) -> PlacementPlan:
     return plan
 
 
+def placement_error(exc: ValueError, *, own_ray: bool) -> str:
+    """The error line of a refused placement; where the refusal is a custom resource and the run started a Ray of
+    its own (which has none), how to join the cluster that has them."""
+    hint = ("\n  (this run started a Ray instance of its own on this machine: to run on your cluster, set "
+            "distributed.ray_address or RAY_ADDRESS)") if own_ray and "of the Ray resource" in str(exc) else ""
+    return f"error: {exc}{hint}"
+
+
 def _check_judges(config: Any, plan: PlacementPlan, cluster_gpus: float) -> None:
     """The judges' own actors (reward backend ``ray``) must fit beside the placement group's GPUs."""
     from mmrlhf.rewards.judge.ray_actor import actor_resources, ray_judges
@@ -208,7 +217,8 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, int
         try:
             plan = cluster_placement(config)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            local = started and not (d.ray_address or os.environ.get("RAY_ADDRESS"))
+            print(placement_error(exc, own_ray=local), file=sys.stderr)
             return 2
         run = RayRun(config, plan=plan, push_weights=push_weights)
         try:
