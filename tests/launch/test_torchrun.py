@@ -226,33 +226,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_node_torchrun(*args: str, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+def _two_node_torchrun(*args: str, logs: Path, timeout: int = 600) -> None:
     """What two nodes of one GPU each run: two launchers (``--nnodes 2 --nproc-per-node 1``, node ranks 0 and 1)
-    meeting in a c10d rendezvous, here on the loopback."""
+    meeting in a c10d rendezvous, here on the loopback. Each launcher's output goes to a file in ``logs`` (a pipe
+    left unread would stall its ranks, and with them the other launcher's)."""
     endpoint = f"127.0.0.1:{_free_port()}"
+    files = [open(logs / f"launcher-{node}.log", "w+") for node in (0, 1)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                                "--rdzv-id=two-node-test", *args], env=_env(), cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node in (0, 1)]
-    done = []
+                              stdout=log, stderr=subprocess.STDOUT) for node, log in enumerate(files)]
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        codes = [proc.wait(timeout=timeout) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    for proc in done:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return done
+                proc.wait()
+        for log in files:
+            log.close()
+    for node, code in enumerate(codes):
+        assert code == 0, (logs / f"launcher-{node}.log").read_text()[-6000:]
 
 
 @pytest.fixture(scope="module")
 def two_node_step(tmp_path_factory, toy_model):
     """(tensors, metrics) of the first step (the plain case) trained by two one-rank torchrun launchers."""
     folder = tmp_path_factory.mktemp("first-two-nodes")
-    _two_node_torchrun(str(WORKER), "--model", toy_model, "--case", str(folder))
+    _two_node_torchrun(str(WORKER), "--model", toy_model, "--case", str(folder), logs=folder)
     return torch.load(folder / "tensors.pt", weights_only=True), json.loads((folder / "metrics.json").read_text())
 
 
