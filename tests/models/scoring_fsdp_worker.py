@@ -7,7 +7,8 @@ once with ``distributed.offload=params``; each rank makes the experiences of its
 (scoring_testing.SHARES: rank 1's share is text-only and one forward long, so it runs padding forwards beside rank
 0's image and video ones) through ``FastExperienceMaker.experiences_from`` over the world of both ranks. Written to
 ``--out``: every sample's per-token results, how each model is sharded, and a control: the same step after rank 1
-alone moved its shard of one reference weight.
+alone moved its shard of one reference weight; and, for the first family, a LoRA run's step (its reference: the
+policy's module with the adapters off).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models_testing import load_bundle  # noqa: E402
-from scoring_testing import SHARES, scored_items, scoring_maker, scoring_models, scoring_rollout  # noqa: E402
+from scoring_testing import (  # noqa: E402
+    SHARES,
+    lora_scoring_models,
+    scored_items,
+    scoring_maker,
+    scoring_models,
+    scoring_rollout,
+)
 
 from mmrlhf.models.sharding import shard_models  # noqa: E402
 from mmrlhf.parallel.world import join_from_env, leave  # noqa: E402
@@ -70,6 +78,11 @@ def main() -> None:
                     weight.to_local().add_(0.5 * float(weight.to_local().abs().mean()))
             meta["perturbed"] = name
             results["perturbed"] = scored_items(maker, share, world=world)
+            if family == args.families[0]:  # a LoRA run: its reference is the sharded policy with the adapters off
+                models = lora_scoring_models(bundle)
+                shard_models(models["actor"], models["critic"], compute_dtype="float32",
+                             scorers=(models["reference"],))
+                results["lora"] = scored_items(scoring_maker(bundle, models), share, world=world)
             torch.save(results, out / f"{family}.rank{world.rank}.pt")
             (out / f"{family}.rank{world.rank}.json").write_text(json.dumps(meta))
     finally:

@@ -69,16 +69,31 @@ def scoring_models(bundle: Any) -> dict[str, Any]:
     }
 
 
+def lora_scoring_models(bundle: Any) -> dict[str, Any]:
+    """A LoRA policy (adapters with random B: it differs from its base), its reference as a LoRA run has it (the
+    policy's own module with the adapters off: sharded with the policy, nothing of its own) and a critic; no
+    teacher."""
+    from lora_fsdp_common import lora_actor
+
+    from mmrlhf.models.lora import AdapterOffScorer
+
+    models = scoring_models(bundle)
+    actor = lora_actor(copy.deepcopy(bundle.model), bundle.adapter, "language", seed=0)
+    return {"actor": actor, "reference": AdapterOffScorer(actor), "teacher": None, "critic": models["critic"]}
+
+
 def scoring_maker(bundle: Any, models: dict[str, Any]) -> Any:
     """The experience maker over ``models``: KL in the reward (the reference's log-probs shape the rewards), GAE on
-    the critic's values, the teacher's top-2 log-probs recorded (its forward runs), no step-wide statistic."""
+    the critic's values, the teacher's top-2 log-probs recorded (its forward runs; where there is one), no step-wide
+    statistic."""
     from mmrlhf.algorithms.kl import FixedKLController
     from mmrlhf.experience.fast_maker import FastExperienceMaker
     from mmrlhf.experience.settings import ExperienceSettings
     from mmrlhf.rollout.types import SamplingSettings
 
     settings = ExperienceSettings(n_samples_per_prompt=2, micro_batch_size=MICRO, need_reference=True,
-                                  kl_in_reward=True, distill_topk=2, advantage_estimator="gae",
+                                  kl_in_reward=True, distill_topk=2 if models["teacher"] is not None else 0,
+                                  advantage_estimator="gae",
                                   advantage_params={"gamma": 1.0, "lam": 0.95})
     return FastExperienceMaker(models["actor"], None, None, None, bundle.processor.tokenizer, settings,
                                SamplingSettings(), initial_model=models["reference"], critic=models["critic"],

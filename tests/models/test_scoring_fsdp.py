@@ -23,7 +23,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from scoring_testing import KINDS, SHARES, scored_items, scoring_maker, scoring_models, scoring_rollout
+from scoring_testing import (
+    KINDS,
+    SHARES,
+    lora_scoring_models,
+    scored_items,
+    scoring_maker,
+    scoring_models,
+    scoring_rollout,
+)
 
 from mmrlhf.testing.tolerances import assert_close_at_scale, close_at_scale
 
@@ -74,6 +82,9 @@ def one_process(bundles) -> dict[str, dict[int, dict]]:
     for family in FAMILIES:
         bundle = bundles[family]
         out[family] = scored_items(scoring_maker(bundle, scoring_models(bundle)), scoring_rollout(bundle))
+        if family == FAMILIES[0]:
+            out[f"{family}.lora"] = scored_items(scoring_maker(bundle, lora_scoring_models(bundle)),
+                                                 scoring_rollout(bundle))
     return out
 
 
@@ -113,3 +124,20 @@ def test_controls_the_reference_is_sharded_and_a_moved_shard_is_seen(sharded, on
                                                                                             metas[0]["perturbed"])
         assert_close_at_scale(_by_kind(merged["perturbed"], "action_log_probs", kind),
                               _by_kind(expected, "action_log_probs", kind))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES[:1])
+def test_a_lora_reference_runs_its_padding_forwards_and_scores_as_one_process(sharded, one_process, family):
+    """A LoRA run's reference is the sharded policy's own module with its adapters off: its forwards are collectives
+    too, so the text-only rank's padding forwards must run it (before, they skipped it and the ranks hung)."""
+    merged, _ = _ranks(sharded, family)
+    expected = one_process[f"{family}.lora"]
+    assert "teacher_topk_log_probs" not in expected[0]
+    for kind, name in enumerate(KINDS):
+        for key in expected[0]:
+            assert_close_at_scale(_by_kind(merged["lora"], key, kind), _by_kind(expected, key, kind),
+                                  msg=f"{family} lora {name} {key}")
+    ref, policy = (torch.cat([_by_kind(expected, key, k) for k in range(len(KINDS))])
+                   for key in ("base_action_log_probs", "action_log_probs"))
+    assert not close_at_scale(ref, policy)  # the adapters moved the policy away from its base
