@@ -1,6 +1,7 @@
 """Scoring a step's train items again with a model of this rank: the Ray trainer actors' forwards over what the
 rollout actors sent (the policy's log-probs: the sync check and, with ``max_staleness >= 1``, the PPO ratio's old
-policy; the reference's where the trainer actors hold it, :func:`reference_on_trainers`).
+policy; the reference's and the distillation teacher's where the trainer actors hold them,
+:func:`reference_on_trainers`, :func:`teacher_on_trainers`).
 
 The micro-batches are planned by cost (the rollout's scoring split, :mod:`mmrlhf.parallel.micro_batches`) and
 agreed over the world: a sharded model's forwards are collectives (:mod:`mmrlhf.parallel.aligned`), so every rank
@@ -33,13 +34,9 @@ class ItemLayout:
     shared_prompt_max_tokens: int | None = None
 
 
-@torch.no_grad()
-def score_items(model: Any, items: Sequence[TrainItem], distribution: ScoringDistribution, layout: ItemLayout,
-                world: World | None = None, *, micro_batch_size: int,
-                max_tokens: Budget) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """[A_i] float32 log-probs of each item's response under ``model`` (an :class:`~mmrlhf.models.actor.ActorVL`,
-    sharded or whole) at ``distribution``, in item order, and [A_i] bool: the token lies outside the model's kept
-    set (all False untruncated)."""
+def _forwards(model: Any, items: Sequence[TrainItem], distribution: ScoringDistribution, layout: ItemLayout,
+              world: World | None, *, micro_batch_size: int, max_tokens: Budget, **call: Any) -> list[tuple]:
+    """(item indices, the model's output on the CPU) per real micro-batch, planned and agreed over ``world``."""
     world = world or single()
     adapter = model.adapter
     shape = forward_layout(packing=layout.packing, shared_prompt=layout.shared_prompt,
@@ -52,16 +49,44 @@ def score_items(model: Any, items: Sequence[TrainItem], distribution: ScoringDis
         batch = collate([items[i] for i in micro], packed=layout.packing, pad_id=layout.pad_id, adapter=adapter,
                         shared_prompt=layout.shared_prompt, max_row_tokens=layout.shared_prompt_max_tokens)
         return micro, to_host(model(batch.samples, vision_extra=batch.vision_extra,
-                                    temperature=distribution.temperature, truncation=distribution.truncation))
+                                    temperature=distribution.temperature, truncation=distribution.truncation, **call))
 
+    return run_aligned(plan.micro_batches[0], forward, pad=[0] if items else None)
+
+
+@torch.no_grad()
+def score_items(model: Any, items: Sequence[TrainItem], distribution: ScoringDistribution, layout: ItemLayout,
+                world: World | None = None, *, micro_batch_size: int,
+                max_tokens: Budget) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """[A_i] float32 log-probs of each item's response under ``model`` (an :class:`~mmrlhf.models.actor.ActorVL`,
+    sharded or whole) at ``distribution``, in item order, and [A_i] bool: the token lies outside the model's kept
+    set (all False untruncated)."""
     log_probs: list[torch.Tensor | None] = [None] * len(items)
     outside: list[torch.Tensor | None] = [None] * len(items)
-    for micro, out in run_aligned(plan.micro_batches[0], forward, pad=[0] if items else None):
+    for micro, out in _forwards(model, items, distribution, layout, world, micro_batch_size=micro_batch_size,
+                                max_tokens=max_tokens):
         cut = out.outside if out.outside is not None else torch.zeros_like(out.action_mask)
         for j, i in enumerate(micro):
             a = len(items[i].response_ids)
             log_probs[i], outside[i] = out.log_probs[j, :a].float(), cut[j, :a].bool()  # [b, A] -> [A_i]
     return log_probs, outside
+
+
+@torch.no_grad()
+def with_teacher(teacher: Any, items: Sequence[TrainItem], distribution: ScoringDistribution, layout: ItemLayout,
+                 world: World | None = None, *, topk: int, micro_batch_size: int,
+                 max_tokens: Budget) -> list[TrainItem]:
+    """``items`` with the distillation teacher's ``topk`` most likely tokens at each response position
+    (``teacher_topk_log_probs`` [A_i, k] float32, ``teacher_topk_ids`` [A_i, k] int32), as the experience maker
+    records them for the loss term."""
+    out = list(items)
+    for micro, res in _forwards(teacher, items, distribution, layout, world, micro_batch_size=micro_batch_size,
+                                max_tokens=max_tokens, topk=topk):
+        for j, i in enumerate(micro):
+            a = len(items[i].response_ids)
+            out[i] = out[i].with_token(teacher_topk_log_probs=res.topk_log_probs[j, :a].float(),
+                                       teacher_topk_ids=res.topk_ids[j, :a].to(torch.int32))
+    return out
 
 
 def reference_on_trainers(config: Any) -> bool:
@@ -72,6 +97,14 @@ def reference_on_trainers(config: Any) -> bool:
     no memory. A KL term in the reward keeps it on the rollout actors (their shaping needs it)."""
     a = config.algorithm
     return a.kl_loss_coef > 0 and a.kl_reward_coef == 0 and not config.model.lora.rank
+
+
+def teacher_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode, the trainer actors score the distillation teacher (sharded with the policy):
+    where it serves the loss term only (``algorithm.distill_loss_coef > 0`` with ``distill_coef == 0``); the
+    distillation advantage (``distill_coef > 0``) is shaped on the rollout actors, which then keep it."""
+    a = config.algorithm
+    return bool(config.model.teacher) and a.distill_loss_coef > 0 and a.distill_coef == 0
 
 
 def with_reference(items: Sequence[TrainItem], log_probs: Sequence[torch.Tensor], ref_log_probs: Sequence[torch.Tensor],

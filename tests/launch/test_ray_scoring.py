@@ -1,13 +1,15 @@
-"""The Ray mode's KL-loss reference is scored by the trainer actors, sharded with the policy, and gives one
-process's training.
+"""The Ray mode's KL-loss reference and distillation-loss teacher are scored by the trainer actors, sharded with
+the policy, and give one process's training.
 
-With ``algorithm.kl_loss_coef > 0`` and no KL term in the reward, nothing a rollout actor computes reads the
-reference, so the rollout actors hold none (their maker's phases have no ``reference`` time) and the trainer
-actors (one FSDP2 group of two, gloo) score it beside their re-scoring of the policy
-(:mod:`mmrlhf.experience.rescoring`). The reference is another model than the policy (``model.reference``: the tiny
-model of another seed), so the KL is large from the first step, where a reference equal to the policy would give 0.
-Every metric (the KL to the reference, the KL loss, the gradient norm) and the weight updates of 2 steps match one
-process within the reduction noise of two trainer actors (as tests/launch/test_one_loop.py bounds it)."""
+With ``algorithm.kl_loss_coef > 0`` and no KL term in the reward, and ``distill_loss_coef > 0`` without the
+distillation advantage, nothing a rollout actor computes reads the reference or the teacher, so the rollout actors
+hold neither (their maker's phases have no ``reference`` or ``teacher`` time) and the trainer actors (one FSDP2
+group of two, gloo) score both beside their re-scoring of the policy (:mod:`mmrlhf.experience.rescoring`). Both are
+other models than the policy (the tiny model of other seeds), so the KL and the distillation loss are large from the
+first step, where models equal to the policy would give ~0. Every metric (the KL to the reference, the KL and
+distillation losses, the gradient norm) and the weight updates of 2 steps match one process within the reduction
+noise of two trainer actors (as tests/launch/test_one_loop.py bounds it). On the code before, the rollout actor
+reported the reference and teacher phases."""
 
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ def _config(out: Path, *overrides: str):
     from mmrlhf.testing.tiny_models import tiny_model_dir
 
     return load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
-        f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}", f"model.reference={tiny_model_dir('qwen2_vl', 'tiny', 1)}",
-        "algorithm.kl_loss_coef=0.05", f"trainer.output_dir={out}", f"trainer.max_steps={STEPS}",
+        f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}",
+        f"model.reference={tiny_model_dir('qwen2_vl', 'tiny', 1)}", "algorithm.kl_loss_coef=0.05",
+        f"model.teacher={tiny_model_dir('qwen2_vl', 'tiny', 2)}", "algorithm.distill_loss_coef=0.1",
+        "algorithm.distill_topk=4", f"trainer.output_dir={out}", f"trainer.max_steps={STEPS}",
         "trainer.eval_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.report_steps=0",
         "trainer.save_steps=1000", "trainer.rollout_batch_size=4", "trainer.train_batch_size=64",
         "trainer.micro_train_batch_size=64", *overrides])
@@ -70,11 +74,14 @@ def runs(tmp_path_factory):
     return single, two
 
 
-def test_the_trainer_actors_score_the_reference_as_one_process_does(runs):
+def test_the_trainer_actors_score_the_reference_and_the_teacher_as_one_process_does(runs):
     single, two = (_rows(out) for out in runs)
     assert len(single) == len(two) == STEPS
-    # where the reference ran: in one process's maker; in the Ray run not on the rollout actor
-    assert all("time/reference" in r for r in single) and not any("time/reference" in r for r in two)
+    # where the reference and the teacher ran: in one process's maker; in the Ray run not on the rollout actor
+    for phase in ("time/reference", "time/teacher"):
+        assert all(phase in r for r in single) and not any(phase in r for r in two), phase
+    # the teacher is another model too: its loss term is not that of a teacher equal to the student (~0)
+    assert single[0]["policy/distill_loss"] > 1e-3, single[0]["policy/distill_loss"]
     # a reference other than the policy: a large KL from the first step (a reference equal to it would give 0)
     assert single[0]["kl/mean"] > 0.01 and two[0]["kl/mean"] > 0.01, (single[0]["kl/mean"], two[0]["kl/mean"])
     gaps = {}
@@ -84,9 +91,10 @@ def test_the_trainer_actors_score_the_reference_as_one_process_does(runs):
         pairs = [(a[k], b[k]) for a, b in zip(single, two)]
         scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
         gaps[k] = max(abs(u - v) for u, v in pairs) / scale
-    print(f"\nRay trainer-scored reference vs one process, largest gaps: {sorted(gaps.items(), key=lambda kv: -kv[1])[:5]}")
-    assert {"kl/mean", "policy/kl_loss", "policy/grad_norm", "reward/mean"} <= set(gaps)
-    assert gaps["kl/mean"] <= 1e-5 and gaps["policy/kl_loss"] <= 1e-4, gaps
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    print(f"\nRay trainer-scored reference and teacher vs one process, largest gaps: {worst}")
+    assert {"kl/mean", "policy/kl_loss", "policy/distill_loss", "policy/grad_norm", "reward/mean"} <= set(gaps)
+    assert gaps["kl/mean"] <= 1e-5 and gaps["policy/kl_loss"] <= 1e-4 and gaps["policy/distill_loss"] <= 1e-4, gaps
     assert max(gaps.values()) <= 1e-4, gaps
     a, b = (_update(out) for out in runs)
     gap = max(float((a[k] - b[k]).abs().max()) for k in a) / LR

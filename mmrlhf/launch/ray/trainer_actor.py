@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from mmrlhf.experience.rescoring import reference_on_trainers
+from mmrlhf.experience.rescoring import reference_on_trainers, teacher_on_trainers
 from mmrlhf.launch.ray.source import RayRollouts, RaySettings
 
 logger = logging.getLogger(__name__)
@@ -29,9 +29,9 @@ def trainer_name(index: int) -> str:
 def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, freeze: Callable[[Any], None], *,
                  pool: Any, push_weights: bool) -> Any:
     """The rollout factory of a trainer rank (:data:`~mmrlhf.trainer.builder.RolloutFactory`): the policy built on
-    this rank's device (no engine here), the rollout actors as the source; and the reference where the trainer
-    actors score it (:func:`~mmrlhf.experience.rescoring.reference_on_trainers`: the builder shards it with the
-    policy)."""
+    this rank's device (no engine here), the rollout actors as the source; and the reference and the distillation
+    teacher where the trainer actors score them (:func:`~mmrlhf.experience.rescoring.reference_on_trainers`,
+    :func:`~mmrlhf.experience.rescoring.teacher_on_trainers`: the builder shards them with the policy)."""
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device
@@ -54,6 +54,12 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                                routing_replay=config.rollout.routing_replay).to(resolve_device(t.device)).eval()
         reference.requires_grad_(False)
         reference.excluded_token_ids = actor.excluded_token_ids
+    teacher = None
+    if teacher_on_trainers(config):  # the distillation loss term's teacher: sharded with the policy too
+        from mmrlhf.experience.builder import build_teacher
+
+        teacher = build_teacher(config, actor.adapter, resolve_device(t.device))
+        teacher.excluded_token_ids = actor.excluded_token_ids
     settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
                            on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
                            bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,
@@ -61,9 +67,10 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                            scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
                            scoring_max_tokens=config.rollout.max_tokens_per_micro_batch,
                            report_steps=t.report_steps, sequential=config.algorithm.dynamic_sampling,
-                           kl_estimator=config.algorithm.kl_estimator)
-    return Rollouts(actor, RayRollouts(pool, world, settings, reference=reference), processor, processor.tokenizer,
-                    scorers=() if reference is None else (reference,))
+                           kl_estimator=config.algorithm.kl_estimator, distill_topk=config.algorithm.distill_topk)
+    source = RayRollouts(pool, world, settings, reference=reference, teacher=teacher)
+    return Rollouts(actor, source, processor, processor.tokenizer,
+                    scorers=tuple(m for m in (reference, teacher) if m is not None))
 
 
 class RayTrainerRank:
