@@ -70,7 +70,7 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                            kl_estimator=config.algorithm.kl_estimator, distill_topk=config.algorithm.distill_topk)
     source = RayRollouts(pool, world, settings, reference=reference, teacher=teacher)
     return Rollouts(actor, source, processor, processor.tokenizer,
-                    scorers=tuple(m for m in (reference, teacher) if m is not None))
+                    scorers=tuple(model for model in (reference, teacher) if model is not None))
 
 
 class RayTrainerRank:
