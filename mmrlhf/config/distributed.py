@@ -41,8 +41,9 @@ class DistributedConfig(Section):
     """Host memory for the trained models' states, through FSDP2's CPU offload. ``params``: the actor's and the
     critic's float32 parameters, their gradients and their AdamW moments live in host memory (pinned on an
     accelerator); FSDP2 copies each unit's parameters to the device for its forward and backward (cast to
-    ``model.dtype``) and its gradients back after the reduce-scatter, and the optimiser steps on the CPU. What stays on
-    the GPU: the gathered units, the activations, the reference model and the engine. The cost is time: every
+    ``model.dtype``) and its gradients back after the reduce-scatter, and the optimiser steps on the CPU. The frozen
+    models that score beside them (the reference, a distillation teacher: sharded with the policy) keep their
+    ``model.dtype`` weights there too. What stays on the GPU: the gathered units, the activations and the engine. The cost is time: every
     forward and backward moves the weights over the host link, and AdamW runs on the CPU (about 2 x 16 bytes per
     parameter read and written each step). One process shards over a world of one rank for it (a local process
     group is made); torchrun ranks and Ray trainer actors offload their own shards. ``mmrlhf config show CONFIG
