@@ -57,6 +57,12 @@ def test_scoring_on_the_trainers_is_refused_where_a_rollout_actor_reads_the_old_
     assert policy_on_trainers(load_config(TOY, ["distributed.scoring=trainer"]))
     with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*kl_reward_coef"):
         policy_on_trainers(load_config(TOY, ["distributed.scoring=trainer", "algorithm.kl_reward_coef=0.01"]))
+    from mmrlhf.trainer.preflight import check_before_models
+
+    refused = ["distributed.scoring=trainer", "algorithm.advantage_estimator=gae"]
+    check_before_models(load_config(TOY, refused))  # (outside the Ray mode the key is not read)
+    with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*gae"):  # the Ray driver's, before any actor
+        check_before_models(load_config(TOY, [*refused, "distributed.backend=ray"]))
 
 
 def test_a_weightless_policy_has_the_loaded_ones_modules_and_no_memory():
