@@ -360,7 +360,8 @@ class ExperienceMakerHolder:
             raise failed
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], kind: str) -> None:
-        """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock)."""
+        """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock); without a
+        scoring copy (its trainers score the policy) the tensors go straight into the engine."""
         policy = [(n[len("policy."):], t) for n, t in named if n.startswith("policy.")]
         critic = [(n[len("critic."):], t) for n, t in named if n.startswith("critic.")]
         other = [n for n, _ in named if not n.startswith(("policy.", "critic."))]
