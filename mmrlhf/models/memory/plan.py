@@ -22,9 +22,7 @@ What sits on a GPU, by launch mode (``distributed.backend``):
   routing replay adds the engine's expert indices of a training micro-batch;
 * Ray: rollout actors hold the engine, a float32 scoring copy of the policy, the reference and a critic copy (no
   gradients) on their GPUs; trainer actors hold the training states (sharded when there are several) and the
-  activations, and no engine. Where nothing on the rollout side reads them, the run scores the policy, the KL
-  loss's reference and a loss-only teacher on the trainer actors instead (``mmrlhf.experience.rescoring``,
-  ``distributed.scoring``); this plan still counts them on the rollout actor's GPU (an upper bound there).
+  activations, and no engine.
 
 Phases (``generate`` -> ``score`` -> ``update`` -> ``step`` -> ``critic`` -> ``sync``): the engine is awake while
 it generates. With ``rollout.enable_sleep`` it frees its KV cache and weights from the end of generation (the
