@@ -87,6 +87,14 @@ class DistributedConfig(Section):
     0 is synchronous (generation waits for every update); k >= 1 lets rollout actors generate the next batches while
     the trainer updates, with the importance-sampling rollout correction (``algorithm.rollout_correction``) on the
     engine's log-probs covering the gap. Ray mode only."""
+    scoring: Literal["auto", "trainer", "rollout"] = "auto"
+    """Ray mode: where the old-policy log-probs are computed. ``trainer``: by the trainer actors with the sharded
+    policy before the update, the rollout actors holding no scoring copy of the policy beside their engine (a 32B
+    policy's float32 copy is ~128 GiB); refused, naming the setting, where something on the rollout actors reads them
+    (a KL term in the reward, a reference kept there, the distillation advantage, a critic, ``rollout.routing_replay``,
+    ``agent``, a truncating sampler scored as sampled, a transformers engine, LoRA). ``auto``: ``trainer`` where
+    allowed, else ``rollout``. ``rollout``: each rollout actor scores with its own copy (it then also reports its
+    engine-vs-copy ``engine_logprob_diff/mean|max``). docs/distributed.md, "Where the Ray mode scores"."""
     on_rollout_failure: Literal["stop", "restart"] = "stop"
     """A rollout actor that dies: ``stop`` reports it by name and ends the run cleanly (checkpoint saved); ``restart``
     starts a new one (up to ``max_actor_restarts`` times) and regenerates its unfinished batch."""

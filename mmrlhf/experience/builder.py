@@ -39,7 +39,8 @@ class ExperienceStack:
 
 def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None,
                            policy_path: str | None = None, before_engine: Any = None,
-                           score_reference: bool = True, score_teacher: bool = True) -> ExperienceStack:
+                           score_reference: bool = True, score_teacher: bool = True,
+                           score_policy: bool = True) -> ExperienceStack:
     """Build actor, reference (if KL is used), engine, data processor, reward engine and the maker.
 
     ``policy_path``: where the actor and the engine load the policy from (default ``model.pretrain``; a resumed run
@@ -48,7 +49,9 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     actor sees the final module). ``score_reference=False``: no reference here although the KL loss needs one (a Ray
     rollout actor whose trainer actors score it: :func:`~mmrlhf.experience.rescoring.reference_on_trainers`); the
     experiences then carry none. ``score_teacher=False``: likewise for the distillation loss term's teacher
-    (:func:`~mmrlhf.experience.rescoring.teacher_on_trainers`)."""
+    (:func:`~mmrlhf.experience.rescoring.teacher_on_trainers`). ``score_policy=False``: the actor is the policy's
+    modules without weights (:func:`weightless_policy`: the engine, the processor and the samples read its config
+    only) and the maker runs no policy forward (:func:`~mmrlhf.experience.rescoring.policy_on_trainers`)."""
     from transformers import AutoProcessor
 
     from mmrlhf.data.processor import MultimodalDataProcessor
@@ -61,7 +64,10 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         raise ValueError("model.pretrain is empty: set it to a model directory")
     target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
     lora = model_cfg.lora
-    actor, adapter_path = build_policy(config, policy_path, device=target, before_adapters=before_engine)
+    if score_policy:
+        actor, adapter_path = build_policy(config, policy_path, device=target, before_adapters=before_engine)
+    else:
+        actor, adapter_path = weightless_policy(config, before_adapters=before_engine), None
     adapter = actor.adapter
     policy_path = policy_path or model_cfg.pretrain
     settings = experience_settings(config.algorithm, config.rollout, config.trainer,
@@ -78,6 +84,13 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
             raise ValueError("algorithm.distill_coef > 0 shapes the advantages with the teacher: the experience "
                              "maker must hold it")
         settings = dataclasses.replace(settings, distill_topk=0)
+    if not score_policy:
+        from mmrlhf.experience.rescoring import policy_scoring_blockers
+
+        if settings.need_reference or settings.distill_coef > 0 or critic is not None or settings.routing_metrics:
+            raise ValueError("the experience maker must score the policy here: "
+                             + "; ".join(policy_scoring_blockers(config) or ["a reference, teacher or critic reads it"]))
+        settings = dataclasses.replace(settings, score_policy=False, compute_entropy=False)
     reference = None
     if settings.need_reference and lora.rank and not model_cfg.reference:
         from mmrlhf.models.lora import AdapterOffScorer
@@ -241,6 +254,35 @@ def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch
             logger.info("model.lora.base_dtype: %d frozen Linear parameters (%.2f GiB) stored in %s", cast,
                         cast * base.itemsize / 2**30, str(base).removeprefix("torch."))
     return actor, adapter_path
+
+
+def weightless_policy(config: MMRLHFConfig, *, before_adapters: Any = None) -> Any:
+    """The policy's :class:`~mmrlhf.models.actor.ActorVL` with its parameters on the meta device (no memory): what a
+    Ray rollout actor that scores nothing with it reads (the model config, the generation config's stop ids, the
+    family adapter, the vocabulary's size). Its engine loads the weights itself and receives the trainer's
+    updates directly. ``before_adapters(actor)``: as :func:`build_policy`'s (the parameters' ``requires_grad``)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
+
+    from mmrlhf.models.actor import ActorVL
+    from mmrlhf.models.adapters import get_adapter
+
+    model_cfg = config.model
+    if model_cfg.lora.rank:
+        raise ValueError("model.lora.rank > 0: a rollout actor's LoRA engine is synced from a policy copy with weights")
+    path, remote = model_cfg.pretrain, model_cfg.trust_remote_code
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(path, trust_remote_code=remote),
+                                                        trust_remote_code=remote)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)  # its stop ids, as from_pretrained reads
+    except OSError:  # none saved: the one derived from the model config stays, as from_pretrained keeps it
+        pass
+    actor = ActorVL(model, get_adapter(path, model_cfg.family), masked_attention=model_cfg.masked_attention,
+                    routing_replay=config.rollout.routing_replay,
+                    linear_attention_kernel=model_cfg.linear_attention_kernel)
+    if before_adapters is not None:
+        before_adapters(actor)
+    return actor
 
 
 def masked_kernel(model_cfg: Any, device: torch.device | str) -> str:

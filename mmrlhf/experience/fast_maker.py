@@ -45,6 +45,7 @@ from mmrlhf.experience.skips import NothingToScoreError, empty_rewards, skipped_
 from mmrlhf.experience.step_shaping import shape_step
 from mmrlhf.experience.timing import PhaseTimer
 from mmrlhf.experience.types import ExperienceVL
+from mmrlhf.models.actor import response_index
 from mmrlhf.models.batch import pad_positions
 from mmrlhf.models.placement import to_host
 from mmrlhf.parallel.aligned import run_aligned
@@ -329,13 +330,18 @@ class FastExperienceMaker(ExperienceMaker):
         the other ranks' real forwards wait on. The teacher scores the same batch (same ids, same pixels) under the
         same distribution as the reference."""
         temperature, truncation = distribution.temperature, distribution.truncation
-        with timer("actor"):
-            routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
-            out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
-                             temperature=temperature, truncation=truncation, return_routing=routed)
+        routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
+        if self.settings.score_policy:
+            with timer("actor"):
+                out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
+                                 temperature=temperature, truncation=truncation, return_routing=routed)
+            log_probs, entropy, action_mask, outside = out.log_probs, out.entropy, out.action_mask, out.outside
+        else:  # the trainer scores the policy (mmrlhf.experience.rescoring.policy_on_trainers): the mask only
+            log_probs = entropy = outside = None
+            action_mask = response_index(b.samples)[2]  # [b, A] bool, as the actor's forward returns it
         row: dict[str, torch.Tensor | None] = {
-            "log_probs": out.log_probs, "entropy": out.entropy, "action_mask": out.action_mask,
-            "outside": out.outside, "ref_log_probs": None, "ref_outside": None, "values": None,
+            "log_probs": log_probs, "entropy": entropy, "action_mask": action_mask,
+            "outside": outside, "ref_log_probs": None, "ref_outside": None, "values": None,
             "teacher_log_probs": None, "teacher_topk_log_probs": None, "teacher_topk_ids": None,
         }
         if routed and out.routing is not None and out.routing.own:
@@ -411,7 +417,8 @@ class FastExperienceMaker(ExperienceMaker):
             info.update(step_routing_metrics([r["routing"] for r in scored if "routing" in r]))
         # Engines report log-probs of the distribution they sampled from (after temperature), so the comparison
         # with the actor's log-probs at the sampling temperature holds at every temperature.
-        info.update(engine_mismatch(rows, scored))
+        if self.settings.score_policy:  # (else the trainer's re-scoring checks the engine: trainer_mean / _max)
+            info.update(engine_mismatch(rows, scored))
         info.update(shaped["metrics"])
         return info
 

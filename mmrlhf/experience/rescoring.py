@@ -61,15 +61,36 @@ def score_items(model: Any, items: Sequence[TrainItem], distribution: ScoringDis
     """[A_i] float32 log-probs of each item's response under ``model`` (an :class:`~mmrlhf.models.actor.ActorVL`,
     sharded or whole) at ``distribution``, in item order, and [A_i] bool: the token lies outside the model's kept
     set (all False untruncated)."""
-    log_probs: list[torch.Tensor | None] = [None] * len(items)
-    outside: list[torch.Tensor | None] = [None] * len(items)
+    log_probs, outside, _ = _scores(model, items, distribution, layout, world, entropy=False,
+                                    micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+    return log_probs, outside
+
+
+@torch.no_grad()
+def score_items_with_entropy(model: Any, items: Sequence[TrainItem], distribution: ScoringDistribution,
+                             layout: ItemLayout, world: World | None = None, *, micro_batch_size: int,
+                             max_tokens: Budget) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`score_items` and each item's [A_i] float32 per-token entropy of ``model``'s distribution (the old
+    policy's ``action_entropy``, as the experience maker records it: the same temperature and truncation)."""
+    return _scores(model, items, distribution, layout, world, entropy=True, micro_batch_size=micro_batch_size,
+                   max_tokens=max_tokens)
+
+
+def _scores(model: Any, items: Sequence[TrainItem], distribution: ScoringDistribution, layout: ItemLayout,
+            world: World | None, *, entropy: bool, micro_batch_size: int, max_tokens: Budget) -> tuple[list, list, list]:
+    n = len(items)
+    log_probs: list[Any] = [None] * n
+    outside: list[Any] = [None] * n
+    entropies: list[Any] = [None] * n
     for micro, out in _forwards(model, items, distribution, layout, world, micro_batch_size=micro_batch_size,
-                                max_tokens=max_tokens):
+                                max_tokens=max_tokens, **({"return_entropy": True} if entropy else {})):
         cut = out.outside if out.outside is not None else torch.zeros_like(out.action_mask)
         for j, i in enumerate(micro):
             a = len(items[i].response_ids)
             log_probs[i], outside[i] = out.log_probs[j, :a].float(), cut[j, :a].bool()  # [b, A] -> [A_i]
-    return log_probs, outside
+            if entropy:
+                entropies[i] = out.entropy[j, :a].float()
+    return log_probs, outside, entropies
 
 
 @torch.no_grad()
@@ -105,6 +126,56 @@ def teacher_on_trainers(config: Any) -> bool:
     distillation advantage (``distill_coef > 0``) is shaped on the rollout actors, which then keep it."""
     a = config.algorithm
     return bool(config.model.teacher) and a.distill_loss_coef > 0 and a.distill_coef == 0
+
+
+def policy_scoring_blockers(config: Any) -> list[str]:
+    """What makes a Ray rollout actor read the old-policy log-probs (or entropies) itself, so that it must hold a
+    scoring copy of the policy beside its engine: one reason per setting (empty: nothing on the rollout side reads
+    them). Rewards, dynamic sampling, the whitening and normalisation of the shaping and the step reports read
+    rewards and masks only; the policy entropy and ``high_entropy_top_p`` are the trainer's (the items carry the
+    entropies), and so is the rollout correction (engine log-probs against the old ones)."""
+    from mmrlhf.models.truncation import Truncation
+
+    a, r, m = config.algorithm, config.rollout, config.model
+    found = []
+    if r.engine != "vllm":
+        found.append(f"rollout.engine={r.engine}: it generates with the copy itself")
+    if m.lora.rank:
+        found.append("model.lora.rank > 0: the engine's adapters or merged layers come from the copy")
+    if a.kl_reward_coef > 0:
+        found.append("algorithm.kl_reward_coef > 0: the reward's KL term reads them")
+    elif a.kl_loss_coef > 0 and not reference_on_trainers(config):
+        found.append("the KL loss's reference stays on the rollout actors: their KL record reads them")
+    if a.distill_coef > 0:
+        found.append("algorithm.distill_coef > 0: the distillation advantage reads them")
+    if a.advantage_estimator == "gae":
+        found.append("algorithm.advantage_estimator=gae: the critic's values are scored beside them")
+    if r.routing_replay != "none":
+        found.append(f"rollout.routing_replay={r.routing_replay}: the expert-routing metrics read the copy's routing")
+    if config.agent.enabled:
+        found.append("agent: the per-turn engine divergence of agent rows reads them")
+    if r.temperature > 0 and r.logprob_mode == "sampled" and \
+            Truncation(top_k=r.top_k, top_p=r.top_p, min_p=r.min_p).active:
+        found.append("a truncating sampler scored as sampled (rollout.top_k / top_p / min_p): the shaping's token "
+                     "mask drops the tokens outside the copy's kept set")
+    return found
+
+
+def policy_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode, the trainer actors compute the old-policy log-probs and entropies with the sharded
+    policy before the update, and the rollout actors hold no scoring copy of the policy (``distributed.scoring``:
+    ``auto`` where :func:`policy_scoring_blockers` finds nothing, ``trainer`` refuses a run where it finds something,
+    ``rollout`` keeps the copy). Exact: at ``distributed.max_staleness`` 0 the trainer's weights before the update
+    are the behaviour policy's (the copy held the same); at >= 1 the trainer replaced the copy's log-probs with its
+    own already (the PPO ratio's old policy)."""
+    mode = config.distributed.scoring
+    if mode == "rollout":
+        return False
+    blockers = policy_scoring_blockers(config)
+    if mode == "trainer" and blockers:
+        raise ValueError("distributed.scoring=trainer: the rollout actors must score the old policy here ("
+                         + "; ".join(blockers) + "); use distributed.scoring=auto or rollout")
+    return not blockers
 
 
 def with_reference(items: Sequence[TrainItem], log_probs: Sequence[torch.Tensor], ref_log_probs: Sequence[torch.Tensor],

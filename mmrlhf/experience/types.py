@@ -20,7 +20,9 @@ class Experience(TensorContainer):
     """Everything one policy/critic update needs for a micro-batch (batched or packed layout as in ``Samples``)."""
 
     sequences: torch.Tensor  # [B, S] | [1, T]
-    action_log_probs: torch.Tensor  # [B, A] actor log-probs of the sampled tokens (at generation time)
+    # [B, A] actor log-probs of the sampled tokens (at generation time); None: the trainer scores them (Ray,
+    # mmrlhf.experience.rescoring.policy_on_trainers)
+    action_log_probs: torch.Tensor | None
     base_action_log_probs: torch.Tensor | None  # [B, A] reference-policy log-probs (None without KL)
     values: torch.Tensor | None  # [B, A] critic values (None without a critic)
     returns: torch.Tensor | None  # [B, A] value targets

@@ -182,19 +182,20 @@ RolloutFactory = Callable[[MMRLHFConfig, World, Any, "str | None", Callable[[Any
 def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path: str | None,
                    freeze: Callable[[Any], None], *, share: tuple[int, int] | None = None,
                    engine_sleeps: bool = True, score_reference: bool = True,
-                   score_teacher: bool = True) -> Rollouts:
+                   score_teacher: bool = True, score_policy: bool = True) -> Rollouts:
     """The rollout factory of one process, of every torchrun rank and of every Ray rollout actor: an engine in this
     process, the experience maker (its actor is the trained policy, or a Ray actor's scoring copy), the prompt stream
     and the held-out evaluation (rank 0, or the first ``share``). ``share`` and ``engine_sleeps``: see
     :class:`~mmrlhf.trainer.rollouts.LocalSettings`; ``score_reference=False`` / ``score_teacher=False``: the maker
-    holds no reference / distillation teacher (a Ray rollout actor whose trainer actors score it)."""
+    holds no reference / distillation teacher (a Ray rollout actor whose trainer actors score it);
+    ``score_policy=False``: nor a scoring copy of the policy (its actor has no weights; the trainers score it)."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
 
     t, a, d = config.trainer, config.algorithm, config.data
     stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path,
                                    score_reference=score_reference,
-                                   score_teacher=score_teacher)
+                                   score_teacher=score_teacher, score_policy=score_policy)
     first = world.is_main if share is None else share[0] == 0
     evaluator = build_evaluator(config, stack.maker) if t.eval_steps and first else None
     settings = LocalSettings(

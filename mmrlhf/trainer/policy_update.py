@@ -29,7 +29,7 @@ from mmrlhf.algorithms.moe import load_balancing_loss
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.experience.costs import forward_layout, item_costs
-from mmrlhf.experience.rescoring import ItemLayout, score_items
+from mmrlhf.experience.rescoring import ItemLayout, score_items, score_items_with_entropy
 from mmrlhf.experience.rollout import ScoringDistribution
 from mmrlhf.models.placement import to_device
 from mmrlhf.parallel.micro_batches import Budget
@@ -211,6 +211,15 @@ class PolicyUpdater:
         self.actor.eval()
         return score_items(self.actor, items, distribution, self.item_layout(), world,
                            micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+
+    def score_old(self, items: Sequence[TrainItem], distribution: ScoringDistribution, world: World | None = None,
+                  *, micro_batch_size: int,
+                  max_tokens: Budget) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """:meth:`score` with each item's [A_i] entropy too: the old policy's log-probs and entropies where the
+        trainer computes them before the update (Ray, :func:`~mmrlhf.experience.rescoring.policy_on_trainers`)."""
+        self.actor.eval()
+        return score_items_with_entropy(self.actor, items, distribution, self.item_layout(), world,
+                                        micro_batch_size=micro_batch_size, max_tokens=max_tokens)
 
     def item_layout(self) -> ItemLayout:
         """How the forwards of this update lay out items (what another model scoring the same items follows)."""

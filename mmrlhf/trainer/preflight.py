@@ -30,6 +30,16 @@ def check_before_models(config: MMRLHFConfig) -> None:
     """Every check of this module; raises ``ValueError`` naming the key (and the record) of the first refusal."""
     check_lora_targets(config)
     check_agent_videos(config)
+    check_scoring_placement(config)
+
+
+def check_scoring_placement(config: MMRLHFConfig) -> None:
+    """Refuse ``distributed.scoring=trainer`` in the Ray mode where a rollout actor reads the old-policy log-probs,
+    naming what reads them (:func:`~mmrlhf.experience.rescoring.policy_on_trainers`)."""
+    if config.distributed.backend == "ray":
+        from mmrlhf.experience.rescoring import policy_on_trainers
+
+        policy_on_trainers(config)
 
 
 def check_lora_targets(config: MMRLHFConfig) -> list[str]:

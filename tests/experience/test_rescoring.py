@@ -10,7 +10,8 @@ import torch
 from mmrlhf.algorithms.kl import approx_kl
 from mmrlhf.config import load_config
 from mmrlhf.experience.batching import TrainItem
-from mmrlhf.experience.rescoring import reference_on_trainers, teacher_on_trainers, with_reference
+from mmrlhf.experience.rescoring import (policy_on_trainers, policy_scoring_blockers, reference_on_trainers,
+                                         teacher_on_trainers, with_reference)
 
 TOY = "examples/grpo_toy_shapes_cpu.yaml"
 
@@ -29,6 +30,51 @@ def test_what_the_trainer_actors_score(overrides, reference, teacher):
     config = load_config(TOY, overrides)
     assert reference_on_trainers(config) is reference
     assert teacher_on_trainers(config) is teacher
+
+
+@pytest.mark.parametrize("overrides, trainers", [
+    ([], True),  # GRPO: rewards, groups and masks only on the rollout side
+    (["algorithm.kl_loss_coef=0.05"], True),  # its reference moves to the trainers too
+    (["algorithm.dynamic_sampling=true", "algorithm.advantage_whitening=batch", "algorithm.high_entropy_top_p=0.5",
+      "algorithm.reward_normalization=true"], True),  # rewards and masks; the entropies are the trainers' own
+    (["distributed.scoring=rollout"], False),
+    (["algorithm.kl_reward_coef=0.01"], False),
+    (["algorithm.kl_loss_coef=0.05", "model.lora.rank=4"], False),
+    (["algorithm.advantage_estimator=gae"], False),
+    (["model.teacher=/somewhere", "algorithm.distill_coef=0.5"], False),
+    (["rollout.top_p=0.9"], False),  # the shaping's mask drops the copy's outside tokens
+    (["rollout.top_p=0.9", "rollout.logprob_mode=full"], True),
+    (["rollout.engine=transformers"], False),
+    (["rollout.routing_replay=replay"], False),
+])
+def test_where_the_old_policy_is_scored(overrides, trainers):
+    config = load_config(TOY, overrides)
+    assert policy_on_trainers(config) is trainers
+    assert bool(policy_scoring_blockers(config)) is (not trainers and "distributed.scoring=rollout" not in overrides)
+
+
+def test_scoring_on_the_trainers_is_refused_where_a_rollout_actor_reads_the_old_policy():
+    assert policy_on_trainers(load_config(TOY, ["distributed.scoring=trainer"]))
+    with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*kl_reward_coef"):
+        policy_on_trainers(load_config(TOY, ["distributed.scoring=trainer", "algorithm.kl_reward_coef=0.01"]))
+    from mmrlhf.trainer.preflight import check_before_models
+
+    refused = ["distributed.scoring=trainer", "algorithm.advantage_estimator=gae"]
+    check_before_models(load_config(TOY, refused))  # (outside the Ray mode the key is not read)
+    with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*gae"):  # the Ray driver's, before any actor
+        check_before_models(load_config(TOY, [*refused, "distributed.backend=ray"]))
+
+
+def test_a_weightless_policy_has_the_loaded_ones_modules_and_no_memory():
+    from mmrlhf.experience.builder import build_policy, weightless_policy
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    config = load_config(TOY, [f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}"])
+    shapes, loaded = weightless_policy(config), build_policy(config, None, device=torch.device("cpu"))[0]
+    assert {p.device.type for p in shapes.parameters()} == {"meta"}
+    assert {n: p.shape for n, p in shapes.named_parameters()} == {n: p.shape for n, p in loaded.named_parameters()}
+    assert shapes.model.generation_config.eos_token_id == loaded.model.generation_config.eos_token_id
+    assert type(shapes.adapter) is type(loaded.adapter)
 
 
 def _item(logp: list[float], mask: list[bool]) -> TrainItem:

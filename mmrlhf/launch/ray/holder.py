@@ -67,7 +67,7 @@ class ExperienceMakerHolder:
         defer_full_collections()  # until the engine and the models are built (mmrlhf.startup)
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
-        from mmrlhf.experience.rescoring import reference_on_trainers, teacher_on_trainers
+        from mmrlhf.experience.rescoring import policy_on_trainers, reference_on_trainers, teacher_on_trainers
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
@@ -100,7 +100,8 @@ class ExperienceMakerHolder:
         self._alone = single(resolve_device(t.device))
         made = local_rollouts(cfg, self._alone, critic, None, freeze, share=(index, count), engine_sleeps=False,
                               score_reference=not reference_on_trainers(cfg),  # else the trainer actors score them
-                              score_teacher=not teacher_on_trainers(cfg))
+                              score_teacher=not teacher_on_trainers(cfg),
+                              score_policy=not policy_on_trainers(cfg))  # else no scoring copy of the policy
         self.producer, self.actor, self.tokenizer = made.source, made.actor, made.tokenizer
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0
@@ -359,7 +360,8 @@ class ExperienceMakerHolder:
             raise failed
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], kind: str) -> None:
-        """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock)."""
+        """Engine, scoring actor copy and critic copy from one set of tensors (called under the lock); without a
+        scoring copy (its trainers score the policy) the tensors go straight into the engine."""
         policy = [(n[len("policy."):], t) for n, t in named if n.startswith("policy.")]
         critic = [(n[len("critic."):], t) for n, t in named if n.startswith("critic.")]
         other = [n for n, _ in named if not n.startswith(("policy.", "critic."))]
@@ -373,6 +375,10 @@ class ExperienceMakerHolder:
         if (kind == "lora") != (lora_model(self.actor.model) is not None):
             raise ValueError(f"update_experience_maker: {kind!r} weights for a rollout actor whose policy "
                              f"{'has' if kind != 'lora' else 'has no'} LoRA adapters (model.lora differs)")
+        if not self.maker.settings.score_policy:  # no scoring copy (its trainers score the policy): the engine only
+            if policy:
+                self.producer.engine.update_weights(iter(policy))
+            return
         with torch.no_grad():
             _copy_into(self.actor.model, policy, "policy")
             if critic:
@@ -388,7 +394,10 @@ class ExperienceMakerHolder:
                     "running": running_state(self.maker.state_dict())}
 
     def scoring_weights(self) -> dict[str, torch.Tensor]:
-        """The scoring actor copy's trainable tensors (tests compare them with the trainer's)."""
+        """The scoring actor copy's trainable tensors (tests compare them with the trainer's); none where it holds
+        no copy (its trainers score the policy)."""
+        if not self.maker.settings.score_policy:
+            return {}
         return {n: p.detach().clone() for n, p in self.actor.model.named_parameters() if p.requires_grad}
 
 

@@ -61,6 +61,9 @@ class RaySettings:
     sequential: bool = False
     kl_estimator: str = "k3"  # algorithm.kl_estimator: the per-token KL recorded beside the trainers' reference
     distill_topk: int = 16  # algorithm.distill_topk: the teacher tokens the trainers record per position
+    # the old-policy log-probs and entropies are computed here, before the update (the rollout actors hold no
+    # scoring copy: mmrlhf.experience.rescoring.policy_on_trainers)
+    old_policy: bool = False
 
 
 class RayRollouts:
@@ -140,13 +143,15 @@ class RayRollouts:
         items, distribution = mine["items"], mine["distribution"]
         if isinstance(items, PackedItems):  # another rank's part, columnar on the wire (mmrlhf.experience.wire)
             items = unpack_items(items)
-        current, outside = self.weights.policy.score(items, distribution, self.world,
-                                                     micro_batch_size=self.s.scoring_micro_batch_size,
-                                                     max_tokens=self.s.scoring_max_tokens)  # [A_i] per item each
+        split = {"micro_batch_size": self.s.scoring_micro_batch_size, "max_tokens": self.s.scoring_max_tokens}
+        if self.s.old_policy:  # the behaviour policy's log-probs and entropies: this version's, before its update
+            current, outside, entropy = self.weights.policy.score_old(items, distribution, self.world, **split)
+            items = [it.with_token(action_entropy=e) for it, e in zip(items, entropy)]
+        else:
+            current, outside = self.weights.policy.score(items, distribution, self.world, **split)  # [A_i] each
         # outside this policy's kept set: out of the loss (and of the check)
         items = [it.with_token(loss_mask=it.token["loss_mask"] & ~out) for it, out in zip(items, outside)]
         metrics = self.weights.sync_check(items, current, mine["fresh"])
-        split = {"micro_batch_size": self.s.scoring_micro_batch_size, "max_tokens": self.s.scoring_max_tokens}
         if self.reference is not None:  # the KL loss's reference, scored here rather than on the rollout actors
             ref, _ = score_items(self.reference, items, distribution, self.weights.policy.item_layout(), self.world,
                                  **split)
@@ -156,7 +161,7 @@ class RayRollouts:
             items = with_teacher(self.teacher, items, distribution, self.weights.policy.item_layout(), self.world,
                                  topk=self.s.distill_topk, **split)
         metrics.update(token_versions(items, self.weights.version, self.s.max_staleness))
-        if self.s.max_staleness >= 1:  # the PPO ratio's old policy: the trainer's current version
+        if self.s.max_staleness >= 1 or self.s.old_policy:  # the PPO ratio's old policy: the current version
             items = [it.with_token(action_log_probs=lp) for it, lp in zip(items, current)]
         metrics.update(mine["metrics"])
         return StepBatch(items, metrics, distribution, seconds={"rollout": time.perf_counter() - t0},

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from mmrlhf.experience.rescoring import reference_on_trainers, teacher_on_trainers
+from mmrlhf.experience.rescoring import policy_on_trainers, reference_on_trainers, teacher_on_trainers
 from mmrlhf.launch.ray.source import RayRollouts, RaySettings
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,8 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                            scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
                            scoring_max_tokens=config.rollout.max_tokens_per_micro_batch,
                            report_steps=t.report_steps, sequential=config.algorithm.dynamic_sampling,
-                           kl_estimator=config.algorithm.kl_estimator, distill_topk=config.algorithm.distill_topk)
+                           kl_estimator=config.algorithm.kl_estimator, distill_topk=config.algorithm.distill_topk,
+                           old_policy=policy_on_trainers(config))
     source = RayRollouts(pool, world, settings, reference=reference, teacher=teacher)
     return Rollouts(actor, source, processor, processor.tokenizer,
                     scorers=tuple(model for model in (reference, teacher) if model is not None))
