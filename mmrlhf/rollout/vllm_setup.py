@@ -168,6 +168,9 @@ def check_torchrun_tensor_parallel(tensor_parallel_size: int, world_size: int | 
 # worker to a NUMA node of its own and refuses fewer nodes than workers (``ompmultiprocessing.py``: "Not enough
 # allowed NUMA nodes"), which a one-socket machine always has.
 CPU_THREAD_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# imported by vLLM in each CPU worker process (mmrlhf/rollout/vllm_cpu_worker.py; named, not imported, here: it needs
+# vLLM)
+CPU_WORKER_EXTENSION = "mmrlhf.rollout.vllm_cpu_worker.KeepWeightsWhenPacking"
 
 
 def cpu_thread_binding(cpus: list[int], workers: int) -> str:
@@ -282,6 +285,8 @@ def engine_kwargs(
         # launcher (the ranks of a group are the workers), else through worker processes (``mp``)
         kwargs["tensor_parallel_size"] = tensor_parallel_size
         kwargs["distributed_executor_backend"] = "external_launcher" if ranks is not None else "mp"
+        if ranks is None:  # the model lives in worker processes: they keep the weights a sync loads into
+            kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
     return kwargs
 
 

@@ -71,12 +71,12 @@ def main() -> None:
         new[name] = (p.detach() + 0.05 * p.detach().std().clamp_min(1e-3) * torch.randn(p.shape, generator=g))
     loaded = engine.update_weights(iter(new.items()))
     after = greedy(engine)
-    [shards] = engine.llm.apply_model(engine_shards)
+    shards = engine.llm.apply_model(engine_shards)  # one per worker of this process (mp: all of them, in order)
     rank = world.rank if world is not None else 0
     gathered = world.gather_objects((shards, before, after)) if world is not None else [(shards, before, after)]
     if rank == 0:
         full = {name: [new[src] for src in sources] for name, sources in LAYERS.items()}
-        torch.save({"shards": [g[0] for g in gathered], "before": [g[1] for g in gathered],
+        torch.save({"shards": [s for g in gathered for s in g[0]], "before": [g[1] for g in gathered],
                     "after": [g[2] for g in gathered], "loaded": loaded, "full": full, "tp": args.tp},
                    Path(args.out) / "result.pt")
     engine.close()

