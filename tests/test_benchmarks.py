@@ -172,3 +172,22 @@ def test_the_trainer_benchmark_runs_the_hybrid_shapes_in_every_layout(tmp_path, 
     assert all(r[col["s"]] is not None and r[col["s"]] > 0 for r in rows.values())
     assert rows["grouped"][col["forwards"]] == 1 < rows["packed"][col["forwards"]]
     assert rows["grouped"][col["decoder tokens"]] < rows["packed"][col["decoder tokens"]] / 2
+
+
+@pytest.mark.slow
+def test_the_sharded_scoring_benchmark_scores_as_the_whole_model(tmp_path):
+    """bench_sharded_scoring.py --quick: the reference sharded by the trainer's plan over a world of one rank, with
+    and without offload, scores exactly what the whole model scores (same weights, same kernels), and every row is
+    timed; the GPU figures are the benchmark's to report (docs/gpu.md), not a test's."""
+    import subprocess
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sharded_scoring.py"), "--quick",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = json.loads(out.read_text())["tables"][0]
+    col = {name: i for i, name in enumerate(table["columns"])}
+    rows = {r[col["variant"]]: r for r in table["rows"]}
+    assert list(rows) == ["whole", "sharded", "sharded+offload"]
+    assert all(r[col["s"]] > 0 and r[col["scored tokens"]] > 0 for r in rows.values())
+    assert all(r[col["max |dlogp|"]] <= 1e-5 for r in rows.values()), rows

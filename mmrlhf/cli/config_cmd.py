@@ -43,7 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("--gpu-memory", metavar="GIB", type=float, default=None,
                       help="memory of one GPU in GiB (default: the visible GPU's, else 80)")
     show.add_argument("--ranks", metavar="N", type=int, default=None,
-                      help="torchrun world size for distributed.backend=torchrun (default: WORLD_SIZE, else 8)")
+                      help="with --plan: torchrun world size over all nodes, for distributed.backend=torchrun "
+                      "(default: WORLD_SIZE, else 8)")
+    show.add_argument("--gpus-per-node", metavar="N", type=int, default=None,
+                      help="with --plan: GPUs of one node (default: LOCAL_WORLD_SIZE, else 8); an engine's "
+                      "tensor-parallel group sits on one node, and offload's host memory is summed per node")
     show.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     show.set_defaults(func=_show)
     docs = actions.add_parser(
@@ -78,8 +82,10 @@ def _show(args: argparse.Namespace) -> int:
         return 2
     if args.plan:
         return _plan(args, config, path)
-    if args.shape or args.teacher_shape or args.json or args.gpu_memory is not None or args.ranks is not None:
-        print("error: --shape, --teacher-shape, --gpu-memory, --ranks and --json go with --plan", file=sys.stderr)
+    if (args.shape or args.teacher_shape or args.json or args.gpu_memory is not None or args.ranks is not None
+            or args.gpus_per_node is not None):
+        print("error: --shape, --teacher-shape, --gpu-memory, --ranks, --gpus-per-node and --json go with --plan",
+              file=sys.stderr)
         return 2
     sys.stdout.write(dump_config(config))
     return 0
@@ -94,7 +100,7 @@ def _plan(args: argparse.Namespace, config, path: str | None) -> int:
 
     try:
         plan = memory_plan(config, shape=args.shape, gpu_gib=args.gpu_memory, ranks=args.ranks,
-                           teacher_shape=args.teacher_shape)
+                           teacher_shape=args.teacher_shape, gpus_per_node=args.gpus_per_node)
     except (PlanError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

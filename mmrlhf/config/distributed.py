@@ -3,11 +3,14 @@ the rollout side and the training side are coupled (synchronous or with bounded 
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Dict, Literal, Optional
 
 from pydantic import Field, model_validator
 
 from mmrlhf.config.base import Section
+
+
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")  # Ray's own: not custom resources
 
 
 class DistributedConfig(Section):
@@ -38,8 +41,9 @@ class DistributedConfig(Section):
     """Host memory for the trained models' states, through FSDP2's CPU offload. ``params``: the actor's and the
     critic's float32 parameters, their gradients and their AdamW moments live in host memory (pinned on an
     accelerator); FSDP2 copies each unit's parameters to the device for its forward and backward (cast to
-    ``model.dtype``) and its gradients back after the reduce-scatter, and the optimiser steps on the CPU. What stays on
-    the GPU: the gathered units, the activations, the reference model and the engine. The cost is time: every
+    ``model.dtype``) and its gradients back after the reduce-scatter, and the optimiser steps on the CPU. The frozen
+    models that score beside them (the reference, a distillation teacher: sharded with the policy) keep their
+    ``model.dtype`` weights there too. What stays on the GPU: the gathered units, the activations and the engine. The cost is time: every
     forward and backward moves the weights over the host link, and AdamW runs on the CPU (about 2 x 16 bytes per
     parameter read and written each step). One process shards over a world of one rank for it (a local process
     group is made); torchrun ranks and Ray trainer actors offload their own shards. ``mmrlhf config show CONFIG
@@ -69,6 +73,15 @@ class DistributedConfig(Section):
     trainer_actor_gpus: Optional[float] = Field(default=None, ge=0)
     """GPUs reserved for each trainer actor. None (auto): 1 on a cluster with GPUs, 0 on a CPU cluster; 0 on a GPU
     cluster is refused (the trainer would share GPU 0 with the engines)."""
+    rollout_actor_resources: Dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources each rollout actor reserves besides its CPUs and GPUs (e.g. ``{rollout_node: 1}``): the
+    actor's bundle goes only to a node started with that resource (``ray start --resources '{"rollout_node": 4}'``),
+    so rollout actors and trainer actors land on the nodes meant for them. Empty (default): any node. The cluster
+    must hold every resource the actors ask for in all (refused by key before any actor starts); ``CPU``, ``GPU``
+    and ``memory`` are the ``*_cpus`` / ``*_gpus`` keys' business, not names here."""
+    trainer_actor_resources: Dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources each trainer actor reserves (as ``rollout_actor_resources``), e.g.
+    ``{trainer_node: 1}`` to put the training ranks on the nodes started with ``trainer_node``."""
     max_staleness: int = Field(default=0, ge=0)
     """Asynchronous training: how many policy versions an experience may lag behind the policy that trains on it.
     0 is synchronous (generation waits for every update); k >= 1 lets rollout actors generate the next batches while
@@ -82,6 +95,16 @@ class DistributedConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "DistributedConfig":
+        for key in ("rollout_actor_resources", "trainer_actor_resources"):
+            for name, amount in getattr(self, key).items():
+                if name in RAY_BUILTIN_RESOURCES:
+                    own = {"CPU": "cpus", "GPU": "gpus"}.get(name)
+                    hint = f"set distributed.{key.replace('resources', own)} instead" if own else "leave it out"
+                    raise ValueError(f"distributed.{key}: {name!r} is one of Ray's own resources, not a custom one; "
+                                     f"{hint}")
+                if not amount > 0:
+                    raise ValueError(f"distributed.{key}.{name}={amount:g}: an amount must be > 0 (leave the name out "
+                                     "to place the actors on any node)")
         if self.max_staleness and self.backend not in ("ray",):
             raise ValueError(f"distributed.max_staleness={self.max_staleness} needs distributed.backend=ray "
                              f"(got {self.backend!r}); the other launch modes train synchronously")

@@ -6,6 +6,7 @@ receives plain arguments or its own section only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +38,17 @@ class ExperienceStack:
 
 
 def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None,
-                           policy_path: str | None = None, before_engine: Any = None) -> ExperienceStack:
+                           policy_path: str | None = None, before_engine: Any = None,
+                           score_reference: bool = True, score_teacher: bool = True) -> ExperienceStack:
     """Build actor, reference (if KL is used), engine, data processor, reward engine and the maker.
 
     ``policy_path``: where the actor and the engine load the policy from (default ``model.pretrain``; a resumed run
     passes its checkpoint's model folder), while the reference stays the initial policy. ``before_engine(actor)``
     runs before the engine is built (the trainer freezes parameters there, so a transformers engine sharing the
-    actor sees the final module)."""
+    actor sees the final module). ``score_reference=False``: no reference here although the KL loss needs one (a Ray
+    rollout actor whose trainer actors score it: :func:`~mmrlhf.experience.rescoring.reference_on_trainers`); the
+    experiences then carry none. ``score_teacher=False``: likewise for the distillation loss term's teacher
+    (:func:`~mmrlhf.experience.rescoring.teacher_on_trainers`)."""
     from transformers import AutoProcessor
 
     from mmrlhf.data.processor import MultimodalDataProcessor
@@ -63,6 +68,16 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                                    attn_implementation=model_cfg.attn_implementation,
                                    multi_turn=rollout_kind_class(config).multi_turn,
                                    masked_kernel=masked_kernel(model_cfg, target), agent=config.agent)
+    if not score_reference:
+        if settings.kl_in_reward:
+            raise ValueError("algorithm.kl_reward_coef > 0 shapes the rewards with the reference: the experience "
+                             "maker must hold it")
+        settings = dataclasses.replace(settings, need_reference=False)
+    if not score_teacher:
+        if settings.distill_coef > 0:
+            raise ValueError("algorithm.distill_coef > 0 shapes the advantages with the teacher: the experience "
+                             "maker must hold it")
+        settings = dataclasses.replace(settings, distill_topk=0)
     reference = None
     if settings.need_reference and lora.rank and not model_cfg.reference:
         from mmrlhf.models.lora import AdapterOffScorer

@@ -323,9 +323,11 @@ class FastExperienceMaker(ExperienceMaker):
         scored under ``distribution`` (the sampling temperature and the sampler's truncation: the distribution the
         samples were drawn from). The CPU-built batch goes to the models as it is (each moves it to its device);
         the outputs come back as CPU tensors. ``outside`` / ``ref_outside`` [b, A]: tokens outside the actor's /
-        reference's kept set (None untruncated). ``padding``: a rank-aligning forward whose result is dropped;
-        the reference and the teacher are never sharded, so they run none. The teacher scores the same batch (same
-        ids, same pixels) under the same distribution as the reference."""
+        reference's kept set (None untruncated). ``padding``: a rank-aligning forward whose result is dropped. It
+        runs every model: padding forwards exist only where the models are sharded (the reference and the teacher
+        with the policy, a LoRA reference being the policy's own module), and each sharded forward is a collective
+        the other ranks' real forwards wait on. The teacher scores the same batch (same ids, same pixels) under the
+        same distribution as the reference."""
         temperature, truncation = distribution.temperature, distribution.truncation
         with timer("actor"):
             routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
@@ -340,12 +342,12 @@ class FastExperienceMaker(ExperienceMaker):
             # [N, L, k] per flattened token: the trainer's own top-k and the engine's (docs: moe/ metrics)
             own = out.routing.stacked(b.samples.routed_experts.shape[-2], which="own")
             row["routing"] = (own, b.samples.routed_experts.reshape(own.shape), out.routing.num_experts)
-        if self.settings.need_reference and not padding:
+        if self.settings.need_reference:
             with timer("reference"):
                 ref = self.initial_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
                                          truncation=truncation)
             row["ref_log_probs"], row["ref_outside"] = ref.log_probs, ref.outside
-        if self.teacher_model is not None and not padding:
+        if self.teacher_model is not None:
             with timer("teacher"):
                 teacher = self.teacher_model(b.samples, vision_extra=b.vision_extra, temperature=temperature,
                                              truncation=truncation, topk=self.settings.distill_topk)

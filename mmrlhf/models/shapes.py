@@ -19,6 +19,11 @@ tensors (9.41 B without the multi-token-prediction layer). Qwen3.5-35B-A3B was w
 script's model arguments (layers, widths, heads, experts, linear-attention sizes); its vision tower is taken to be
 the 9B's, merged into its 2,048 hidden size. Sizes only: Qwen3.5's bos / eos ids in ``text_config``
 stay Qwen2's, which change no tensor.
+
+The four shapes past 10B (Qwen2.5-VL-32B / 72B, Qwen3-VL-32B, Qwen3.5-27B) were written down from public copies of
+their ``config.json`` (no copy of the hub's own file was reachable; each entry below names its sources, which agree
+with each other), and ``tests/models/test_memory_counts.py`` checks them: the published sizes of the model cards
+(33.5 B, 73.4 B, 33.4 B, 27 B) and, for Qwen2.5-VL-32B, the exact tensor count of a fine-tune of it.
 """
 
 from __future__ import annotations
@@ -130,6 +135,47 @@ SHAPES: dict[str, dict[str, Any]] = {
                           linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
                           num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512),
         vision_config=_qwen3_vl_vision(27, 1152, 4304, 2048, [])),
+    # Qwen2.5-VL-32B-Instruct: the Qwen2.5-32B decoder (64 layers of 5,120, 40 query / 8 key-value heads, SwiGLU of
+    # 27,648, untied 152,064-row vocabulary) under the 7B's tower with a SwiGLU of 3,456 (not the 3B / 7B's 3,420),
+    # merged into 5,120. Text sizes: a copy of the hub file's text fields ("fetched from huggingface.co/Qwen/
+    # Qwen2.5-VL-32B-Instruct/raw/main/config.json") in a public 32B-readiness module, with vision hidden 1,280,
+    # out_hidden_size 5,120 and intermediate_size 3,456 from the same fetch; the tower's 3,456 is confirmed by a
+    # public count of a Qwen2.5-VL-32B fine-tune's tensors, 33,452,718,336 (checked in the test), and by the 72B's.
+    "qwen2_5_vl_32b": dict(
+        model_type="qwen2_5_vl", tie_word_embeddings=False,
+        text_config=_text(5120, 27648, 64, 40, 8, 152_064, False, _QWEN2_ROPE, 128_000),
+        vision_config={**_qwen2_5_vl_vision(5120), "intermediate_size": 3456}),
+    # Qwen2.5-VL-72B-Instruct: the Qwen2.5-72B decoder (80 layers of 8,192, 64 / 8 heads, SwiGLU of 29,568, untied
+    # 152,064 rows) under the same tower (SwiGLU 3,456) merged into 8,192. Sources: the hub's Qwen/Qwen2.5-VL-72B-
+    # Instruct-AWQ config.json (``_name_or_path`` Qwen/Qwen2.5-VL-72B-Instruct; its vision side is not quantised,
+    # so its 1,280 / 3,456 / out 8,192 are the original's; its text intermediate 29,696 is AWQ's padding of 29,568),
+    # and public model tables of Qwen2.5-VL-72B-Instruct / Qwen2.5-72B (8,192, 29,568, 80, 64 / 8, 152,064).
+    "qwen2_5_vl_72b": dict(
+        model_type="qwen2_5_vl", tie_word_embeddings=False,
+        text_config=_text(8192, 29568, 80, 64, 8, 152_064, False, _QWEN2_ROPE, 128_000),
+        vision_config={**_qwen2_5_vl_vision(8192), "intermediate_size": 3456}),
+    # Qwen3-VL-32B-Instruct: the Qwen3-32B decoder (64 layers of 5,120, 64 query heads of 128 over 8 key-value heads,
+    # SwiGLU of 25,600, untied 151,936 rows) under the 8B's tower (27 blocks of 1,152, deepstack at 8 / 16 / 24)
+    # merged into 5,120. Sources: public copies of its config.json (a shipped-config test of a Qwen3-VL-32B text
+    # encoder, and a checkpoint check of the same encoder's text_encoder/config.json), agreeing field by field.
+    "qwen3_vl_32b": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=_text(5120, 25600, 64, 64, 8, 151_936, False, _QWEN3_ROPE, 262_144, head_dim=128,
+                          attention_bias=False),
+        vision_config=_qwen3_vl_vision(27, 1152, 4304, 5120, [8, 16, 24])),
+    # Qwen3.5-27B: 64 decoder layers in the 9B's 3:1 linear : full attention pattern at 5,120 (24 query / 4
+    # key-value heads of 256 with an output gate, a quarter rotary; Gated DeltaNet with 16 key / 48 value heads of
+    # 128), a dense SwiGLU of 17,408, untied 248,320 rows; the 9B's tower merged into 5,120. Sources: a public full
+    # Qwen3_5Config of the 27B (text and vision), slime's scripts/models/qwen3.5-27B.sh (layers, widths, heads, FFN,
+    # vocabulary, untied) and public checks of Qwen3.6 / 3.8-27B configs (the same architecture and sizes). The
+    # checkpoint's multi-token-prediction layer is not part of the transformers model.
+    "qwen3_5_27b": dict(
+        model_type="qwen3_5", tie_word_embeddings=False, **_QWEN3_5_TOKEN_IDS,
+        text_config=_text(5120, 17408, 64, 24, 4, 248_320, False, _QWEN3_5_ROPE, 262_144, head_dim=256,
+                          attention_bias=False, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+                          linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                          linear_num_key_heads=16, linear_num_value_heads=48),
+        vision_config=_qwen3_vl_vision(27, 1152, 4304, 5120, [])),
 }
 
 

@@ -19,6 +19,10 @@ Never ``fully_shard`` the HF model itself, its lm_head or its input embeddings: 
 without calling their forward, so FSDP would leave them sharded. The wrapper refuses such a layout with a clear
 error (:mod:`mmrlhf.models.fsdp_layout`) instead of failing inside a DTensor op. ``ActorVL.hidden_states`` is
 registered as a forward method of a sharded actor, so calling it directly gathers as ``forward`` does.
+
+The frozen models that score beside the policy (the reference, a distillation teacher) follow the same plan
+(:func:`shard_for_scoring`, through :func:`shard_models`' ``scorers``): every rank holds a shard of each, and each of
+their forwards is a collective like the policy's.
 """
 
 from __future__ import annotations
@@ -75,6 +79,28 @@ def shard_for_training(wrapper: nn.Module, *, block_classes: Iterable[str] | Non
     if isinstance(wrapper, ActorVL):
         register_fsdp_forward_method(wrapper, "hidden_states")
     return wrapper
+
+
+def shard_for_scoring(actor: nn.Module, *, block_classes: Iterable[str] | None = None,
+                      **fully_shard_kwargs: Any) -> nn.Module:
+    """The same plan for a frozen :class:`ActorVL` that only scores (the reference, a distillation teacher): every
+    block its own unit, the wrapper the root; no gradients, so nothing to reduce-scatter. Like the policy's, its
+    forwards are collectives: every rank must run as many as the others (the experience maker's padding forwards
+    run it too, :mod:`mmrlhf.parallel.aligned`). In place; returns it."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    if not isinstance(actor, ActorVL):
+        raise TypeError(f"expected an ActorVL, got {type(actor).__name__}")
+    trained = [n for n, p in actor.named_parameters() if p.requires_grad]
+    if trained:
+        raise ValueError(f"shard_for_scoring is for frozen models; {type(actor).__name__} trains {trained[0]!r} "
+                         f"(and {len(trained) - 1} more): use shard_for_training")
+    check_wrapper_layout(actor.model)
+    for block in block_modules(actor.model, block_classes):
+        fully_shard(block, **fully_shard_kwargs)
+    fully_shard(actor, **fully_shard_kwargs)
+    register_fsdp_forward_method(actor, "hidden_states")
+    return actor
 
 
 def reduce_unused_parameters(wrapper: nn.Module) -> None:
@@ -139,11 +165,18 @@ def offload_policy(offload: str, device: torch.device) -> Any:
     return CPUOffloadPolicy(pin_memory=device.type != "cpu")
 
 
-def shard_models(actor: Any, critic: Any | None, *, compute_dtype: str, offload: str = "none") -> None:
+def shard_models(actor: Any, critic: Any | None, *, compute_dtype: str, offload: str = "none",
+                 scorers: Iterable[Any] = ()) -> None:
     """Shard the policy (and the critic) in place over the default process group; ``compute_dtype``:
     ``model.dtype``; ``offload``: ``distributed.offload`` (:func:`offload_policy`). FSDP2's policy then casts the
     parameters, so the actor's own autocast is switched off (one mechanism per model). Activation checkpointing
-    (:mod:`mmrlhf.models.gradient_checkpointing`) is applied before this."""
+    (:mod:`mmrlhf.models.gradient_checkpointing`) is applied before this.
+
+    ``scorers``: the frozen models this rank scores with (the reference, a distillation teacher: :class:`ActorVL`
+    stored in ``model.dtype``), sharded by the same plan (:func:`shard_for_scoring`) and offloaded with the same
+    policy: under ``params`` their weights live in host memory and each unit is copied to the device for its
+    forward. They need no cast (stored in the compute dtype already). Anything else in ``scorers`` (a LoRA run's
+    reference, the actor's own module with its adapters off) is the actor's and is skipped."""
     kwargs = {}
     mp = mixed_precision_policy(compute_dtype)
     if mp is not None:
@@ -157,3 +190,8 @@ def shard_models(actor: Any, critic: Any | None, *, compute_dtype: str, offload:
         body = getattr(model, "body", model)  # a CriticVL wraps an actor-like body
         body.compute_dtype = None  # FSDP2 casts the parameters (or the run is float32)
         shard_for_training(model, block_classes=language_block_classes(body), **kwargs)
+    frozen = {"offload_policy": host} if host is not None else {}
+    for model in scorers:
+        if not isinstance(model, ActorVL) or model is actor:
+            continue
+        shard_for_scoring(model, block_classes=language_block_classes(model), **frozen)

@@ -170,6 +170,10 @@ class Rollouts:
     source: RolloutSource
     processor: Any  # saved beside the model in checkpoints
     tokenizer: Any
+    # the frozen models the source scores with on this rank (the reference, a distillation teacher): sharded and
+    # offloaded with the policy (FSDP2, same plan: mmrlhf.models.sharding.shard_models); none where the rank scores
+    # nothing (a Ray trainer actor) or the reference is the actor's own module (LoRA)
+    scorers: tuple[Any, ...] = ()
 
 
 # (config, world, critic, policy_path, freeze) -> Rollouts; policy_path: the checkpoint's model/ on a resume
@@ -178,16 +182,20 @@ RolloutFactory = Callable[[MMRLHFConfig, World, Any, "str | None", Callable[[Any
 
 def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path: str | None,
                    freeze: Callable[[Any], None], *, share: tuple[int, int] | None = None,
-                   engine_sleeps: bool = True) -> Rollouts:
+                   engine_sleeps: bool = True, score_reference: bool = True,
+                   score_teacher: bool = True) -> Rollouts:
     """The rollout factory of one process, of every torchrun rank and of every Ray rollout actor: an engine in this
     process, the experience maker (its actor is the trained policy, or a Ray actor's scoring copy), the prompt stream
     and the held-out evaluation (rank 0, or the first ``share``). ``share`` and ``engine_sleeps``: see
-    :class:`~mmrlhf.trainer.rollouts.LocalSettings`."""
+    :class:`~mmrlhf.trainer.rollouts.LocalSettings`; ``score_reference=False`` / ``score_teacher=False``: the maker
+    holds no reference / distillation teacher (a Ray rollout actor whose trainer actors score it)."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
 
     t, a, d = config.trainer, config.algorithm, config.data
-    stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path)
+    stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path,
+                                   score_reference=score_reference,
+                                   score_teacher=score_teacher)
     # torchrun ranks share an engine per rollout.tensor_parallel_size of them (mmrlhf.parallel.engine_groups)
     group_size = config.rollout.tensor_parallel_size if share is None and world.launch == "torchrun" else 1
     # the evaluation's engine calls are its group's: every rank of the first engine group evaluates alike
@@ -201,8 +209,9 @@ def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path:
         engine_group_size=group_size)
     stream = PromptStream(build_prompt_source(config), seed=t.seed, shuffle=d.shuffle,
                           restart_on_change=d.restart_stream_on_resume)
+    scorers = tuple(m for m in (stack.reference, stack.teacher) if m is not None)
     return Rollouts(stack.actor, LocalRollouts(stack.maker, stream, world, settings, evaluator), stack.processor,
-                    stack.tokenizer)
+                    stack.tokenizer, scorers=scorers)
 
 
 def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | None = None,
@@ -258,7 +267,8 @@ def build_trainer(config: MMRLHFConfig, *, resume: bool = False, world: World | 
                             type(model).__name__, len(blocks))
     if world.sharded or config.distributed.offload != "none":  # offload: FSDP2's, over a world of one rank too
         _check_group(config.distributed.offload)
-        shard_models(made.actor, critic, compute_dtype=config.model.dtype, offload=config.distributed.offload)
+        shard_models(made.actor, critic, compute_dtype=config.model.dtype, offload=config.distributed.offload,
+                     scorers=made.scorers)
     policy, critic_updater = build_updaters(config, made.actor, critic, pad_id=made.tokenizer.pad_token_id,
                                             world=world)
     wandb = None

@@ -29,10 +29,10 @@ from mmrlhf.algorithms.moe import load_balancing_loss
 from mmrlhf.algorithms.rollout_correction import rollout_correction
 from mmrlhf.experience.batching import TrainItem, collate, group_keys
 from mmrlhf.experience.costs import forward_layout, item_costs
+from mmrlhf.experience.rescoring import ItemLayout, score_items
 from mmrlhf.experience.rollout import ScoringDistribution
-from mmrlhf.models.placement import to_device, to_host
-from mmrlhf.parallel.aligned import run_aligned
-from mmrlhf.parallel.micro_batches import Budget, plan_micro_batches
+from mmrlhf.models.placement import to_device
+from mmrlhf.parallel.micro_batches import Budget
 from mmrlhf.parallel.world import World, single
 from mmrlhf.trainer.minibatch import GuardedStepper, run_minibatches
 
@@ -208,26 +208,12 @@ class PolicyUpdater:
         planned by cost under ``micro_batch_size`` and ``max_tokens`` (the rollout's scoring split,
         :mod:`mmrlhf.parallel.micro_batches`) and agreed over ``world`` (sharded forwards are collective:
         :mod:`mmrlhf.parallel.aligned`); a padding forward's result is dropped."""
-        s, actor = self.s, self.actor
-        world = world or single()
-        actor.eval()
-        layout = forward_layout(packing=s.packing, shared_prompt=s.shared_prompt,
-                                max_row_tokens=s.shared_prompt_max_tokens)
-        plan = plan_micro_batches(item_costs(items, adapter=actor.adapter, grouped=s.shared_prompt),
-                                  [list(range(len(items)))], layout, samples=micro_batch_size, tokens=max_tokens,
-                                  world=world)
+        self.actor.eval()
+        return score_items(self.actor, items, distribution, self.item_layout(), world,
+                           micro_batch_size=micro_batch_size, max_tokens=max_tokens)
 
-        def forward(micro: list[int], padding: bool) -> tuple[list[int], Any]:
-            batch = collate([items[i] for i in micro], packed=s.packing, pad_id=self.pad_id, adapter=actor.adapter,
-                            shared_prompt=s.shared_prompt, max_row_tokens=s.shared_prompt_max_tokens)
-            return micro, to_host(actor(batch.samples, vision_extra=batch.vision_extra,
-                                        temperature=distribution.temperature, truncation=distribution.truncation))
-
-        log_probs: list[torch.Tensor | None] = [None] * len(items)
-        outside: list[torch.Tensor | None] = [None] * len(items)
-        for micro, out in run_aligned(plan.micro_batches[0], forward, pad=[0] if items else None):
-            cut = out.outside if out.outside is not None else torch.zeros_like(out.action_mask)
-            for j, i in enumerate(micro):
-                a = len(items[i].response_ids)
-                log_probs[i], outside[i] = out.log_probs[j, :a].float(), cut[j, :a].bool()  # [b, A] -> [A_i]
-        return log_probs, outside
+    def item_layout(self) -> ItemLayout:
+        """How the forwards of this update lay out items (what another model scoring the same items follows)."""
+        s = self.s
+        return ItemLayout(pad_id=self.pad_id, packing=s.packing, shared_prompt=s.shared_prompt,
+                          shared_prompt_max_tokens=s.shared_prompt_max_tokens)

@@ -64,7 +64,10 @@ def restore_rng(json_state: dict[str, Any], tensors: dict[str, torch.Tensor],
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
-        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+        # A rank saves every device it sees; the resumed process may see fewer (a torchrun rank of an 8-GPU node
+        # resumed by a Ray trainer actor, which sees its one GPU, or on nodes of 4): the devices it has get theirs.
+        saved = sorted((k for k in tensors if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+        states = [tensors[k] for k in saved][: torch.cuda.device_count()]
         if states:
             torch.cuda.set_rng_state_all(states)
     for name, gen in (extra or {}).items():

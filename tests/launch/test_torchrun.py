@@ -218,6 +218,45 @@ def worker_steps(tmp_path_factory, toy_model):
                   json.loads((folder / "metrics.json").read_text())) for key, folder in folders.items()}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_node_torchrun(*args: str, logs: Path, timeout: int = 600) -> None:
+    """What two nodes of one GPU each run: two launchers (``--nnodes 2 --nproc-per-node 1``, node ranks 0 and 1)
+    meeting in a c10d rendezvous, here on the loopback. Each launcher's output goes to a file in ``logs`` (a pipe
+    left unread would stall its ranks, and with them the other launcher's)."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    files = [open(logs / f"launcher-{node}.log", "w+") for node in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                               f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                               "--rdzv-id=two-node-test", *args], env=_env(), cwd=ROOT, text=True,
+                              stdout=log, stderr=subprocess.STDOUT) for node, log in enumerate(files)]
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in files:
+            log.close()
+    for node, code in enumerate(codes):
+        assert code == 0, (logs / f"launcher-{node}.log").read_text()[-6000:]
+
+
+@pytest.fixture(scope="module")
+def two_node_step(tmp_path_factory, toy_model):
+    """(tensors, metrics) of the first step (the plain case) trained by two one-rank torchrun launchers."""
+    folder = tmp_path_factory.mktemp("first-two-nodes")
+    _two_node_torchrun(str(WORKER), "--model", toy_model, "--case", str(folder), logs=folder)
+    return torch.load(folder / "tensors.pt", weights_only=True), json.loads((folder / "metrics.json").read_text())
+
+
 @pytest.fixture(scope="module")
 def offload_step(tmp_path_factory, toy_model):
     """(tensors, metrics) of the first step in one process with ``distributed.offload=params``."""
@@ -255,6 +294,22 @@ def test_two_ranks_take_the_one_process_first_step(first_step):
     for key in ("policy/pg_loss", "policy/kl_loss"):
         assert m2[key] == pytest.approx(m1[key], abs=1e-7), key
     assert m2["engine_logprob_diff/max"] < 1e-5  # each rank's engine matches its shard of the policy
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_two_one_rank_launchers_over_a_rendezvous_train_as_one_two_rank_launcher(first_step, two_node_step):
+    """Two nodes, tested on one machine: two ``torchrun --nnodes 2 --nproc-per-node 1`` launchers meeting in a c10d
+    rendezvous train the first step exactly as ``--nproc-per-node 2``'s two ranks (the same ranks, the same
+    process group, only the launchers differ): every gradient and updated weight within fp32 summation noise of
+    the tensor's scale (measured: bitwise equal), and both equal one process's (the test above)."""
+    (sharded, m2), (nodes, m3) = first_step["sharded"], two_node_step
+    assert m3["samples_per_rank"] == m2["samples_per_rank"] == 64 and m3["rewards_sum"] == m2["rewards_sum"]
+    assert nodes.keys() == sharded.keys() and any(k.startswith("param.") for k in nodes)
+    for key in nodes:
+        assert_close_at_scale(nodes[key], sharded[key], msg=key)
+    assert m3["policy/grad_norm"] == pytest.approx(m2["policy/grad_norm"], rel=1e-6)
+    assert m3["engine_logprob_diff/max"] < 1e-5
 
 
 @pytest.mark.slow

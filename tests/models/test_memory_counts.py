@@ -128,3 +128,67 @@ def test_moe_and_hybrid_shapes_read_their_experts_and_linear_attention_layers():
     # control: a dense Qwen3-VL has neither (its conv-free layers hold no 3-D expert tensors)
     dense = model_facts(shape_config("qwen3_vl_8b"), freeze_vision_tower=True, freeze_merger=False).decoder
     assert (dense.moe_layers, dense.linear_layers, dense.attn_output_gate) == (0, 0, False)
+
+
+# The public config.json values of the four shapes past 10B (text_config / vision_config fields), as the sources
+# named in mmrlhf/models/shapes.py give them: Qwen/Qwen2.5-VL-32B-Instruct (its hub file's text fields and vision
+# hidden / out / intermediate sizes), Qwen/Qwen2.5-VL-72B-Instruct (the hub's AWQ copy's vision side and
+# _name_or_path; Qwen2.5-72B's decoder), Qwen/Qwen3-VL-32B-Instruct (two public copies of its config.json) and
+# Qwen/Qwen3.5-27B (a public full Qwen3_5Config of it, slime's model arguments).
+PUBLIC_CONFIGS = {
+    "qwen2_5_vl_32b": (
+        dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+        dict(depth=32, hidden_size=1280, intermediate_size=3456, num_heads=16, out_hidden_size=5120, patch_size=14,
+             spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])),
+    "qwen2_5_vl_72b": (
+        dict(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+             num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+        dict(depth=32, hidden_size=1280, intermediate_size=3456, num_heads=16, out_hidden_size=8192, patch_size=14,
+             spatial_merge_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])),
+    "qwen3_vl_32b": (
+        dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+             num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120, patch_size=16,
+             spatial_merge_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])),
+    "qwen3_5_27b": (
+        dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+             num_key_value_heads=4, head_dim=256, vocab_size=248320, tie_word_embeddings=False,
+             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+             linear_conv_kernel_dim=4,
+             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120, patch_size=16,
+             spatial_merge_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[])),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_CONFIGS))
+def test_the_large_shapes_hold_their_public_config_values(name):
+    text, vision = PUBLIC_CONFIGS[name]
+    cfg = shape_config(name)  # the transformers config built from the shape: what the plan counts
+    t, v = cfg.get_text_config(), cfg.vision_config
+    assert {k: getattr(t, k) for k in text} == text
+    assert {k: getattr(v, k) for k in vision} == vision
+
+
+def test_the_large_shapes_have_the_published_sizes():
+    """Counted from the meta model: Qwen2.5-VL-32B exactly as a public count of a fine-tune of it (the same tensors:
+    33,452,718,336; the hub lists 33.5 B), Qwen2.5-VL-72B at the hub's 73.4 B with the Qwen2.5-72B card's 72.7 B of
+    language model, Qwen3-VL-32B with the Qwen3-32B card's 32.8 B of language model and the 8B's tower, Qwen3.5-27B
+    at its card's 27 B (a 54 GB bf16 checkpoint; its multi-token-prediction layer is not in the transformers
+    model)."""
+    def counts(name):
+        return model_facts(shape_config(name), freeze_vision_tower=True, freeze_merger=False).counts
+
+    c32 = counts("qwen2_5_vl_32b")
+    assert c32.total == 33_452_718_336
+    c72 = counts("qwen2_5_vl_72b")
+    assert c72.total / 1e9 == pytest.approx(73.4, rel=0.002) and c72.language / 1e9 == pytest.approx(72.7, abs=0.05)
+    assert c72.vision_tower == c32.vision_tower  # one tower, merged into 8,192 instead of 5,120
+    q3 = counts("qwen3_vl_32b")
+    assert q3.language / 1e9 == pytest.approx(32.8, rel=0.005)
+    assert q3.vision_tower == counts("qwen3_vl_8b").vision_tower  # the 8B's 27 blocks of 1,152
+    assert q3.total / 1e9 == pytest.approx(33.4, rel=0.005)
+    q35 = counts("qwen3_5_27b")
+    assert q35.total / 1e9 == pytest.approx(27.0, rel=0.03)
+    assert q35.vision_tower == counts("qwen3_5_9b").vision_tower

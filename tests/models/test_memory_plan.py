@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -26,17 +27,17 @@ def _plan(overrides=(), shape="qwen2_5_vl_7b", gpu=80.0):
     return facts, plan_inputs(cfg, facts, gpu_gib=gpu)
 
 
-def test_torchrun_divides_the_sharded_states_by_the_ranks_and_nothing_else():
+def test_torchrun_divides_the_sharded_states_and_the_reference_by_the_ranks_and_not_the_engine_share():
     facts, p = _plan(["algorithm.kl_loss_coef=0.01"])
     one = plan_launch(facts, p, "single").gpus[0].phases
+    assert one["generate"]["reference (model.dtype)"] == 2 * facts.counts.total  # whole in one process
     for n in (2, 4, 8):
         rank = plan_launch(facts, p, "torchrun", n).gpus[0].phases
-        for name in ("actor weights (float32)", "actor AdamW moments (float32)"):
-            assert rank["generate"][name] == one["generate"][name] // n
+        for name in ("actor weights (float32)", "actor AdamW moments (float32)", "reference (model.dtype)"):
+            assert rank["generate"][name] == one["generate"][name] // n, name
         assert rank["update"]["actor gradients (float32)"] == one["update"]["actor gradients (float32)"] // n
         assert rank["step"]["AdamW step temporaries"] == one["step"]["AdamW step temporaries"] // n
-        # not sharded: the reference (every rank keeps a whole one) and the engine's share
-        assert rank["generate"]["reference (model.dtype)"] == one["generate"]["reference (model.dtype)"]
+        # not sharded: the engine's share of each GPU
         assert rank["generate"]["engine (vLLM, awake)"] == one["generate"]["engine (vLLM, awake)"]
         assert "FSDP gathered parameters" in rank["update"] and "FSDP gathered parameters" not in one["update"]
     # FSDP2's mixed precision: no bf16 weight copies under torchrun; the compute copy (trainer.compute_copy: auto)
@@ -74,14 +75,22 @@ def test_the_trainer_keeps_16_bytes_per_trained_parameter_and_4_per_frozen_one()
     assert c.frozen == c.vision_tower  # trainer.freeze_vision_tower (default): the merger trains
 
 
-def test_ray_puts_the_engine_and_scoring_copies_on_rollout_gpus_and_states_on_trainer_gpus():
-    facts, p = _plan(["distributed.backend=ray", "distributed.num_trainer_actors=4", "rollout.enable_sleep=false"])
+def test_ray_rollout_gpus_hold_only_the_engine_and_the_sharded_trainers_score():
+    facts, p = _plan(["distributed.backend=ray", "distributed.num_trainer_actors=4", "rollout.enable_sleep=false",
+                      "algorithm.kl_loss_coef=0.01", "rollout.tensor_parallel_size=2"])
     rollout, trainer = plan_launch(facts, p).gpus
-    assert "engine (vLLM, awake)" in rollout.phases["generate"]
-    assert rollout.phases["generate"]["policy scoring copy (float32)"] == 4 * facts.counts.total
+    assert rollout.count == 2 and rollout.phases == {"generate": {"engine (vLLM, awake)": int(0.35 * 80 * GIB)}}
     assert all("engine" not in name for parts in trainer.phases.values() for name in parts)
-    assert trainer.count == 4
-    assert trainer.phases["update"]["actor weights (float32)"] == 4 * facts.counts.total // 4
+    assert trainer.count == 4 and set(trainer.phases) == {"score", "update", "step", "sync"}
+    c = facts.counts
+    assert trainer.phases["update"]["actor weights (float32)"] == 4 * c.total // 4
+    score = trainer.phases["score"]  # old-policy and reference log-probs on the FSDP2-sharded trainer actors
+    assert score["reference (model.dtype)"] == 2 * c.total // 4 and "scoring forward" in score
+    assert "FSDP gathered parameters" in score
+    # the transformers engine generates with a float32 copy of the policy on the rollout GPU
+    facts, p = _plan(["distributed.backend=ray", "rollout.engine=transformers"])
+    rollout = plan_launch(facts, p).gpus[0].phases["generate"]
+    assert rollout["policy copy (float32, transformers engine)"] == 4 * facts.counts.total
 
 
 def test_sleep_frees_the_engine_between_generation_and_sync():
@@ -271,10 +280,12 @@ def test_a_teacher_is_stored_where_scoring_runs_and_must_be_found():
     teacher = 2 * facts_of(cfg, "qwen2_5_vl_7b").counts.total
     assert plan.inputs.teacher_bytes == teacher
     assert all(parts["teacher (model.dtype)"] == teacher for parts in plan.launch.gpus[0].phases.values())
-    ray = plan_launch(plan.facts, plan.inputs, "ray")
+    ray = plan_launch(plan.facts, plan.inputs, "ray", 2)
     rollout, trainer = ray.gpus
-    assert rollout.phases["score"]["teacher (model.dtype)"] == teacher
-    assert all("teacher (model.dtype)" not in parts for parts in trainer.phases.values())
+    assert all("teacher (model.dtype)" not in parts for parts in rollout.phases.values())
+    assert trainer.phases["score"]["teacher (model.dtype)"] == teacher // 2  # sharded over the trainer actors
+    rank = plan_launch(plan.facts, plan.inputs, "torchrun", 4).gpus[0]
+    assert rank.phases["score"]["teacher (model.dtype)"] == teacher // 4
     with pytest.raises(PlanError, match="model.teacher=.*--teacher-shape"):
         memory_plan(cfg, shape="qwen2_5_vl_3b", gpu_gib=80)
     off = _config(["algorithm.distill_coef=0", "algorithm.distill_loss_coef=0", "model.teacher="], path=distill)
@@ -293,3 +304,74 @@ def test_an_in_process_judge_takes_its_share_while_it_judges(sleep):
     assert ("judge engine (vLLM)" in phases["update"]) == (not sleep)
     _, none = _plan()
     assert none.judges == ()
+
+
+def test_torchrun_ranks_share_tensor_parallel_engines_in_groups_on_one_node():
+    """rollout.tensor_parallel_size=4 under torchrun: every GPU keeps its share, holds a quarter of the engine's
+    weights (the sync wakes that quarter) and a quarter of its per-token KV; groups must divide the ranks and sit
+    on one node of --gpus-per-node GPUs."""
+    from mmrlhf.models.memory.plan import engine_weight_bytes, kv_bytes_per_token
+
+    facts, one = _plan(["distributed.backend=torchrun"], shape="qwen2_5_vl_32b")
+    facts, tp4 = _plan(["distributed.backend=torchrun", "rollout.tensor_parallel_size=4"], shape="qwen2_5_vl_32b")
+    c = facts.counts
+    assert engine_weight_bytes(facts, one) == 2 * c.total and engine_weight_bytes(facts, tp4) == 2 * c.total // 4
+    assert kv_bytes_per_token(facts, 2, 4) == kv_bytes_per_token(facts, 2) // 4
+    a, b = (plan_launch(facts, x, "torchrun", 8) for x in (one, tp4))
+    assert a.gpus[0].phases["generate"]["engine (vLLM, awake)"] == b.gpus[0].phases["generate"]["engine (vLLM, awake)"]
+    assert b.gpus[0].phases["sync"]["engine weights (woken for the sync)"] == 2 * c.total // 4
+    assert "2 engines of 4 GPUs" in b.label
+    # the 62 GiB bf16 engine cannot start in one 28 GiB share; a quarter of it can
+    assert any(m.startswith("vLLM cannot start") for m in a.problems)
+    assert not any(m.startswith("vLLM cannot start") for m in b.problems)
+    # groups of 4 do not divide 6 ranks; on nodes of 2 GPUs a group of 4 would span nodes; 16 ranks on 8 per node do
+    assert any("does not divide the 6 torchrun ranks" in m for m in plan_launch(facts, tp4, "torchrun", 6).problems)
+    small_nodes = dataclasses.replace(tp4, gpus_per_node=2)
+    assert any("must sit on one node of 2 GPUs" in m for m in plan_launch(facts, small_nodes, "torchrun", 8).problems)
+    wide = plan_launch(facts, tp4, "torchrun", 16)
+    assert not any("tensor_parallel_size" in m for m in wide.problems)
+    assert wide.label.startswith("torchrun over 16 GPUs (2 nodes x 8), 4 engines of 4 GPUs")
+
+
+def test_offload_moves_the_reference_and_teacher_shards_to_host_memory_summed_per_node():
+    facts, p = _plan(["algorithm.kl_loss_coef=0.01", "distributed.offload=params"])
+    launch = plan_launch(facts, p, "torchrun", 16)
+    rank = launch.gpus[0]
+    assert not {n for parts in rank.phases.values() for n in parts} & {"reference (model.dtype)"}
+    assert rank.host["reference (model.dtype)"] == 2 * facts.counts.total // 16
+    assert "FSDP gathered parameters" in rank.phases["score"]  # the reference's units come in for its forward
+    assert launch.processes_per_node == 8 and launch.host_per_node == 8 * sum(rank.host.values())
+    single = plan_launch(facts, p, "single")
+    assert single.processes_per_node == 1 and single.host_per_node == sum(single.gpus[0].host.values())
+    # control: without offload the reference shard stays on the GPU and nothing is in host memory
+    facts, q = _plan(["algorithm.kl_loss_coef=0.01"])
+    plain = plan_launch(facts, q, "torchrun", 16)
+    assert plain.gpus[0].phases["generate"]["reference (model.dtype)"] == 2 * facts.counts.total // 16
+    assert plain.host_per_node == 0
+
+
+def test_an_engine_that_cannot_start_gets_the_smallest_tensor_parallel_size_that_fits_a_node():
+    from mmrlhf.models.memory.advice import tensor_parallel_fix
+
+    facts, p = _plan(["distributed.backend=torchrun"], shape="qwen2_5_vl_72b")
+    assert tensor_parallel_fix(facts, p) == ["rollout.tensor_parallel_size=8"]  # 137 GiB: an eighth fits 28 GiB
+    facts32, p32 = _plan(["distributed.backend=torchrun"], shape="qwen2_5_vl_32b")
+    assert tensor_parallel_fix(facts32, p32) == ["rollout.tensor_parallel_size=4"]  # a half (31 GiB) does not
+    assert tensor_parallel_fix(facts32, dataclasses.replace(p32, gpus_per_node=2)) is None  # 4 > a node's GPUs
+    assert tensor_parallel_fix(facts32, dataclasses.replace(p32, tensor_parallel=4)) is None  # it starts already
+    # the fixes of a 32B full fine-tune on one node of 8 all set it, and name offload or LoRA with it
+    plan = memory_plan(_config(["distributed.backend=torchrun"]), shape="qwen2_5_vl_32b", gpu_gib=80, ranks=8)
+    assert not plan.launch.fits and plan.fixes
+    assert all("rollout.tensor_parallel_size=4" in f.label for f in plan.fixes)
+    assert {"distributed.offload=params", "model.lora.rank=64"} <= {o for f in plan.fixes for o in f.overrides}
+
+
+def test_the_summary_lists_torchrun_over_the_planned_ranks_past_one_node():
+    plan = memory_plan(_config(["distributed.backend=torchrun"]), shape="qwen2_5_vl_7b", gpu_gib=80, ranks=32,
+                       gpus_per_node=8, suggest=False)
+    labels = [m.label for m in plan.modes]
+    assert "torchrun over 32 GPUs (4 nodes x 8)" in labels and "torchrun over 8 GPUs" in labels
+    assert plan.launch.label == "torchrun over 32 GPUs (4 nodes x 8)"
+    default = memory_plan(_config(), shape="qwen2_5_vl_7b", gpu_gib=80, suggest=False)
+    assert [m.label for m in default.modes][1:4] == [f"torchrun over {n} GPUs" for n in (2, 4, 8)]
+    assert len(default.modes) == 5

@@ -113,6 +113,10 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     data["trainer"].update(rollout_batch_size=2, train_batch_size=samples, micro_train_batch_size=samples,
                            max_steps=2, warmup_steps=0, eval_steps=0, save_steps=100, report_steps=0,
                            output_dir=str(out), progress_bar=False, tensorboard=False, seed=3)
+    # one process: a multi-GPU recipe's host offload is a launch choice (refused with the transformers engine), and
+    # its engine's tensor parallelism needs the GPUs it names
+    data.setdefault("distributed", {}).update(offload="none")
+    data["rollout"]["tensor_parallel_size"] = 1
     if data.get("agent"):  # the trajectory budgets follow the shrunk engine: whole-trajectory context, per-turn cap
         data["agent"].update(max_context_tokens=None, max_new_tokens_per_turn=None)
     if data.get("algorithm", {}).get("dynamic_sampling"):
@@ -120,6 +124,26 @@ def tiny_config(recipe: Recipe, data_file: Path, out: Path, **reward_urls: dict[
     for name, fields in reward_urls.items():
         data["reward"]["label_map"][name].update(fields)
     return build_config(data)
+
+
+def launches(recipe: Recipe) -> list[tuple[int, int, list[str]]]:
+    """The header's train commands as (ranks, GPUs per node, overrides): torchrun's ``--nnodes`` x
+    ``--nproc-per-node`` (1 x 1 for a plain ``mmrlhf train``) and the ``key=value`` words after the recipe."""
+    joined = re.sub(r"\\\n#\s*", " ", recipe.header)
+    out = []
+    for m in re.finditer(r"(torchrun [^\n]*?)?mmrlhf train (examples/\S+\.yaml[^\n]*)", joined):
+        words = shlex.split(m.group(1) or "")
+        per_node = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else 1
+        nodes = int(words[words.index("--nnodes") + 1]) if "--nnodes" in words else 1
+        out.append((nodes * per_node, per_node, [a for a in shlex.split(m.group(2))[1:] if "=" in a]))
+    return out
+
+
+def plan_command(recipe: Recipe) -> list[str] | None:
+    """The header's ``mmrlhf config show ... --plan ...`` command, as arguments after ``mmrlhf`` (None: none)."""
+    joined = re.sub(r"\\\n#\s*", " ", recipe.header)
+    found = re.search(r"mmrlhf (config show examples/\S+\.yaml [^\n]*--plan[^\n]*)", joined)
+    return shlex.split(found.group(1).split("`")[0]) if found else None
 
 
 def remote_sources(recipe: Recipe) -> list[str]:

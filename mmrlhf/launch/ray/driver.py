@@ -11,12 +11,13 @@ groups (:class:`~mmrlhf.launch.ray.source.RayRollouts`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, Callable
 
 from mmrlhf.launch.ray.exchange import start_step_exchange
 from mmrlhf.launch.ray.pool import HolderPool
-from mmrlhf.launch.ray.runtime import PlacementPlan, plan_placement
+from mmrlhf.launch.ray.runtime import PlacementPlan, check_custom_resources, plan_placement
 from mmrlhf.parallel.ray_actors import actor_options, actor_threads, connect, describe_actor_error
 from mmrlhf.launch.ray.trainer_actor import RayTrainerRank, trainer_name
 from mmrlhf.startup import loaded
@@ -145,13 +146,23 @@ class RayRun:
 
 def cluster_placement(config: Any) -> PlacementPlan:
     """The actors' placement on the connected Ray cluster (:func:`~mmrlhf.launch.ray.runtime.plan_placement`
-    with the cluster's GPU count)."""
+    with the cluster's GPU count; the custom resources the actors ask for must be in the cluster)."""
     import ray
 
-    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    resources = ray.cluster_resources()
+    gpus = float(resources.get("GPU", 0.0))
     plan = plan_placement(config.distributed, config.rollout.tensor_parallel_size, gpus)
+    check_custom_resources(config.distributed, plan, resources)
     _check_judges(config, plan, gpus)
     return plan
+
+
+def placement_error(exc: ValueError, *, own_ray: bool) -> str:
+    """The error line of a refused placement; where the refusal is a custom resource and the run started a Ray of
+    its own (which has none), how to join the cluster that has them."""
+    hint = ("\n  (this run started a Ray instance of its own on this machine: to run on your cluster, set "
+            "distributed.ray_address or RAY_ADDRESS)") if own_ray and "of the Ray resource" in str(exc) else ""
+    return f"error: {exc}{hint}"
 
 
 def _check_judges(config: Any, plan: PlacementPlan, cluster_gpus: float) -> None:
@@ -206,7 +217,8 @@ def run_ray(config: Any, resume: bool = False, *, on_step: Callable[[RayRun, int
         try:
             plan = cluster_placement(config)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            local = started and not (d.ray_address or os.environ.get("RAY_ADDRESS"))
+            print(placement_error(exc, own_ray=local), file=sys.stderr)
             return 2
         run = RayRun(config, plan=plan, push_weights=push_weights)
         try:

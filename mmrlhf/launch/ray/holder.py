@@ -67,6 +67,7 @@ class ExperienceMakerHolder:
         defer_full_collections()  # until the engine and the models are built (mmrlhf.startup)
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
+        from mmrlhf.experience.rescoring import reference_on_trainers, teacher_on_trainers
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
@@ -97,7 +98,9 @@ class ExperienceMakerHolder:
         # (weights arrive by push). Built in a world of its own (its models are whole); with several actors each
         # step's collectives then run over every share (``_world``).
         self._alone = single(resolve_device(t.device))
-        made = local_rollouts(cfg, self._alone, critic, None, freeze, share=(index, count), engine_sleeps=False)
+        made = local_rollouts(cfg, self._alone, critic, None, freeze, share=(index, count), engine_sleeps=False,
+                              score_reference=not reference_on_trainers(cfg),  # else the trainer actors score them
+                              score_teacher=not teacher_on_trainers(cfg))
         self.producer, self.actor, self.tokenizer = made.source, made.actor, made.tokenizer
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
         self.version = 0

@@ -3,8 +3,8 @@ process needs (environment, threads, options) is :mod:`mmrlhf.parallel.ray_actor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from mmrlhf.parallel.ray_actors import resolve_actor_gpus
 
@@ -16,9 +16,10 @@ class ActorSlot:
     cpus: float
     gpus: float
     bundle_index: int
+    resources: tuple[tuple[str, float], ...] = field(default=())  # Ray custom resources (distributed.*_resources)
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {}), **dict(self.resources)}
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,14 @@ class PlacementPlan:
     def gpus(self) -> float:
         return sum(slot.gpus for slot in (*self.rollout, *self.trainer))
 
+    def custom_resources(self) -> dict[str, float]:
+        """The custom resources the actors reserve in all (name -> amount)."""
+        total: dict[str, float] = {}
+        for slot in (*self.rollout, *self.trainer):
+            for name, amount in slot.resources:
+                total[name] = total.get(name, 0.0) + amount
+        return total
+
 
 def plan_placement(distributed: Any, tensor_parallel_size: int, cluster_gpus: float) -> PlacementPlan:
     """The actors' reservations for ``distributed`` (the ``distributed`` config section) on a cluster with
@@ -49,8 +58,11 @@ def plan_placement(distributed: Any, tensor_parallel_size: int, cluster_gpus: fl
         raise ValueError(f"distributed.rollout_actor_gpus={rollout_gpus:g} with rollout.tensor_parallel_size="
                          f"{tensor_parallel_size}: a tensor-parallel engine needs one whole GPU per worker; set "
                          f"distributed.rollout_actor_gpus={tensor_parallel_size} (or leave it unset)")
-    rollout = tuple(ActorSlot(d.rollout_actor_cpus, rollout_gpus, i) for i in range(d.num_rollout_actors))
-    trainer = tuple(ActorSlot(d.trainer_actor_cpus, trainer_gpus, len(rollout) + i)
+    rollout_resources = tuple(sorted(d.rollout_actor_resources.items()))
+    trainer_resources = tuple(sorted(d.trainer_actor_resources.items()))
+    rollout = tuple(ActorSlot(d.rollout_actor_cpus, rollout_gpus, i, rollout_resources)
+                    for i in range(d.num_rollout_actors))
+    trainer = tuple(ActorSlot(d.trainer_actor_cpus, trainer_gpus, len(rollout) + i, trainer_resources)
                     for i in range(d.num_trainer_actors))
     plan = PlacementPlan(rollout, trainer)
     if plan.gpus > cluster_gpus > 0:
@@ -60,3 +72,22 @@ def plan_placement(distributed: Any, tensor_parallel_size: int, cluster_gpus: fl
             f"{d.num_trainer_actors} x distributed.trainer_actor_gpus={trainer_gpus:g}) but the cluster has "
             f"{cluster_gpus:g}: lower those keys (or rollout.tensor_parallel_size)")
     return plan
+
+
+def check_custom_resources(distributed: Any, plan: PlacementPlan, cluster: Mapping[str, float]) -> None:
+    """Refuse, by key, custom resources (``distributed.rollout_actor_resources`` / ``trainer_actor_resources``) the
+    cluster ``cluster`` (``ray.cluster_resources()``) does not hold in the amounts the actors ask for in all: the
+    placement group would otherwise wait for nodes that never come."""
+    d = distributed
+    for name, need in plan.custom_resources().items():
+        have = float(cluster.get(name, 0.0))
+        if need <= have:
+            continue
+        asks = [f"distributed.{kind}_actor_resources.{name}={per:g} x {count}" for kind, per, count in (
+            ("rollout", d.rollout_actor_resources.get(name, 0.0), d.num_rollout_actors),
+            ("trainer", d.trainer_actor_resources.get(name, 0.0), d.num_trainer_actors)) if per]
+        custom = {k: v for k, v in cluster.items() if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                  and not k.startswith("node:")}
+        raise ValueError(f"the actors ask for {need:g} of the Ray resource {name!r} ({' + '.join(asks)}) but the "
+                         f"cluster has {have:g} (its custom resources: {custom or 'none'}): start the nodes meant for "
+                         f"these actors with ray start --resources '{{\"{name}\": N}}', or change those keys")

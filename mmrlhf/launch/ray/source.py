@@ -28,6 +28,7 @@ import torch
 
 from mmrlhf.experience.batching import group_keys, inert_item
 from mmrlhf.experience.costs import patch_rows
+from mmrlhf.experience.rescoring import score_items, with_reference, with_teacher
 from mmrlhf.experience.rollout import merge_share_metrics
 from mmrlhf.experience.wire import PackedItems, pack_items, unpack_items
 from mmrlhf.launch.ray.delivery import DeliverySettings, WeightDelivery
@@ -58,12 +59,18 @@ class RaySettings:
     # algorithm.dynamic_sampling: the rollout actors read the stream on from step to step (a resume or a restart
     # sets where, rather than checking it)
     sequential: bool = False
+    kl_estimator: str = "k3"  # algorithm.kl_estimator: the per-token KL recorded beside the trainers' reference
+    distill_topk: int = 16  # algorithm.distill_topk: the teacher tokens the trainers record per position
 
 
 class RayRollouts:
-    def __init__(self, pool: Any, world: World, settings: RaySettings) -> None:
+    def __init__(self, pool: Any, world: World, settings: RaySettings, *, reference: Any = None,
+                 teacher: Any = None) -> None:
         s = settings
         self.pool, self.world, self.s = pool, world, settings
+        # the reference and the distillation teacher these ranks score the step's items with (sharded like the
+        # policy), or None: the rollout actors scored them (or the run needs none)
+        self.reference, self.teacher = reference, teacher
         self.weights = WeightDelivery(pool, world, DeliverySettings(s.max_staleness, s.bucket_bytes, s.weight_kind,
                                                                     s.push_weights))
         self.schedule = RolloutSchedule(pool, ScheduleSettings(s.max_steps, s.max_staleness, s.on_rollout_failure,
@@ -139,6 +146,15 @@ class RayRollouts:
         # outside this policy's kept set: out of the loss (and of the check)
         items = [it.with_token(loss_mask=it.token["loss_mask"] & ~out) for it, out in zip(items, outside)]
         metrics = self.weights.sync_check(items, current, mine["fresh"])
+        split = {"micro_batch_size": self.s.scoring_micro_batch_size, "max_tokens": self.s.scoring_max_tokens}
+        if self.reference is not None:  # the KL loss's reference, scored here rather than on the rollout actors
+            ref, _ = score_items(self.reference, items, distribution, self.weights.policy.item_layout(), self.world,
+                                 **split)
+            items, kl = with_reference(items, current, ref, self.s.kl_estimator, self.world)
+            metrics.update(kl)
+        if self.teacher is not None:  # the distillation loss term's teacher, likewise
+            items = with_teacher(self.teacher, items, distribution, self.weights.policy.item_layout(), self.world,
+                                 topk=self.s.distill_topk, **split)
         metrics.update(token_versions(items, self.weights.version, self.s.max_staleness))
         if self.s.max_staleness >= 1:  # the PPO ratio's old policy: the trainer's current version
             items = [it.with_token(action_log_probs=lp) for it, lp in zip(items, current)]

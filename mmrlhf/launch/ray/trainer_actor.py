@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from mmrlhf.experience.rescoring import reference_on_trainers, teacher_on_trainers
 from mmrlhf.launch.ray.source import RayRollouts, RaySettings
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,9 @@ def trainer_name(index: int) -> str:
 def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, freeze: Callable[[Any], None], *,
                  pool: Any, push_weights: bool) -> Any:
     """The rollout factory of a trainer rank (:data:`~mmrlhf.trainer.builder.RolloutFactory`): the policy built on
-    this rank's device (no engine here), the rollout actors as the source."""
+    this rank's device (no engine here), the rollout actors as the source; and the reference and the distillation
+    teacher where the trainer actors score them (:func:`~mmrlhf.experience.rescoring.reference_on_trainers`,
+    :func:`~mmrlhf.experience.rescoring.teacher_on_trainers`: the builder shards them with the policy)."""
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device
@@ -43,14 +46,31 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     # Score the distribution the engine samples from (a rollout actor's maker does the same to its actor copy).
     actor.excluded_token_ids = forbidden_token_ids(actor.adapter, policy_sampling(config, processor.tokenizer,
                                                                                   actor.model))
+    reference = None
+    if reference_on_trainers(config):  # the KL loss's reference: sharded with the policy (mmrlhf.experience.rescoring)
+        from mmrlhf.experience.builder import load_model
+
+        reference = load_model(m, m.reference or m.pretrain, actor.adapter, trainable=False,
+                               routing_replay=config.rollout.routing_replay).to(resolve_device(t.device)).eval()
+        reference.requires_grad_(False)
+        reference.excluded_token_ids = actor.excluded_token_ids
+    teacher = None
+    if teacher_on_trainers(config):  # the distillation loss term's teacher: sharded with the policy too
+        from mmrlhf.experience.builder import build_teacher
+
+        teacher = build_teacher(config, actor.adapter, resolve_device(t.device))
+        teacher.excluded_token_ids = actor.excluded_token_ids
     settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
                            on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
                            bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,
                            weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights,
                            scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
                            scoring_max_tokens=config.rollout.max_tokens_per_micro_batch,
-                           report_steps=t.report_steps, sequential=config.algorithm.dynamic_sampling)
-    return Rollouts(actor, RayRollouts(pool, world, settings), processor, processor.tokenizer)
+                           report_steps=t.report_steps, sequential=config.algorithm.dynamic_sampling,
+                           kl_estimator=config.algorithm.kl_estimator, distill_topk=config.algorithm.distill_topk)
+    source = RayRollouts(pool, world, settings, reference=reference, teacher=teacher)
+    return Rollouts(actor, source, processor, processor.tokenizer,
+                    scorers=tuple(model for model in (reference, teacher) if model is not None))
 
 
 class RayTrainerRank:

@@ -8,6 +8,7 @@ the schema lacks is never named: :func:`mmrlhf.models.memory.inputs.fix_keys`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from mmrlhf.models.memory.plan import GIB, LaunchPlan, PlanInputs, engine_proble
 
 LORA_RANK = 64  # the rank a LoRA fix suggests
 RANK_STEPS = (2, 4, 8, 16, 32, 64)  # world sizes a "more GPUs" fix tries
+TP_STEPS = (2, 4, 8, 16)  # engine tensor-parallel sizes a fix tries (up to a node's GPUs)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class _Planner:
     gpu_gib: float | None
     ranks: int | None
     teacher_shape: str | None
+    gpus_per_node: int | None = None
     facts: dict[tuple, ModelFacts] = field(default_factory=dict)
 
     def inputs(self, config: Any) -> tuple[ModelFacts, PlanInputs]:
@@ -64,15 +67,17 @@ class _Planner:
         if key not in self.facts:
             self.facts[key] = facts_of(config, self.shape)
         return self.facts[key], plan_inputs(config, self.facts[key], gpu_gib=self.gpu_gib, ranks=self.ranks,
-                                            teacher_shape=self.teacher_shape)
+                                            teacher_shape=self.teacher_shape, gpus_per_node=self.gpus_per_node)
 
 
 def memory_plan(config: Any, *, shape: str | None = None, gpu_gib: float | None = None, ranks: int | None = None,
-                suggest: bool = True, teacher_shape: str | None = None) -> MemoryPlan:
+                suggest: bool = True, teacher_shape: str | None = None,
+                gpus_per_node: int | None = None) -> MemoryPlan:
     """The plan of ``config`` (its model from ``shape`` or ``model.pretrain``, a distillation teacher from
-    ``teacher_shape`` or ``model.teacher``) on GPUs of ``gpu_gib`` GiB; ``suggest``: search the fixes when it does
-    not fit. Raises :class:`PlanError` naming the key to set."""
-    planner = _Planner(shape, gpu_gib, ranks, teacher_shape)
+    ``teacher_shape`` or ``model.teacher``) on GPUs of ``gpu_gib`` GiB, a torchrun world of ``ranks`` on nodes of
+    ``gpus_per_node`` GPUs; ``suggest``: search the fixes when it does not fit. Raises :class:`PlanError` naming
+    the key to set."""
+    planner = _Planner(shape, gpu_gib, ranks, teacher_shape, gpus_per_node)
     facts, inputs = planner.inputs(config)
     launch = plan_launch(facts, inputs)
     modes = [plan_launch(facts, inputs, mode, n) for mode, n in summary_modes(inputs)]
@@ -82,10 +87,24 @@ def memory_plan(config: Any, *, shape: str | None = None, gpu_gib: float | None 
     return plan
 
 
-def _candidates(config: Any, p: PlanInputs) -> list[list[str]]:
+def tensor_parallel_fix(facts: ModelFacts, p: PlanInputs) -> list[str] | None:
+    """``rollout.tensor_parallel_size=N``: the smallest engine tensor-parallel size (within a node, dividing
+    torchrun's ranks) at which an engine that cannot start in its share does; None when it starts already or no
+    size does."""
+    if p.engine != "vllm" or engine_problem(facts, p) is None:
+        return None
+    for tp in TP_STEPS:
+        if tp <= p.tensor_parallel or tp > p.gpus_per_node or (p.backend == "torchrun" and p.ranks % tp):
+            continue
+        if engine_problem(facts, dataclasses.replace(p, tensor_parallel=tp)) is None:
+            return [f"rollout.tensor_parallel_size={tp}"]
+    return None
+
+
+def _candidates(config: Any, p: PlanInputs, facts: ModelFacts) -> list[list[str]]:
     """Single config changes that lower the peak, as override lists (only those that change something)."""
     m, t, r = config.model, config.trainer, config.rollout
-    out = []
+    out = [tp] if (tp := tensor_parallel_fix(facts, p)) else []
     if not m.lora.rank and t.freeze_vision_tower:
         out.append([f"model.lora.rank={LORA_RANK}"])
     if not p.checkpointing:
@@ -146,7 +165,7 @@ def find_fixes(config: Any, planner: _Planner, p: PlanInputs, limit: int = 4) ->
         current = p.ranks if p.backend == "torchrun" else 1
         return next((f for n in RANK_STEPS if n > current and (f := attempt(base, "torchrun", n))), None)
 
-    singles = _candidates(config, p)
+    singles = _candidates(config, p, planner.inputs(config)[0])
     found = [f for c in singles if (f := attempt(c))]
     if p.engine == "vllm" and p.backend != "ray":
         found += [f for f in [_lower_utilization(config, planner, [])] if f]
@@ -172,14 +191,20 @@ def verdict(plan: MemoryPlan) -> str:
     g = max(launch.gpus, key=lambda g: g.peak)
     if launch.fits:
         host = max(sum(g_.host.values()) for g_ in launch.gpus)
+        node = (f", {launch.host_per_node / GIB:.1f} GiB per node of {launch.processes_per_node}"
+                if launch.processes_per_node > 1 else "")
         return (f"fits: {g.peak / GIB:.1f} GiB at most per GPU ({g.peak_phase}, {g.name}) of {gpu:.0f} GiB, "
                 f"{(plan.inputs.gpu_bytes - g.peak) / GIB:.1f} GiB left for the CUDA context and fragmentation"
-                + (f"; {host / GIB:.1f} GiB of host memory per training process (distributed.offload)"
+                + (f"; {host / GIB:.1f} GiB of host memory per training process{node} (distributed.offload)"
                    if host else ""))
     where = "one" if g.count == 1 else "each"
-    lines = [f"does not fit: {g.peak / GIB:.1f} GiB in {g.peak_phase} on {where} {gpu:.0f} GiB GPU ({g.name}; "
-             f"{_state_bytes(launch) / GIB:.1f} GiB of it weights, gradients and AdamW moments)"]
-    lines += [p for p in launch.problems if p.startswith("vLLM")]
+    others = [p for p in launch.problems if not any(p.startswith(f"{x.name}:") for x in launch.gpus)]
+    if g.peak > plan.inputs.gpu_bytes:
+        lines = [f"does not fit: {g.peak / GIB:.1f} GiB in {g.peak_phase} on {where} {gpu:.0f} GiB GPU ({g.name}; "
+                 f"{_state_bytes(launch) / GIB:.1f} GiB of it weights, gradients and AdamW moments)"]
+    else:
+        lines = [f"does not start ({g.peak / GIB:.1f} GiB at most per GPU would fit):"]
+    lines += others  # the engine's and the layout's
     if plan.fixes:
         lines.append("fits with: " + "; or ".join(f"{f.label} (peak {f.peak / GIB:.1f} GiB per GPU)"
                                                   for f in plan.fixes))
@@ -192,11 +217,10 @@ def verdict(plan: MemoryPlan) -> str:
 
 def to_json(plan: MemoryPlan) -> dict[str, Any]:
     """The plan as plain data (bytes as integers, GiB as floats), for ``--json``."""
-    import dataclasses
-
     def launch(lp: LaunchPlan) -> dict[str, Any]:
         return {"mode": lp.mode, "label": lp.label, "fits": lp.fits, "peak_bytes": lp.peak,
                 "peak_gib": round(lp.peak / GIB, 2), "problems": list(lp.problems),
+                "processes_per_node": lp.processes_per_node, "host_per_node_bytes": lp.host_per_node,
                 "gpus": [{"name": g.name, "count": g.count, "peak_phase": g.peak_phase, "peak_bytes": g.peak,
                           "phases": g.phases, "host": g.host} for g in lp.gpus]}
 

@@ -20,6 +20,7 @@ from mmrlhf.models.memory.plan import GIB, PlanInputs
 
 DEFAULT_GPU_GIB = 80.0  # the plan's GPU when none is visible and none is given
 DEFAULT_RANKS = 8  # torchrun world size planned when the config does not say (one node)
+DEFAULT_GPUS_PER_NODE = 8  # GPUs of one node when torchrun does not say (LOCAL_WORLD_SIZE)
 
 
 class PlanError(ValueError):
@@ -181,10 +182,12 @@ def visible_gpu_bytes() -> int | None:
 
 
 def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
-                ranks: int | None = None, teacher_shape: str | None = None) -> PlanInputs:
+                ranks: int | None = None, teacher_shape: str | None = None,
+                gpus_per_node: int | None = None) -> PlanInputs:
     """:class:`PlanInputs` of ``config`` for ``facts``' model on GPUs of ``gpu_gib`` GiB (default: the visible
-    accelerator's, else 80) and a torchrun world of ``ranks`` (default ``WORLD_SIZE``, else 8); a distillation
-    teacher of shape ``teacher_shape`` (default: ``model.teacher``'s config)."""
+    accelerator's, else 80), a torchrun world of ``ranks`` over all nodes (default ``WORLD_SIZE``, else 8) on nodes
+    of ``gpus_per_node`` GPUs (default ``LOCAL_WORLD_SIZE``, else 8); a distillation teacher of shape
+    ``teacher_shape`` (default: ``model.teacher``'s config)."""
     from mmrlhf.models.precision import lora_base_dtype, precision
 
     m, t, r, dist, algo = config.model, config.trainer, config.rollout, config.distributed, config.algorithm
@@ -219,7 +222,9 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         backend=backend, ranks=ranks or (world if world > 1 else DEFAULT_RANKS),
         rollout_actors=dist.num_rollout_actors,
         rollout_gpus=max(1, int(dist.rollout_actor_gpus or r.tensor_parallel_size)),
-        trainer_actors=dist.num_trainer_actors, keys=fix_keys(config), compute_copy=compute_copy(config),
+        trainer_actors=dist.num_trainer_actors,
+        gpus_per_node=gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE)),
+        keys=fix_keys(config), compute_copy=compute_copy(config),
         lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0,  # the plan is a GPU's
         offload=dist.offload == "params", teacher_bytes=teacher_bytes(config, p.compute.itemsize, teacher_shape),
         judges=judge_shares(config),

@@ -7,22 +7,29 @@ What sits on a GPU, by launch mode (``distributed.backend``):
   precision`; its frozen vision tower float32 too), the reference (``model.dtype``, only with a KL term, and none
   with LoRA, whose reference is the actor with its adapters off), the critic (``gae``: float32, its own AdamW) and
   one micro-batch's activations (:mod:`mmrlhf.models.memory.activations`);
-* torchrun over N GPUs: the same on every rank, with the actor's and critic's weights, gradients and moments
-  sharded N ways by FSDP2 (frozen weights too); the reference is not sharded. FSDP2 gathers a unit's parameters in
+* torchrun over N GPUs (``--ranks N``, on nodes of ``--gpus-per-node`` GPUs): the same on every rank, with the
+  actor's and critic's weights, gradients and moments sharded N ways by FSDP2 (frozen weights too), and the
+  reference (and a distillation teacher) sharded N ways as well, in ``model.dtype``. The ranks form groups of
+  ``rollout.tensor_parallel_size`` that share one tensor-parallel vLLM engine: each GPU of a group holds its
+  ``rollout.gpu_memory_utilization`` share, its 1 / tensor_parallel_size of the engine's weights and of the KV
+  cache within it (a group sits on one node). FSDP2 gathers a unit's parameters in
   ``model.dtype`` for its forward and backward: the root unit (embeddings, lm_head, final norm and the whole vision
   side, :func:`mmrlhf.models.sharding.language_block_classes`) for the whole forward and backward, plus a decoder
   layer and the next one it prefetches; after a unit's backward its full gradients are copied
   into a float32 reduce-scatter buffer (c + 4 bytes per trainable parameter of the largest unit, and the shard);
 * ``distributed.offload: params`` (any mode): FSDP2 keeps the trained models' float32 weights, gradients and AdamW
-  moments in host memory and steps there; the GPU holds what FSDP2 gathers (as sharded above, one process being a
-  world of one rank), the reduction buffers and the activations. The host side is :attr:`GpuPlan.host`;
-* a distillation teacher (``model.teacher``) is stored as the reference is, in ``model.dtype``, wherever the
-  scoring forwards run; an in-process vLLM judge (a ``backend: vllm`` reward source) takes its
+  moments, and the reference's and teacher's shards, in host memory and steps there; the GPU holds what FSDP2
+  gathers (as sharded above, one process being a world of one rank), the reduction buffers and the activations.
+  The host side is :attr:`GpuPlan.host`, per process (and :attr:`LaunchPlan.host_per_node`);
+* a distillation teacher (``model.teacher``) is stored as the reference is, in ``model.dtype``, sharded over the
+  ranks that score (the policy's gathered units stand for its own); an in-process vLLM judge (a ``backend: vllm``
+  reward source) takes its
   ``engine.gpu_memory_utilization`` share while it judges, right after generation (always, unless it sleeps);
   routing replay adds the engine's expert indices of a training micro-batch;
-* Ray: rollout actors hold the engine, a float32 scoring copy of the policy, the reference and a critic copy (no
-  gradients) on their GPUs; trainer actors hold the training states (sharded when there are several) and the
-  activations, and no engine.
+* Ray: a rollout actor holds only its engine (``rollout.tensor_parallel_size`` GPUs, each with its share; the
+  transformers engine: a float32 copy of the policy it generates with, and its KV cache); the trainer actors,
+  FSDP2-sharded over their number, hold the training states, the reference and teacher shards, and compute the
+  old-policy, reference and critic scores as well as the updates.
 
 Phases (``generate`` -> ``score`` -> ``update`` -> ``step`` -> ``critic`` -> ``sync``): the engine is awake while
 it generates. With ``rollout.enable_sleep`` it frees its KV cache and weights from the end of generation (the
@@ -76,6 +83,7 @@ class PlanInputs:
     rollout_actors: int
     rollout_gpus: int  # GPUs of one rollout actor
     trainer_actors: int
+    gpus_per_node: int = 8  # GPUs of one node: an engine's tensor-parallel group sits on one node
     keys: dict[str, str] = field(default_factory=dict)  # role -> the config key a fix sets (see inputs.py)
     compute_copy: bool = False  # ``trainer.compute_copy`` resolved (it applies where a model autocasts)
     lora_base_bytes: int = 0  # ``model.lora.base_dtype`` on a GPU: bytes per frozen Linear element (0: no LoRA)
@@ -114,6 +122,12 @@ class LaunchPlan:
     gpus: list[GpuPlan]
     gpu_bytes: int
     problems: list[str] = field(default_factory=list)  # what does not fit or cannot start
+    processes_per_node: int = 1  # training processes on one node (what host_per_node sums)
+
+    @property
+    def host_per_node(self) -> int:
+        """Host memory the training processes of one node keep (``distributed.offload``), bytes."""
+        return max((sum(g.host.values()) for g in self.gpus), default=0) * self.processes_per_node
 
     @property
     def fits(self) -> bool:
@@ -208,10 +222,24 @@ def _sync_bucket(facts: ModelFacts, p: PlanInputs, sharded: bool) -> int:
     return max(p.bucket_bytes, facts.counts.largest_trainable_tensor * p.master_bytes)
 
 
-def host_states(facts: ModelFacts, p: PlanInputs, shards: int) -> dict[str, int]:
+def scoring_models(facts: ModelFacts, p: PlanInputs, shards: int, *, reference: bool,
+                   scores: bool) -> dict[str, int]:
+    """The frozen models that score, per process: the reference and a distillation teacher, each an FSDP2 shard
+    in ``model.dtype`` over the ``shards`` ranks that score (whole in one process)."""
+    out = {}
+    if reference:
+        out["reference (model.dtype)"] = facts.counts.total * p.compute_bytes // shards
+    if scores and p.teacher_bytes:
+        out["teacher (model.dtype)"] = p.teacher_bytes // shards
+    return out
+
+
+def host_states(facts: ModelFacts, p: PlanInputs, shards: int, *, reference: bool | None = None,
+                scores: bool = True) -> dict[str, int]:
     """``distributed.offload: params``: what leaves the GPU for host memory, per process (its shards): the trained
     models' weights, AdamW moments and gradients (FSDP2 copies each unit's gradients there after the
-    reduce-scatter), and the optimiser step's temporaries (AdamW steps on the CPU)."""
+    reduce-scatter), the optimiser step's temporaries (AdamW steps on the CPU), and the shards of the reference and
+    teacher (``reference``: default ``p.reference``)."""
     c = facts.counts
     host = _states(facts, p, shards)
     host["actor gradients (float32)"] = c.trainable * p.master_bytes // shards
@@ -219,22 +247,22 @@ def host_states(facts: ModelFacts, p: PlanInputs, shards: int) -> dict[str, int]
         host.update(_states(facts, p, shards, "critic"))
         host["critic gradients (float32)"] = _critic_trainable(facts) * p.master_bytes // shards
     host["AdamW step temporaries"] = c.trainable * p.master_bytes // shards
+    host.update(scoring_models(facts, p, shards, reference=p.reference if reference is None else reference,
+                               scores=scores))
     return host
 
 
 def trainer_phases(facts: ModelFacts, p: PlanInputs, *, shards: int, engine: dict[str, dict[str, int]],
                    reference: bool, scores: bool = True) -> dict[str, dict[str, int]]:
     """Phases of a GPU that trains (one process, a torchrun rank, a Ray trainer actor). ``engine``: the engine's
-    part in each phase (empty for a Ray trainer); ``reference``: the reference model lives on this GPU; ``scores``:
-    the experience forwards run here (the teacher's with them; not on a Ray trainer). With
-    ``offload`` the trained states are in host memory (:func:`host_states`) and FSDP2 runs even on one rank: the GPU
+    part in each phase (empty for a Ray trainer); ``reference``: the reference model is sharded over these ranks;
+    ``scores``: the experience forwards run here (the teacher's with them). With ``offload`` the trained states and
+    the scoring models' shards are in host memory (:func:`host_states`) and FSDP2 runs even on one rank: the GPU
     holds the gathered units, the reduction buffers and the activations."""
     c, sharded = facts.counts, shards > 1 or p.offload
     resident = {} if p.offload else _states(facts, p, shards)
-    if reference:
-        resident["reference (model.dtype)"] = c.total * p.compute_bytes
-    if scores and p.teacher_bytes:
-        resident["teacher (model.dtype)"] = p.teacher_bytes
+    if not p.offload:
+        resident.update(scoring_models(facts, p, shards, reference=reference, scores=scores))
     if p.critic and not p.offload:
         resident.update(_states(facts, p, shards, "critic"))
     gathered = {"FSDP gathered parameters": _gathered(facts, p)} if sharded else {}
@@ -305,7 +333,8 @@ def engine_problem(facts: ModelFacts, p: PlanInputs) -> str | None:
         return None
     return (f"vLLM cannot start: rollout.gpu_memory_utilization={p.utilization} gives it {share / GIB:.1f} GiB, "
             f"less than its weights ({weights / GIB:.1f} GiB) plus the KV cache of one {p.max_model_len}-token "
-            f"sequence ({one / GIB:.2f} GiB); raise rollout.gpu_memory_utilization or shorten rollout.max_model_len")
+            f"sequence ({one / GIB:.2f} GiB); raise rollout.gpu_memory_utilization or rollout.tensor_parallel_size, "
+            "or shorten rollout.max_model_len")
 
 
 # ---- launch modes ------------------------------------------------------------------------------------------------
@@ -313,26 +342,40 @@ def engine_problem(facts: ModelFacts, p: PlanInputs) -> str | None:
 def plan_launch(facts: ModelFacts, p: PlanInputs, mode: str | None = None, ranks: int | None = None) -> LaunchPlan:
     """The plan of one launch mode (default: the configured one)."""
     mode = mode or p.backend
+    problems: list[str] = []
+    tp = p.tensor_parallel if p.engine == "vllm" else 1
     if mode == "single":
         gpus = [GpuPlan("the GPU", 1, trainer_phases(facts, p, shards=1, engine=colocated_engine(facts, p),
                                                           reference=p.reference))]
-        label = "one process, 1 GPU"
-        shards = 1
+        label = "one process, 1 GPU" + (f" (+{tp - 1} for the engine)" if tp > 1 else "")
+        shards = per_node = 1
     elif mode == "torchrun":
         n = shards = ranks or p.ranks
         gpus = [GpuPlan("each rank's GPU", n, trainer_phases(facts, p, shards=n, engine=colocated_engine(facts, p),
                                                               reference=p.reference))]
-        label = f"torchrun over {n} GPUs"
+        label = f"torchrun over {_gpus_label(n, p.gpus_per_node)}"
+        if tp > 1:
+            engines = "" if n % tp else f"{n // tp} "
+            label += f", {engines}engine{'' if n == tp else 's'} of {tp} GPUs"
+        problems += _group_problems(n, tp, p.gpus_per_node)
+        per_node = min(n, p.gpus_per_node)
     elif mode == "ray":
         shards = ranks or p.trainer_actors
         gpus = ray_gpus(facts, p, trainers=shards)
-        label = f"Ray: {p.rollout_actors * p.rollout_gpus} rollout + {shards} trainer GPU(s)"
+        rollout = p.rollout_actors * p.rollout_gpus
+        label = f"Ray: {rollout} rollout + {shards} trainer GPU(s)"
+        if rollout + shards > p.gpus_per_node:
+            label += f" on {-(-(rollout + shards) // p.gpus_per_node)} nodes"
+        if p.rollout_gpus > p.gpus_per_node:
+            problems.append(f"a rollout actor's {p.rollout_gpus} GPUs (rollout.tensor_parallel_size) are more than "
+                            f"a node's {p.gpus_per_node} (--gpus-per-node): an engine's GPUs sit on one node")
+        per_node = min(shards, p.gpus_per_node)
     else:
         raise ValueError(f"unknown launch mode {mode!r}; valid: single, torchrun, ray")
     if p.offload:  # the trainers' states, in host memory
         gpus[-1].host = host_states(facts, p, shards)
         label += ", offload"
-    plan = LaunchPlan(mode, label, gpus, p.gpu_bytes)
+    plan = LaunchPlan(mode, label, gpus, p.gpu_bytes, problems=problems, processes_per_node=per_node)
     for g in gpus:
         if g.peak > p.gpu_bytes:
             plan.problems.append(f"{g.name}: {g.peak / GIB:.1f} GiB in {g.peak_phase} on a "
@@ -343,36 +386,47 @@ def plan_launch(facts: ModelFacts, p: PlanInputs, mode: str | None = None, ranks
     return plan
 
 
+def _gpus_label(n: int, per_node: int) -> str:
+    return f"{n} GPUs" + (f" ({-(-n // per_node)} nodes x {per_node})" if n > per_node else "")
+
+
+def _group_problems(ranks: int, tp: int, per_node: int) -> list[str]:
+    """Why torchrun's ranks cannot form engine groups of ``tp`` (none when they can): the groups must divide the
+    ranks and each sit on one node."""
+    if tp <= 1:
+        return []
+    if ranks % tp:
+        return [f"rollout.tensor_parallel_size={tp} does not divide the {ranks} torchrun ranks (the ranks form "
+                f"groups of {tp} that share one engine)"]
+    if tp > per_node or (ranks > per_node and per_node % tp):
+        return [f"rollout.tensor_parallel_size={tp}: an engine's group of {tp} ranks must sit on one node of "
+                f"{per_node} GPUs (--gpus-per-node); use a divisor of {per_node}"]
+    return []
+
+
 def ray_gpus(facts: ModelFacts, p: PlanInputs, *, trainers: int) -> list[GpuPlan]:
-    """A rollout actor's first GPU (engine share + scoring copies) and a trainer actor's GPU."""
+    """A rollout actor's GPU (its share of the engine and nothing else; the transformers engine: the float32
+    policy it generates with and its KV cache) and a trainer actor's GPU (the training states, the scoring models'
+    shards and every scoring forward)."""
     c = facts.counts
-    n = numerics(p.compute_bytes, p.master_bytes, sharded=False)
-    resident = {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes) if p.engine == "vllm" else 0,
-                "policy scoring copy (float32)": (c.total + c.lora) * p.master_bytes}
-    if p.reference:
-        resident["reference (model.dtype)"] = c.total * p.compute_bytes
-    if p.teacher_bytes:
-        resident["teacher (model.dtype)"] = p.teacher_bytes
-    if p.critic:
-        resident["critic scoring copy (float32)"] = (c.total + facts.decoder.hidden + 1) * p.master_bytes
-    if p.engine != "vllm":
-        resident["generation KV cache (transformers engine)"] = (
-            p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes))
-    score = dict(resident)
-    score["scoring forward"] = scoring_bytes(facts, n, p.score.tokens, p.score.response_tokens, p.chunk)
+    if p.engine == "vllm":
+        resident = {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes)}
+    else:
+        resident = {"policy copy (float32, transformers engine)": (c.total + c.lora) * p.master_bytes,
+                    "generation KV cache (transformers engine)":
+                        p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes)}
     judges = judge_engines(p)
     generate = {**resident, **judges.get("generate", {})}
-    score.update(judges.get("score", {}))
     rollout = GpuPlan("a rollout actor's GPU", p.rollout_actors * p.rollout_gpus,
-                      {"generate": {k: v for k, v in generate.items() if v},
-                       "score": {k: v for k, v in score.items() if v}})
+                      {"generate": {k: v for k, v in generate.items() if v}})
     trainer = GpuPlan("a trainer actor's GPU", trainers,
-                      trainer_phases(facts, p, shards=trainers, engine={}, reference=False, scores=False))
+                      trainer_phases(facts, p, shards=trainers, engine={}, reference=p.reference))
     trainer.phases.pop("generate", None)
-    trainer.phases.pop("score", None)
     return [rollout, trainer]
 
 
 def summary_modes(p: PlanInputs) -> list[tuple[str, int | None]]:
-    """The launch modes every plan lists: one process, torchrun over 2 / 4 / 8 GPUs, Ray as configured."""
-    return [("single", None), ("torchrun", 2), ("torchrun", 4), ("torchrun", 8), ("ray", None)]
+    """The launch modes every plan lists: one process, torchrun over 2 / 4 / 8 GPUs and over the planned ranks
+    (``--ranks``) when that is more, Ray as configured."""
+    sizes = [2, 4, 8] + ([p.ranks] if p.ranks > 8 else [])
+    return [("single", None), *(("torchrun", n) for n in sizes), ("ray", None)]

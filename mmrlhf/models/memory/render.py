@@ -35,7 +35,8 @@ def describe(plan: MemoryPlan) -> list[str]:
     lines.append(f"precision    compute {compute}; the actor (and critic) keep {master} weights, {frozen}, and "
                  f"{master} gradients + 2 AdamW moments for what trains "
                  f"({4 * p.master_bytes} B per trained parameter); reference: "
-                 + (f"{compute} copy" if p.reference else "none") + "; critic: " + ("yes" if p.critic else "none"))
+                 + (f"{compute} copy, sharded as the actor is" if p.reference else "none") + "; critic: "
+                 + ("yes" if p.critic else "none"))
     for name, mb in (("update", p.train), ("scoring", p.score)):
         lines.append(f"{name + ' batch':<12} {mb.rows} row(s) x {mb.row_tokens} tokens, {mb.response_tokens} scored, "
                      f"{mb.vision_patches} vision patches" + (", attention mask" if mb.mask else "")
@@ -49,8 +50,10 @@ def describe(plan: MemoryPlan) -> list[str]:
         state = recurrent_state_bytes(f, p.engine_bytes, p.tensor_parallel)
         states = (f", plus {state / 2**20:.0f} MiB of linear-attention state per running sequence"
                   if state else "")
-        lines.append(f"engine       vLLM, {p.utilization} x {p.gpu_bytes / GIB:.0f} GiB = {_gib(int(share))} GiB while "
-                     f"awake: weights {_gib(weights)}, KV cache + activations + CUDA graphs {_gib(int(rest))} "
+        tp = (f" per GPU of its {p.tensor_parallel} (tensor parallel: weights and KV cache split "
+              f"{p.tensor_parallel} ways)" if p.tensor_parallel > 1 else "")
+        lines.append(f"engine       vLLM, {p.utilization} x {p.gpu_bytes / GIB:.0f} GiB = {_gib(int(share))} GiB{tp} "
+                     f"while awake: weights {_gib(weights)}, KV cache + activations + CUDA graphs {_gib(int(rest))} "
                      f"(at most {int(rest // per_token):,} tokens of KV at {per_token // 1024} KiB{states}); {sleep}")
     else:
         lines.append("engine       transformers generate with the actor (KV cache only while generating)")
@@ -85,14 +88,17 @@ def render_text(plan: MemoryPlan, title: str = "") -> str:
         out += ["", f"{launch.label}: {g.name}{count}"]
         out += table(g, p.gpu_bytes)
         if g.host:
-            out += textwrap.wrap(f"host memory per process (distributed.offload): {_gib(sum(g.host.values()))} GiB: "
-                                 + ", ".join(f"{n} {_gib(v)}" for n, v in g.host.items()), 118,
+            node = (f" ({launch.processes_per_node} per node: {_gib(launch.host_per_node)} GiB)"
+                    if launch.processes_per_node > 1 else "")
+            out += textwrap.wrap(f"host memory per process{node} (distributed.offload): {_gib(sum(g.host.values()))}"
+                                 " GiB: " + ", ".join(f"{n} {_gib(v)}" for n, v in g.host.items()), 118,
                                  subsequent_indent="  ")
     out += ["", "per launch mode (largest per-GPU peak):"]
+    width = max([58] + [len(m.label) for m in plan.modes])
     for m in plan.modes:
         g = max(m.gpus, key=lambda g: g.peak)
-        state = "fits" if m.fits else "does not fit"
-        out.append(f"  {m.label:<58} {_gib(g.peak):>6} GiB  {state:<13} ({g.peak_phase}, {g.name})")
+        state = "fits" if m.fits else "does not fit" if g.peak > p.gpu_bytes else "cannot start"
+        out.append(f"  {m.label:<{width}} {_gib(g.peak):>6} GiB  {state:<13} ({g.peak_phase}, {g.name})")
     out += [""] + [w for line in plan.verdict.splitlines() for w in textwrap.wrap(line, 118, subsequent_indent="  ")]
     out += [""] + textwrap.wrap("Not counted: the CUDA context and allocator fragmentation (keep a few GiB free), "
                                 "vLLM's CUDA-graph pool during sleep, host memory (but for distributed.offload's "

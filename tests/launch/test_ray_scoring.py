@@ -1,0 +1,102 @@
+"""The Ray mode's KL-loss reference and distillation-loss teacher are scored by the trainer actors, sharded with
+the policy, and give one process's training.
+
+With ``algorithm.kl_loss_coef > 0`` and no KL term in the reward, and ``distill_loss_coef > 0`` without the
+distillation advantage, nothing a rollout actor computes reads the reference or the teacher, so the rollout actors
+hold neither (their maker's phases have no ``reference`` or ``teacher`` time) and the trainer actors (one FSDP2
+group of two, gloo) score both beside their re-scoring of the policy (:mod:`mmrlhf.experience.rescoring`). Both are
+other models than the policy (the tiny model of other seeds), so the KL and the distillation loss are large from the
+first step, where models equal to the policy would give ~0. Every metric (the KL to the reference, the KL and
+distillation losses, the gradient norm) and the weight updates of 2 steps match one process within the reduction
+noise of two trainer actors (as tests/launch/test_one_loop.py bounds it). On the code before, the rollout actor
+reported the reference and teacher phases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+LR = 3.0e-4  # examples/grpo_toy_shapes_cpu.yaml
+TERM_SCALE = {"policy/pg_loss": 1.0, "policy/approx_kl": 1.0, "advantage_mean": 1.0}  # sums of O(1) terms near 0
+SKIP = ("time/", "sync/", "throughput/", "async/", "engine_logprob_diff/", "rollout_is/abs_log_ratio", "ledger/",
+        "policy/micro_batch", "policy/oversized_micro_batches", "ray/", "logprobs/")
+
+
+def _config(out: Path, *overrides: str):
+    from mmrlhf.config import load_config
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    return load_config(ROOT / "examples/grpo_toy_shapes_cpu.yaml", [
+        f"model.pretrain={tiny_model_dir('qwen2_vl', 'tiny', 0)}",
+        f"model.reference={tiny_model_dir('qwen2_vl', 'tiny', 1)}", "algorithm.kl_loss_coef=0.05",
+        f"model.teacher={tiny_model_dir('qwen2_vl', 'tiny', 2)}", "algorithm.distill_loss_coef=0.1",
+        "algorithm.distill_topk=4", f"trainer.output_dir={out}", f"trainer.max_steps={STEPS}",
+        "trainer.eval_steps=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.report_steps=0",
+        "trainer.save_steps=1000", "trainer.rollout_batch_size=4", "trainer.train_batch_size=64",
+        "trainer.micro_train_batch_size=64", *overrides])
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _update(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    init = load_file(str(next(Path(tiny_model_dir("qwen2_vl", "tiny", 0)).glob("*.safetensors"))))
+    final = load_file(str(next((out / "checkpoints" / f"step-{STEPS:08d}" / "model").glob("*.safetensors"))))
+    return {k: final[k] - init[k] for k in init}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from mmrlhf.launch import run
+    from mmrlhf.launch.ray.driver import run_ray
+
+    single, two = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("ray2")
+    assert run(_config(single)) == 0
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert run_ray(_config(two, "distributed.backend=ray", "distributed.num_trainer_actors=2",
+                               "distributed.trainer_actor_cpus=0.5", "distributed.rollout_actor_cpus=1")) == 0
+    finally:
+        ray.shutdown()
+    return single, two
+
+
+def test_the_trainer_actors_score_the_reference_and_the_teacher_as_one_process_does(runs):
+    single, two = (_rows(out) for out in runs)
+    assert len(single) == len(two) == STEPS
+    # where the reference and the teacher ran: in one process's maker; in the Ray run not on the rollout actor
+    for phase in ("time/reference", "time/teacher"):
+        assert all(phase in r for r in single) and not any(phase in r for r in two), phase
+    # the teacher is another model too: its loss term is not that of a teacher equal to the student (~0)
+    assert single[0]["policy/distill_loss"] > 1e-3, single[0]["policy/distill_loss"]
+    # a reference other than the policy: a large KL from the first step (a reference equal to it would give 0)
+    assert single[0]["kl/mean"] > 0.01 and two[0]["kl/mean"] > 0.01, (single[0]["kl/mean"], two[0]["kl/mean"])
+    gaps = {}
+    for k in sorted(set(single[0]) & set(two[0])):
+        if k == "step" or k.startswith(SKIP):
+            continue
+        pairs = [(a[k], b[k]) for a, b in zip(single, two)]
+        scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
+        gaps[k] = max(abs(u - v) for u, v in pairs) / scale
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
+    print(f"\nRay trainer-scored reference and teacher vs one process, largest gaps: {worst}")
+    assert {"kl/mean", "policy/kl_loss", "policy/distill_loss", "policy/grad_norm", "reward/mean"} <= set(gaps)
+    assert gaps["kl/mean"] <= 1e-5 and gaps["policy/kl_loss"] <= 1e-4 and gaps["policy/distill_loss"] <= 1e-4, gaps
+    assert max(gaps.values()) <= 1e-4, gaps
+    a, b = (_update(out) for out in runs)
+    gap = max(float((a[k] - b[k]).abs().max()) for k in a) / LR
+    print(f"update gap {gap:.3f} lr")
+    assert gap < 0.2
