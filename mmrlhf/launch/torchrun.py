@@ -1,7 +1,8 @@
 """``torchrun --nproc-per-node N -m mmrlhf train CONFIG``: N ranks of the one loop, FSDP2 over them.
 
-Every rank builds its own rollout engine (colocated with its shard of the policy), generates its share of each
-step's prompts, scores and trains on its own samples; FSDP2 all-gathers the parameters for each forward and
+Every rank builds its rollout engine (colocated with its shard of the policy; with ``rollout.tensor_parallel_size``
+> 1 each group of that many consecutive ranks shares one tensor-parallel engine and generates the group's prompts,
+:mod:`mmrlhf.parallel.engine_groups`), scores and trains on its own share of each step's samples; FSDP2 all-gathers the parameters for each forward and
 reduce-scatters the gradients, and the update loop normalises the loss over all ranks, so a step equals what one
 process would compute on the whole batch. Rank 0 alone writes metrics, reports and the progress bar; every rank
 takes part in checkpoints (:mod:`mmrlhf.trainer.run_checkpoint`).
@@ -14,10 +15,15 @@ from typing import Any
 
 
 def check_torchrun_config(config: Any, world_size: int) -> None:
-    """What torchrun ranks, each with its own colocated engine, cannot do: refused by key."""
+    """What torchrun ranks and their colocated engines cannot do: refused by key."""
     from mmrlhf.rollout.vllm_setup import check_torchrun_tensor_parallel
 
-    check_torchrun_tensor_parallel(config.rollout.tensor_parallel_size, world_size)
+    tp = config.rollout.tensor_parallel_size
+    check_torchrun_tensor_parallel(tp, world_size)
+    if tp > 1 and config.agent.loop == "async":
+        raise ValueError(f"agent.loop=async with rollout.tensor_parallel_size={tp} under torchrun: the ranks of an "
+                         "engine group must make the same engine calls, which the asynchronous loop's timing does not "
+                         "promise; use agent.loop=lockstep (or auto, which picks it there)")
     if world_size > 1 and config.rollout.engine == "transformers":
         raise ValueError("rollout.engine=transformers under torchrun: that engine generates with the (now sharded) "
                          "policy itself, and ranks stopping at different lengths would wait on each other forever; "

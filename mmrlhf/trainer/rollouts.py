@@ -127,6 +127,9 @@ class LocalSettings:
     # algorithm.reward_combination and its eps: the group filter ranks samples by the reward the shaping trains on
     reward_combination: str = "sum"
     reward_component_eps: float = 1e-6
+    # rollout.tensor_parallel_size under torchrun: this many consecutive ranks share one engine and generate their
+    # group's prompts together, each training its own (mmrlhf.parallel.engine_groups); 1: an engine per rank
+    engine_group_size: int = 1
 
 
 class LocalRollouts:
@@ -145,6 +148,11 @@ class LocalRollouts:
                  evaluator: Any | None = None) -> None:
         self.maker, self.stream, self.world, self.s, self.evaluator = maker, stream, world, settings, evaluator
         self.engine = maker.engine
+
+    @property
+    def evaluates_beside_main(self) -> bool:
+        """A rank other than 0 that shares rank 0's engine evaluates beside it (the loop asks)."""
+        return self.evaluator is not None and not self.world.is_main
 
     @property
     def sleeps(self) -> bool:
@@ -273,11 +281,32 @@ class LocalRollouts:
         return Chosen(mine, sum(len(t) for t in taken), sum(n for n, _ in shares))
 
     def _sample(self, n_prompts: int) -> tuple[ScoredRollout, list[Any]]:
-        """This rank's share of a round, and the record ids of the prompts it asked for, in order."""
+        """This rank's share of a round, and the record ids of the prompts it asked for, in order. With engine
+        groups (:attr:`LocalSettings.engine_group_size` > 1) the rank generates its group's prompts beside the
+        group's other ranks and keeps the part it trains (:func:`~mmrlhf.trainer.group_share.member_part`): the
+        same ``rank::world`` prompts as with an engine of its own."""
         records = self.stream.next_batch(n_prompts)  # every rank draws the same global batch (same seed) ...
+        if self.s.share is None and self.s.engine_group_size > 1:
+            return self._sample_in_group(records)
         index, count = self.s.share or (self.world.rank, self.world.world_size)
         columns = record_columns(records[index::count])  # ... and generates its share
         return self.maker.generate_rollout(**columns), columns["record_ids"]
+
+    def _sample_in_group(self, records: Sequence[Any]) -> tuple[ScoredRollout, list[Any]]:
+        from mmrlhf.parallel.engine_groups import EngineGroups
+        from mmrlhf.trainer.group_share import member_part, owned_ids
+
+        w = self.world
+        groups = EngineGroups(w.world_size, self.s.engine_group_size)
+        group = groups.group_of(w.rank)
+        indices = groups.group_indices(len(records), group)
+        columns = record_columns([records[i] for i in indices])  # the group's prompts, the same on its every rank
+        owners = [groups.trainer_of(i) for i in indices]
+        rollout = self.maker.generate_rollout(**columns)
+        asked = columns["record_ids"]
+        part = member_part(rollout, share_positions(rollout.rows, asked), owners, w.rank,
+                           lead=w.rank == groups.ranks_of(group)[0])
+        return part, owned_ids(asked, owners, w.rank)
 
     # ---- publish -------------------------------------------------------------------------------------------------
     def publish(self, policy: Any, critic: Any | None, *, updated: bool) -> dict[str, float]:

@@ -86,7 +86,7 @@ def test_what_cannot_run_data_parallel_is_refused_by_key(override, key):
 
 @pytest.mark.parametrize("override, key", [
     ("rollout.engine=transformers", "rollout.engine=transformers"),
-    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size=2 under torchrun"),
+    ("rollout.tensor_parallel_size=4", "rollout.tensor_parallel_size=4 under torchrun with 2 ranks"),
 ])
 def test_what_torchrun_ranks_with_their_own_engines_cannot_do_is_refused_by_key(override, key):
     from mmrlhf.config import load_config

@@ -1,7 +1,7 @@
 """How each process builds its vLLM engine, without a GPU: the engine arguments of torchrun ranks on a CUDA world
 (vLLM's external-launcher executor, one engine per rank), the device each rank re-asserts after the build (a fake
-accelerator whose current device the engine build moves, as vLLM's default executor does), tensor parallelism under
-torchrun refused by key, and the tested vLLM version range."""
+accelerator whose current device the engine build moves, as vLLM's default executor does) and the tested vLLM version
+range. Tensor-parallel engines over torchrun ranks: tests/rollout/test_tensor_parallel_engine.py."""
 
 from __future__ import annotations
 
@@ -40,11 +40,6 @@ def test_outside_torchrun_and_on_the_cpu_nothing_is_bound():
     cpu = engine_kwargs("/m", device_type="cpu", ranks=_ranks(1), tensor_parallel_size=1)
     assert "distributed_executor_backend" not in cpu and "tensor_parallel_size" not in cpu
     assert cpu["enable_chunked_prefill"] is False and engine_device("cpu", _ranks(1)) is None
-
-
-def test_tensor_parallel_under_torchrun_is_refused_by_key():
-    with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2 under torchrun"):
-        engine_kwargs("/m", device_type="cuda", ranks=_ranks(0), tensor_parallel_size=2)
 
 
 class _FakeAccelerator:
