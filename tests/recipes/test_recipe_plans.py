@@ -72,9 +72,6 @@ def test_control_without_its_keys_the_recipe_does_not_fit_and_the_plan_names_the
     assert any("distributed.offload=params" in label for label in labels), labels
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="rollout.tensor_parallel_size > 1 under torchrun is refused at launch until the "
-                   "tensor-parallel engines of issue 54 (point 1, another branch) land: remove this mark then")
 @pytest.mark.parametrize("path", PLANNED, ids=[p.stem for p in PLANNED])
 def test_torchrun_accepts_the_recipe_s_tensor_parallel_engine(path, monkeypatch):
     from mmrlhf.launch.torchrun import check_torchrun_config
