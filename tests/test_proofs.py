@@ -123,6 +123,7 @@ def test_a_gpu_vllm_engine_streams_once_the_doctor_proved_it(record_file, monkey
     Core.__name__ = "InprocClient"
     engine = VLLMEngine.__new__(VLLMEngine)
     engine._cpu = False
+    engine.spans_ranks = False  # one engine per process (a tensor-parallel group over ranks never streams)
     engine.llm = type("LLM", (), {"llm_engine": type("E", (), {"engine_core": Core()})()})()
     monkeypatch.setattr(proofs, "device_name", lambda device: "Fake GPU")
     proven, why = engine.stream_proof()

@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="with --plan: torchrun world size over all nodes, for distributed.backend=torchrun "
                       "(default: WORLD_SIZE, else 8)")
     show.add_argument("--gpus-per-node", metavar="N", type=int, default=None,
-                      help="with --plan: GPUs of one node (default: LOCAL_WORLD_SIZE, else 8); an engine's "
+                      help="with --plan: GPUs of one node (default 8); an engine's "
                       "tensor-parallel group sits on one node, and offload's host memory is summed per node")
     show.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     show.set_defaults(func=_show)

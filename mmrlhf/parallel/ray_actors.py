@@ -69,7 +69,9 @@ def connect(address: str | None, *, num_cpus: float) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return True  # the connection is ours to close; the cluster stays up
-    ray.init(num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False, log_to_driver=True)
+    # "local": a new instance even where one is running on this machine (Ray would otherwise join the one its
+    # `ray start` recorded, and refuse the CPU count given here)
+    ray.init(address="local", num_cpus=max(1, math.ceil(num_cpus)), include_dashboard=False, log_to_driver=True)
     return True
 
 

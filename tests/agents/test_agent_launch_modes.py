@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
     for name, ranks in (("torchrun1", 1), ("torchrun2", 2)):
         proc = _torchrun(out[name], ranks)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         assert run_ray(load_config(RECIPE, [*_overrides(out["ray"]), "distributed.backend=ray"])) == 0
     finally:

@@ -25,7 +25,7 @@ SKIP = ("time/", "sync/", "throughput/", "async/trainer_wait", "async/rollout_wa
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

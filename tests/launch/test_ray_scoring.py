@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
 
     single, two = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("ray2")
     assert run(_config(single)) == 0
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         assert run_ray(_config(two, "distributed.backend=ray", "distributed.num_trainer_actors=2",
                                "distributed.trainer_actor_cpus=0.5", "distributed.rollout_actor_cpus=1")) == 0

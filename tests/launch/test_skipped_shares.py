@@ -130,7 +130,7 @@ def test_torchrun_ranks_train_beside_an_empty_share_and_stop_at_an_empty_step(tm
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

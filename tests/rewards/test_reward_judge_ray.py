@@ -85,7 +85,7 @@ def test_judge_on_its_own_ray_actor_is_shared_and_scores_the_right_answer_higher
              "engine": {"max_model_len": 2048, "dtype": "float32", "limit_mm_per_prompt": {"image": 1}}}
     blind = {**judge, "rubric": "Question: {{ question }}\nThe answer has {{ answer|length }} letters.\n"
                                 "Is the answer correct? yes or no."}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker cannot import this test module
     try:
         # As the Ray driver does: the actor first (engine loaded), then every caller finds it by name.

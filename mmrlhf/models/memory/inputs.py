@@ -20,7 +20,7 @@ from mmrlhf.models.memory.plan import GIB, PlanInputs
 
 DEFAULT_GPU_GIB = 80.0  # the plan's GPU when none is visible and none is given
 DEFAULT_RANKS = 8  # torchrun world size planned when the config does not say (one node)
-DEFAULT_GPUS_PER_NODE = 8  # GPUs of one node when torchrun does not say (LOCAL_WORLD_SIZE)
+DEFAULT_GPUS_PER_NODE = 8  # GPUs of one node unless --gpus-per-node says
 
 
 class PlanError(ValueError):
@@ -186,7 +186,8 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
                 gpus_per_node: int | None = None) -> PlanInputs:
     """:class:`PlanInputs` of ``config`` for ``facts``' model on GPUs of ``gpu_gib`` GiB (default: the visible
     accelerator's, else 80), a torchrun world of ``ranks`` over all nodes (default ``WORLD_SIZE``, else 8) on nodes
-    of ``gpus_per_node`` GPUs (default ``LOCAL_WORLD_SIZE``, else 8); a distillation teacher of shape
+    of ``gpus_per_node`` GPUs (default 8: not ``LOCAL_WORLD_SIZE``, which vLLM's CPU platform sets to 1 in any
+    process that started an engine); a distillation teacher of shape
     ``teacher_shape`` (default: ``model.teacher``'s config)."""
     from mmrlhf.models.precision import lora_base_dtype, precision
 
@@ -223,7 +224,7 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         rollout_actors=dist.num_rollout_actors,
         rollout_gpus=max(1, int(dist.rollout_actor_gpus or r.tensor_parallel_size)),
         trainer_actors=dist.num_trainer_actors,
-        gpus_per_node=gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", DEFAULT_GPUS_PER_NODE)),
+        gpus_per_node=gpus_per_node or DEFAULT_GPUS_PER_NODE,
         keys=fix_keys(config), compute_copy=compute_copy(config),
         lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0,  # the plan is a GPU's
         offload=dist.offload == "params", teacher_bytes=teacher_bytes(config, p.compute.itemsize, teacher_shape),
