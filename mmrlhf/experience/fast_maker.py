@@ -228,11 +228,12 @@ class FastExperienceMaker(ExperienceMaker):
         ready = {} if self.settings.shared_prompt else {tuple(c): b for c, b in zip(chunks, built)}
 
         def forward(micro_rows: list[int], padding: bool) -> dict[str, torch.Tensor | None]:
+            # a padding forward runs every model too: each sharded forward is a collective the others wait on
             batch = ready.get(tuple(micro_rows))
             if batch is None:
                 with timer("build"):
                     batch = build(rows.select(micro_rows))
-            return self._score(batch, timer, rollout.distribution, padding=padding)
+            return self._score(batch, timer, rollout.distribution)
 
         scored = run_aligned(plan.micro_batches[0], forward)
         if micros != chunks:
@@ -318,32 +319,28 @@ class FastExperienceMaker(ExperienceMaker):
                              f"{exc}") from exc
 
     @torch.no_grad()
-    def _score(self, b: BuiltSamples, timer: PhaseTimer, distribution: ScoringDistribution, *,
-               padding: bool = False) -> dict[str, torch.Tensor | None]:
+    def _score(self, b: BuiltSamples, timer: PhaseTimer,
+               distribution: ScoringDistribution) -> dict[str, torch.Tensor | None]:
         """Actor (+ entropy), reference, teacher and critic forwards of one micro-batch, all in the padded [b, A] shape,
         scored under ``distribution`` (the sampling temperature and the sampler's truncation: the distribution the
-        samples were drawn from). The CPU-built batch goes to the models as it is (each moves it to its device);
-        the outputs come back as CPU tensors. ``outside`` / ``ref_outside`` [b, A]: tokens outside the actor's /
-        reference's kept set (None untruncated). ``padding``: a rank-aligning forward whose result is dropped. It
-        runs every model: padding forwards exist only where the models are sharded (the reference and the teacher
-        with the policy, a LoRA reference being the policy's own module), and each sharded forward is a collective
-        the other ranks' real forwards wait on. The teacher scores the same batch (same ids, same pixels) under the
-        same distribution as the reference."""
+        samples were drawn from), the teacher on the reference's batch. The CPU-built batch goes to the models as it
+        is (each moves it to its device); the outputs come back as CPU tensors. ``outside`` / ``ref_outside``
+        [b, A]: tokens outside the actor's / reference's kept set (None untruncated)."""
         temperature, truncation = distribution.temperature, distribution.truncation
-        routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
         if self.settings.score_policy:
+            routed = self.settings.routing_metrics and getattr(b.samples, "routed_experts", None) is not None
             with timer("actor"):
                 out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
                                  temperature=temperature, truncation=truncation, return_routing=routed)
             log_probs, entropy, action_mask, outside = out.log_probs, out.entropy, out.action_mask, out.outside
         else:  # the trainer scores the policy (mmrlhf.experience.rescoring.policy_on_trainers): the mask only
             log_probs = entropy = outside = None
+            routed = False  # the routing metrics compare the policy's own routing: refused without it (rescoring)
             action_mask = response_index(b.samples)[2]  # [b, A] bool, as the actor's forward returns it
         row: dict[str, torch.Tensor | None] = {
-            "log_probs": log_probs, "entropy": entropy, "action_mask": action_mask,
-            "outside": outside, "ref_log_probs": None, "ref_outside": None, "values": None,
-            "teacher_log_probs": None, "teacher_topk_log_probs": None, "teacher_topk_ids": None,
-        }
+            "log_probs": log_probs, "entropy": entropy, "action_mask": action_mask, "outside": outside,
+            "ref_log_probs": None, "ref_outside": None, "values": None, "teacher_log_probs": None,
+            "teacher_topk_log_probs": None, "teacher_topk_ids": None}
         if routed and out.routing is not None and out.routing.own:
             # [N, L, k] per flattened token: the trainer's own top-k and the engine's (docs: moe/ metrics)
             own = out.routing.stacked(b.samples.routed_experts.shape[-2], which="own")
