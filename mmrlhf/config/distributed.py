@@ -88,13 +88,17 @@ class DistributedConfig(Section):
     the trainer updates, with the importance-sampling rollout correction (``algorithm.rollout_correction``) on the
     engine's log-probs covering the gap. Ray mode only."""
     scoring: Literal["auto", "trainer", "rollout"] = "auto"
-    """Ray mode: where the old-policy log-probs are computed. ``trainer``: by the trainer actors with the sharded
-    policy before the update, the rollout actors holding no scoring copy of the policy beside their engine (a 32B
-    policy's float32 copy is ~128 GiB); refused, naming the setting, where something on the rollout actors reads them
-    (a KL term in the reward, a reference kept there, the distillation advantage, a critic, ``rollout.routing_replay``,
-    ``agent``, a truncating sampler scored as sampled, a transformers engine, LoRA). ``auto``: ``trainer`` where
-    allowed, else ``rollout``. ``rollout``: each rollout actor scores with its own copy (it then also reports its
-    engine-vs-copy ``engine_logprob_diff/mean|max``). docs/distributed.md, "Where the Ray mode scores"."""
+    """Ray mode: where the experiences are scored. ``trainer``: the rollout actors generate and reward only and send
+    the step's rows; the trainer actors make the experiences (old-policy log-probs, reference, teacher, critic values,
+    the shaping and its running state) with their FSDP2-sharded models, as torchrun ranks do, so a rollout actor
+    holds its engine alone (a 32B policy's float32 copy is ~128 GiB) in every configuration (refused with
+    ``model.lora.sync: vllm_lora``: the trainers send merged LoRA layers). ``auto``: the rollout actors make the
+    experiences, and the trainer actors re-score the old policy (and a KL-loss reference, a distillation-loss
+    teacher) where nothing on the rollout side reads them, else each rollout actor keeps a scoring copy (a KL term in
+    the reward, the distillation advantage, a critic, ``rollout.routing_replay``, ``agent``, a truncating sampler
+    scored as sampled, a transformers engine, LoRA). ``rollout``: each rollout actor scores with its own copy (it
+    then also reports its engine-vs-copy ``engine_logprob_diff/mean|max``). ``ray/rollout_scoring_models`` counts the
+    models a rollout actor scores with beside its engine. docs/distributed.md, "Where the Ray mode scores"."""
     on_rollout_failure: Literal["stop", "restart"] = "stop"
     """A rollout actor that dies: ``stop`` reports it by name and ends the run cleanly (checkpoint saved); ``restart``
     starts a new one (up to ``max_actor_restarts`` times) and regenerates its unfinished batch."""

@@ -40,7 +40,7 @@ class ExperienceStack:
 def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: str | torch.device | None = None,
                            policy_path: str | None = None, before_engine: Any = None,
                            score_reference: bool = True, score_teacher: bool = True,
-                           score_policy: bool = True) -> ExperienceStack:
+                           score_policy: bool = True, generate_only: bool = False) -> ExperienceStack:
     """Build actor, reference (if KL is used), engine, data processor, reward engine and the maker.
 
     ``policy_path``: where the actor and the engine load the policy from (default ``model.pretrain``; a resumed run
@@ -51,7 +51,10 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     experiences then carry none. ``score_teacher=False``: likewise for the distillation loss term's teacher
     (:func:`~mmrlhf.experience.rescoring.teacher_on_trainers`). ``score_policy=False``: the actor is the policy's
     modules without weights (:func:`weightless_policy`: the engine, the processor and the samples read its config
-    only) and the maker runs no policy forward (:func:`~mmrlhf.experience.rescoring.policy_on_trainers`)."""
+    only) and the maker runs no policy forward (:func:`~mmrlhf.experience.rescoring.policy_on_trainers`).
+    ``generate_only=True``: a maker for :meth:`~mmrlhf.experience.fast_maker.FastExperienceMaker.generate_rollout`
+    only (a Ray rollout actor under ``distributed.scoring: trainer``, whose trainer actors make the experiences with
+    :func:`build_scoring_maker`): a weightless policy, no reference, teacher, critic or KL controller."""
     from transformers import AutoProcessor
 
     from mmrlhf.data.processor import MultimodalDataProcessor
@@ -64,16 +67,23 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         raise ValueError("model.pretrain is empty: set it to a model directory")
     target = torch.device(device) if device is not None else resolve_device(config.trainer.device)
     lora = model_cfg.lora
+    if generate_only:
+        score_reference = score_teacher = False
+        critic = None
+        # a transformers engine generates with the policy's module itself: its weights are the engine's
+        score_policy = config.rollout.engine != "vllm"
     if score_policy:
         actor, adapter_path = build_policy(config, policy_path, device=target, before_adapters=before_engine)
     else:
-        actor, adapter_path = weightless_policy(config, before_adapters=before_engine), None
+        actor, adapter_path = weightless_policy(config, before_adapters=before_engine,
+                                                adapters=not generate_only), None
     adapter = actor.adapter
     policy_path = policy_path or model_cfg.pretrain
-    settings = experience_settings(config.algorithm, config.rollout, config.trainer,
-                                   attn_implementation=model_cfg.attn_implementation,
-                                   multi_turn=rollout_kind_class(config).multi_turn,
-                                   masked_kernel=masked_kernel(model_cfg, target), agent=config.agent)
+    settings = maker_settings(config, target)
+    if generate_only:  # stage 2 runs on the trainer actors: nothing here scores, shapes or keeps running state
+        settings = dataclasses.replace(settings, need_reference=False, kl_in_reward=False, distill_coef=0.0,
+                                       distill_topk=0, score_policy=False, compute_entropy=False,
+                                       routing_metrics=False, reward_normalization=False)
     if not score_reference:
         if settings.kl_in_reward:
             raise ValueError("algorithm.kl_reward_coef > 0 shapes the rewards with the reference: the experience "
@@ -91,16 +101,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
             raise ValueError("the experience maker must score the policy here: "
                              + "; ".join(policy_scoring_blockers(config) or ["a reference, teacher or critic reads it"]))
         settings = dataclasses.replace(settings, score_policy=False, compute_entropy=False)
-    reference = None
-    if settings.need_reference and lora.rank and not model_cfg.reference:
-        from mmrlhf.models.lora import AdapterOffScorer
-
-        reference = AdapterOffScorer(actor)  # the base model: the actor's own module with its adapters off
-    elif settings.need_reference:
-        reference = load_model(model_cfg, model_cfg.reference or model_cfg.pretrain, adapter,
-                               trainable=False, routing_replay=config.rollout.routing_replay).to(target).eval()
-        reference.requires_grad_(False)
-    teacher = build_teacher(config, adapter, target) if settings.teacher_needed else None
+    reference, teacher = scoring_models(config, actor, settings, target)
     processor = AutoProcessor.from_pretrained(model_cfg.pretrain, trust_remote_code=model_cfg.trust_remote_code)
     tokenizer = processor.tokenizer
     engine = build_engine(config.rollout, model_cfg.pretrain if lora.rank else policy_path, family=model_cfg.family,
@@ -115,9 +116,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
         sync_weights(actor.model, engine)  # the engine loaded the base model: bring it to the loaded adapter
     data_processor = MultimodalDataProcessor.from_config(processor, adapter, config.data)
     rewards = RewardComputationEngine.from_config(config.reward)
-    algo = config.algorithm
-    controller = kl_controller(algo.kl_controller, algo.kl_reward_coef, target=algo.kl_target,
-                               horizon=algo.kl_horizon) if settings.kl_in_reward else None
+    controller = _kl_controller(config, settings)
     sampling = policy_sampling(config, tokenizer, actor.model)
     agent = build_agent_loop(config, engine=engine, tokenizer=tokenizer, adapter=adapter,
                              data_processor=data_processor, model=actor.model)
@@ -127,6 +126,56 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                                 initial_model=reference, critic=critic, kl_controller=controller, kind=kind,
                                 teacher_model=teacher)
     return ExperienceStack(maker, actor, reference, critic, engine, tokenizer, processor, teacher)
+
+
+def maker_settings(config: MMRLHFConfig, device: torch.device) -> Any:
+    """The experience maker's :class:`~mmrlhf.experience.settings.ExperienceSettings` of ``config`` for models on
+    ``device`` (which decides the masked-attention kernel, and so ``trainer.shared_prompt: auto``)."""
+    m = config.model
+    return experience_settings(config.algorithm, config.rollout, config.trainer,
+                               attn_implementation=m.attn_implementation,
+                               multi_turn=rollout_kind_class(config).multi_turn,
+                               masked_kernel=masked_kernel(m, device), agent=config.agent)
+
+
+def scoring_models(config: MMRLHFConfig, actor: Any, settings: Any, device: torch.device) -> tuple[Any, Any]:
+    """The reference and the distillation teacher ``settings`` need beside ``actor`` (None where not needed). With
+    LoRA and no ``model.reference`` the reference is the actor's own module with its adapters off (no memory)."""
+    m = config.model
+    reference = None
+    if settings.need_reference and m.lora.rank and not m.reference:
+        from mmrlhf.models.lora import AdapterOffScorer
+
+        reference = AdapterOffScorer(actor)  # the base model: the actor's own module with its adapters off
+    elif settings.need_reference:
+        reference = load_model(m, m.reference or m.pretrain, actor.adapter, trainable=False,
+                               routing_replay=config.rollout.routing_replay).to(device).eval()
+        reference.requires_grad_(False)
+    teacher = build_teacher(config, actor.adapter, device) if settings.teacher_needed else None
+    return reference, teacher
+
+
+def _kl_controller(config: MMRLHFConfig, settings: Any) -> Any:
+    a = config.algorithm
+    return kl_controller(a.kl_controller, a.kl_reward_coef, target=a.kl_target,
+                         horizon=a.kl_horizon) if settings.kl_in_reward else None
+
+
+def build_scoring_maker(config: MMRLHFConfig, actor: Any, tokenizer: Any, *, critic: Any = None,
+                        device: torch.device) -> ExperienceStack:
+    """The experience maker's second stage without an engine (:meth:`~mmrlhf.experience.fast_maker.
+    FastExperienceMaker.experiences_from` only): the Ray trainer actors' under ``distributed.scoring: trainer``.
+    ``actor`` is this rank's policy (sharded later with the reference and the teacher made here, as the torchrun
+    ranks' are); ``critic`` the trainer's. The rows it scores come from the rollout actors' generate-only makers
+    (:func:`build_experience_maker` with ``generate_only``)."""
+    from mmrlhf.experience.fast_maker import FastExperienceMaker
+
+    settings = maker_settings(config, device)
+    reference, teacher = scoring_models(config, actor, settings, device)
+    maker = FastExperienceMaker(actor, None, None, None, tokenizer, settings,
+                                policy_sampling(config, tokenizer, actor.model), initial_model=reference,
+                                critic=critic, kl_controller=_kl_controller(config, settings), teacher_model=teacher)
+    return ExperienceStack(maker, actor, reference, critic, None, tokenizer, None, teacher)
 
 
 def build_teacher(config: MMRLHFConfig, adapter: Any, device: torch.device) -> Any:
@@ -256,18 +305,19 @@ def build_policy(config: MMRLHFConfig, policy_path: str | None, *, device: torch
     return actor, adapter_path
 
 
-def weightless_policy(config: MMRLHFConfig, *, before_adapters: Any = None) -> Any:
+def weightless_policy(config: MMRLHFConfig, *, before_adapters: Any = None, adapters: bool = True) -> Any:
     """The policy's :class:`~mmrlhf.models.actor.ActorVL` with its parameters on the meta device (no memory): what a
     Ray rollout actor that scores nothing with it reads (the model config, the generation config's stop ids, the
     family adapter, the vocabulary's size). Its engine loads the weights itself and receives the trainer's
-    updates directly. ``before_adapters(actor)``: as :func:`build_policy`'s (the parameters' ``requires_grad``)."""
+    updates directly. ``before_adapters(actor)``: as :func:`build_policy`'s (the parameters' ``requires_grad``).
+    ``adapters=False``: a LoRA policy's base model alone (its engine receives merged weights from the trainers)."""
     from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig
 
     from mmrlhf.models.actor import ActorVL
     from mmrlhf.models.adapters import get_adapter
 
     model_cfg = config.model
-    if model_cfg.lora.rank:
+    if model_cfg.lora.rank and adapters:
         raise ValueError("model.lora.rank > 0: a rollout actor's LoRA engine is synced from a policy copy with weights")
     path, remote = model_cfg.pretrain, model_cfg.trust_remote_code
     with torch.device("meta"):

@@ -110,22 +110,42 @@ def with_teacher(teacher: Any, items: Sequence[TrainItem], distribution: Scoring
     return out
 
 
+def experiences_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode, the trainer actors make the experiences (``distributed.scoring: trainer``): the
+    rollout actors generate and reward only and send the step's rows, and every trainer rank runs the experience
+    maker's second stage on its groups with the sharded policy, reference, teacher and critic, the step's shaping
+    statistics and running state (reward normalisation, the adaptive KL coefficient) taken over the trainer ranks,
+    as torchrun ranks take them. Every configuration runs so; the rollout actors then hold their engine alone
+    (no scoring copy, reference, teacher or critic). Refused with vLLM's own LoRA (``model.lora.sync:
+    vllm_lora``): the trainers send merged layers."""
+    if config.distributed.scoring != "trainer":
+        return False
+    if config.model.lora.rank and config.model.lora.sync == "vllm_lora":
+        raise ValueError("distributed.scoring=trainer sends the engines merged LoRA layers: set model.lora.sync=merged "
+                         "(or distributed.scoring=auto, whose rollout actors load the adapter from their policy copy)")
+    return True
+
+
 def reference_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode, the trainer actors score the reference (sharded with the policy) instead of the
-    rollout actors: where the reference serves the KL loss only (``algorithm.kl_loss_coef > 0`` with
-    ``kl_reward_coef == 0``), so nothing the rollout actors compute (the shaped rewards, the advantages) reads it.
-    Not with LoRA: there the reference is the rollout actor's own policy copy with its adapters off, which costs
-    no memory. A KL term in the reward keeps it on the rollout actors (their shaping needs it)."""
+    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors score the reference (sharded
+    with the policy) beside the experiences the rollout actors made: where the reference serves the KL loss only
+    (``algorithm.kl_loss_coef > 0`` with ``kl_reward_coef == 0``), so nothing the rollout actors compute (the shaped
+    rewards, the advantages) reads it. Not with LoRA: there the reference is the rollout actor's own policy copy with
+    its adapters off, which costs no memory. A KL term in the reward keeps it on the rollout actors (their shaping
+    needs it). (Under ``scoring: trainer`` the trainers' experience maker holds it: :func:`experiences_on_trainers`.)"""
     a = config.algorithm
-    return a.kl_loss_coef > 0 and a.kl_reward_coef == 0 and not config.model.lora.rank
+    return a.kl_loss_coef > 0 and a.kl_reward_coef == 0 and not config.model.lora.rank \
+        and config.distributed.scoring != "trainer"
 
 
 def teacher_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode, the trainer actors score the distillation teacher (sharded with the policy):
-    where it serves the loss term only (``algorithm.distill_loss_coef > 0`` with ``distill_coef == 0``); the
-    distillation advantage (``distill_coef > 0``) is shaped on the rollout actors, which then keep it."""
+    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors score the distillation teacher
+    (sharded with the policy): where it serves the loss term only (``algorithm.distill_loss_coef > 0`` with
+    ``distill_coef == 0``); the distillation advantage (``distill_coef > 0``) is shaped on the rollout actors, which
+    then keep it."""
     a = config.algorithm
-    return bool(config.model.teacher) and a.distill_loss_coef > 0 and a.distill_coef == 0
+    return bool(config.model.teacher) and a.distill_loss_coef > 0 and a.distill_coef == 0 \
+        and config.distributed.scoring != "trainer"
 
 
 def policy_scoring_blockers(config: Any) -> list[str]:
@@ -162,20 +182,16 @@ def policy_scoring_blockers(config: Any) -> list[str]:
 
 
 def policy_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode, the trainer actors compute the old-policy log-probs and entropies with the sharded
-    policy before the update, and the rollout actors hold no scoring copy of the policy (``distributed.scoring``:
-    ``auto`` where :func:`policy_scoring_blockers` finds nothing, ``trainer`` refuses a run where it finds something,
-    ``rollout`` keeps the copy). Exact: at ``distributed.max_staleness`` 0 the trainer's weights before the update
-    are the behaviour policy's (the copy held the same); at >= 1 the trainer replaced the copy's log-probs with its
-    own already (the PPO ratio's old policy)."""
-    mode = config.distributed.scoring
-    if mode == "rollout":
+    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors compute the old-policy
+    log-probs and entropies of the rollout actors' experiences with the sharded policy before the update, the rollout
+    actors holding no scoring copy of the policy: where :func:`policy_scoring_blockers` finds nothing (``rollout``
+    keeps the copy; ``trainer`` makes the whole experience on the trainers instead, :func:`experiences_on_trainers`).
+    Exact: at ``distributed.max_staleness`` 0 the trainer's weights before the update are the behaviour policy's
+    (the copy held the same); at >= 1 the trainer replaced the copy's log-probs with its own already (the PPO
+    ratio's old policy)."""
+    if config.distributed.scoring != "auto":
         return False
-    blockers = policy_scoring_blockers(config)
-    if mode == "trainer" and blockers:
-        raise ValueError("distributed.scoring=trainer: the rollout actors must score the old policy here ("
-                         + "; ".join(blockers) + "); use distributed.scoring=auto or rollout")
-    return not blockers
+    return not policy_scoring_blockers(config)
 
 
 def with_reference(items: Sequence[TrainItem], log_probs: Sequence[torch.Tensor], ref_log_probs: Sequence[torch.Tensor],

@@ -183,20 +183,23 @@ RolloutFactory = Callable[[MMRLHFConfig, World, Any, "str | None", Callable[[Any
 def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path: str | None,
                    freeze: Callable[[Any], None], *, share: tuple[int, int] | None = None,
                    engine_sleeps: bool = True, score_reference: bool = True,
-                   score_teacher: bool = True, score_policy: bool = True) -> Rollouts:
+                   score_teacher: bool = True, score_policy: bool = True, generate_only: bool = False) -> Rollouts:
     """The rollout factory of one process, of every torchrun rank and of every Ray rollout actor: an engine in this
     process, the experience maker (its actor is the trained policy, or a Ray actor's scoring copy), the prompt stream
     and the held-out evaluation (rank 0, or the first ``share``). ``share`` and ``engine_sleeps``: see
     :class:`~mmrlhf.trainer.rollouts.LocalSettings`; ``score_reference=False`` / ``score_teacher=False``: the maker
     holds no reference / distillation teacher (a Ray rollout actor whose trainer actors score it);
-    ``score_policy=False``: nor a scoring copy of the policy (its actor has no weights; the trainers score it)."""
+    ``score_policy=False``: nor a scoring copy of the policy (its actor has no weights; the trainers score it);
+    ``generate_only=True``: the maker generates and rewards only (``distributed.scoring: trainer``: the trainer
+    actors make the experiences), holding no model but the engine."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
 
     t, a, d = config.trainer, config.algorithm, config.data
     stack = build_experience_maker(config, critic=critic, before_engine=freeze, policy_path=policy_path,
                                    score_reference=score_reference,
-                                   score_teacher=score_teacher, score_policy=score_policy)
+                                   score_teacher=score_teacher, score_policy=score_policy,
+                                   generate_only=generate_only)
     # torchrun ranks share an engine per rollout.tensor_parallel_size of them (mmrlhf.parallel.engine_groups)
     group_size = config.rollout.tensor_parallel_size if share is None and world.launch == "torchrun" else 1
     # the evaluation's engine calls are its group's: every rank of the first engine group evaluates alike

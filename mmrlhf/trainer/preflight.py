@@ -34,12 +34,12 @@ def check_before_models(config: MMRLHFConfig) -> None:
 
 
 def check_scoring_placement(config: MMRLHFConfig) -> None:
-    """Refuse ``distributed.scoring=trainer`` in the Ray mode where a rollout actor reads the old-policy log-probs,
-    naming what reads them (:func:`~mmrlhf.experience.rescoring.policy_on_trainers`)."""
+    """Refuse ``distributed.scoring=trainer`` in the Ray mode with a setting its trainer-made experiences cannot
+    serve (:func:`~mmrlhf.experience.rescoring.experiences_on_trainers`: vLLM's own LoRA)."""
     if config.distributed.backend == "ray":
-        from mmrlhf.experience.rescoring import policy_on_trainers
+        from mmrlhf.experience.rescoring import experiences_on_trainers
 
-        policy_on_trainers(config)
+        experiences_on_trainers(config)
 
 
 def check_lora_targets(config: MMRLHFConfig) -> list[str]:

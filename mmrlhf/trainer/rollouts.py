@@ -140,7 +140,7 @@ class LocalRollouts:
     Every rank reads the same stream (same seed) and generates its own share of whole prompts (``rank::world``), so
     GRPO groups never straddle ranks. With dynamic sampling every rank samples its share of each round and the ranks
     decide together which groups fill the batch, as one process would on the whole round; each keeps its own (see
-    :meth:`_rollout`). With ``rollout.enable_sleep`` the engine hands its memory to the forwards and
+    :meth:`sample_step`). With ``rollout.enable_sleep`` the engine hands its memory to the forwards and
     updates from the end of generation until :meth:`publish` wakes it in two parts: its weights before the sync
     (the trainer still holds its memory), its KV cache after, so the peak is trainer + engine weights."""
 
@@ -166,7 +166,7 @@ class LocalRollouts:
     def collect(self, step: int) -> StepBatch:
         seconds: dict[str, float] = {}
         with timed(seconds, "rollout"):
-            rollout, metrics, trains = self._rollout(step)
+            rollout, metrics, trains = self.sample_step(step)
         if rollout is None:
             return StepBatch([], metrics, seconds=seconds)
         return self.prepare(rollout, metrics, seconds, describe=trains, step=step)
@@ -195,7 +195,7 @@ class LocalRollouts:
         return StepBatch(items, metrics, rollout.distribution, rollout=rollout if describe else None,
                          seconds=seconds)
 
-    def _rollout(self, step: int) -> tuple[ScoredRollout | None, dict[str, float], bool]:
+    def sample_step(self, step: int) -> tuple[ScoredRollout | None, dict[str, float], bool]:
         """One round of ``rollout_batch_size`` prompts, or (dynamic sampling) rounds until that many groups with
         reward variance are kept. Metrics describe everything sampled; the rollout holds what trains.
 

@@ -53,15 +53,25 @@ def test_where_the_old_policy_is_scored(overrides, trainers):
     assert bool(policy_scoring_blockers(config)) is (not trainers and "distributed.scoring=rollout" not in overrides)
 
 
-def test_scoring_on_the_trainers_is_refused_where_a_rollout_actor_reads_the_old_policy():
-    assert policy_on_trainers(load_config(TOY, ["distributed.scoring=trainer"]))
-    with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*kl_reward_coef"):
-        policy_on_trainers(load_config(TOY, ["distributed.scoring=trainer", "algorithm.kl_reward_coef=0.01"]))
+def test_trainer_scoring_makes_the_experiences_on_the_trainers_in_every_configuration():
+    from mmrlhf.experience.rescoring import experiences_on_trainers, reference_on_trainers, teacher_on_trainers
+
+    # every setting that keeps a scoring copy on the rollout actors under "auto" is served by the trainers' maker
+    for blocked in (["algorithm.kl_reward_coef=0.01"], ["algorithm.advantage_estimator=gae"], ["rollout.top_p=0.9"],
+                    ["model.lora.rank=4"], ["rollout.engine=transformers"]):
+        config = load_config(TOY, ["distributed.scoring=trainer", *blocked])
+        assert policy_scoring_blockers(config) and experiences_on_trainers(config), blocked
+        assert not policy_on_trainers(config)  # (the re-scoring of rollout-made experiences is "auto"'s)
+    kl_loss = load_config(TOY, ["distributed.scoring=trainer", "algorithm.kl_loss_coef=0.05",
+                                "model.teacher=/somewhere", "algorithm.distill_loss_coef=0.1"])
+    assert not reference_on_trainers(kl_loss) and not teacher_on_trainers(kl_loss)  # the maker holds them
+    assert reference_on_trainers(load_config(TOY, ["algorithm.kl_loss_coef=0.05"]))  # the control: "auto"
+    assert not experiences_on_trainers(load_config(TOY, []))
     from mmrlhf.trainer.preflight import check_before_models
 
-    refused = ["distributed.scoring=trainer", "algorithm.advantage_estimator=gae"]
+    refused = ["distributed.scoring=trainer", "model.lora.rank=4", "model.lora.sync=vllm_lora"]
     check_before_models(load_config(TOY, refused))  # (outside the Ray mode the key is not read)
-    with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*gae"):  # the Ray driver's, before any actor
+    with pytest.raises(ValueError, match=r"distributed.scoring=trainer.*model.lora.sync=merged"):  # the driver's
         check_before_models(load_config(TOY, [*refused, "distributed.backend=ray"]))
 
 

@@ -192,7 +192,7 @@ def _sampled(case: str, world: World, *, control: bool = False) -> dict[str, Any
                                          dynamic_sampling_max_extra_rounds=3))
     if control:
         source._choose = choose_first  # every rank takes its first informative groups, as one process alone would
-    rollout, metrics, trains = source._rollout(0)
+    rollout, metrics, trains = source.sample_step(0)
     ids = list(dict.fromkeys(rollout.rows.record_ids)) if trains else []  # an inert sample keeps no group
     return {"ids": ids, "trains": trains, "valid": None if rollout is None else rollout.rewards.valid,
             "metrics": {k: v for k, v in metrics.items() if k.startswith("dynamic_sampling/")},
@@ -206,7 +206,7 @@ def _plain(case: str, world: World) -> dict[str, Any]:
 
     source = LocalRollouts(_Maker(), _Stream(PLAIN[case]), world, LocalSettings(rollout_batch_size=4))
     try:
-        rollout, metrics, trains = source._rollout(2)
+        rollout, metrics, trains = source.sample_step(2)
     except EmptyStepError as exc:
         return {"error": str(exc)}
     return {"ids": rollout.rows.record_ids, "trains": trains, "valid": rollout.rewards.valid.tolist(),
@@ -414,7 +414,7 @@ def test_a_step_with_no_sample_on_any_share_is_one_error_naming_the_step_and_the
     from mmrlhf.trainer.rollouts import EmptyStepError
 
     with pytest.raises(EmptyStepError, match="step 1: no sample to train in this process"):
-        alone._rollout(0)
+        alone.sample_step(0)
 
 
 def test_dynamic_sampling_control_per_rank_decisions_differ(shares):

@@ -166,7 +166,7 @@ def _dealt(world: World, size: int, dynamic: bool) -> dict[str, Any]:
     source = LocalRollouts(maker, _Stream(ROUNDS), world,
                            LocalSettings(rollout_batch_size=8, dynamic_sampling=dynamic,
                                          dynamic_sampling_max_extra_rounds=2, engine_group_size=size))
-    rollout, metrics, trains = source._rollout(0)
+    rollout, metrics, trains = source.sample_step(0)
     return {"ids": rollout.rows.record_ids, "groups": rollout.rows.group, "trains": trains,
             "metrics": {k: v for k, v in metrics.items() if not k.startswith("time/")}, "asked": maker.asked}
 

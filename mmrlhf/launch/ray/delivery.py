@@ -27,6 +27,9 @@ class DeliverySettings:
     bucket_bytes: int
     weight_kind: str  # "full" | "lora" (only the adapters travel)
     push_weights: bool = True  # False: the control of the sync check (versions announced, no tensor sent)
+    # a LoRA policy's engine layers merged here (W + BA, kind "full"): rollout actors without a policy copy
+    # (distributed.scoring: trainer) cannot merge the adapters themselves
+    merged_lora: bool = False
 
 
 class WeightDelivery:
@@ -51,7 +54,12 @@ class WeightDelivery:
         from mmrlhf.parallel.world import full
         from mmrlhf.rollout.weight_sync import policy_weights
 
-        named = [(f"policy.{n}", t.cpu()) for n, t in policy_weights(self.policy.actor.model)]
+        if self.s.merged_lora:
+            from mmrlhf.models.lora import merged_weights
+
+            named = [(f"policy.{n}", t.cpu()) for n, t in merged_weights(self.policy.actor.model)]
+        else:
+            named = [(f"policy.{n}", t.cpu()) for n, t in policy_weights(self.policy.actor.model)]
         if self.critic is not None:
             named += [(f"critic.{n}", full(p.detach()).cpu()) for n, p in self.critic.critic.named_parameters()
                       if p.requires_grad]

@@ -67,7 +67,8 @@ class ExperienceMakerHolder:
         defer_full_collections()  # until the engine and the models are built (mmrlhf.startup)
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
-        from mmrlhf.experience.rescoring import policy_on_trainers, reference_on_trainers, teacher_on_trainers
+        from mmrlhf.experience.rescoring import (experiences_on_trainers, policy_on_trainers, reference_on_trainers,
+                                                 teacher_on_trainers)
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts
         from mmrlhf.trainer.optim import freeze_vision
@@ -87,7 +88,10 @@ class ExperienceMakerHolder:
         t = cfg.trainer
         check_before_models(cfg)  # refused by the config or the data: before its engine and models load
         seed_everything(t.seed)
-        critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" else None
+        # distributed.scoring: trainer: this actor generates and rewards, and sends the step's rows; its trainer
+        # actors make the experiences (no scoring copy, reference, teacher or critic here)
+        self.rows = experiences_on_trainers(cfg)
+        critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" and not self.rows else None
         if critic is not None:
             critic.requires_grad_(False)
 
@@ -101,9 +105,15 @@ class ExperienceMakerHolder:
         made = local_rollouts(cfg, self._alone, critic, None, freeze, share=(index, count), engine_sleeps=False,
                               score_reference=not reference_on_trainers(cfg),  # else the trainer actors score them
                               score_teacher=not teacher_on_trainers(cfg),
-                              score_policy=not policy_on_trainers(cfg))  # else no scoring copy of the policy
+                              score_policy=not policy_on_trainers(cfg),  # else no scoring copy of the policy
+                              generate_only=self.rows)
         self.producer, self.actor, self.tokenizer = made.source, made.actor, made.tokenizer
         self.maker, self.stream, self.evaluator = self.producer.maker, self.producer.stream, self.producer.evaluator
+        # the models it scores with beside its engine (a policy copy, reference, teacher, critic): 0 where its
+        # trainer actors score everything (ray/rollout_scoring_models)
+        m = self.maker
+        self.scoring_models = int(m.settings.score_policy and cfg.rollout.engine == "vllm") + sum(
+            x is not None for x in (m.initial_model, m.teacher_model, m.critic))
         self.version = 0
         self._lock = threading.Lock()  # held by a generation and by the application of an update
         self.exchange = exchange if count > 1 else None
@@ -182,7 +192,10 @@ class ExperienceMakerHolder:
                 self._generating, self._replay = True, replay
             self.producer.world = self._world(step)
             try:
-                batch = self.producer.collect(step)  # CPU tensors whatever the models' device
+                if self.rows:  # the trainer actors make the experiences: the rows they train, rewarded
+                    batch = self._rows(step)
+                else:
+                    batch = self.producer.collect(step)  # CPU tensors whatever the models' device
             finally:
                 self._generating, self._replay = False, None
                 self.producer.world = self._alone
@@ -200,14 +213,18 @@ class ExperienceMakerHolder:
                 self._turn.notify_all()
             if segments:  # the oldest token's version: what the staleness bound reads
                 version = min(v for call in segments for v in call)
-        meta = {"step": step, "share": self.index, "version": version, "samples": len(batch.items),
+        rows = batch.rollout if self.rows else None
+        meta = {"step": step, "share": self.index, "version": version,
+                "samples": len(rows) if rows is not None else len(batch.items),
                 "segment_versions": segments,
                 "stream": stream_state,  # after this step's prompts (what a checkpoint records)
                 # the maker's running statistics after this step's shaping (reward normalisation, adaptive KL), and
                 # with dynamic sampling its call count (where the next step's sampling seeds go on)
                 "maker": maker_state if self.sequential else running_state(maker_state),
                 "distribution": batch.distribution, "metrics": batch.metrics, "rollout_wait_s": waited,
-                "generate_s": self._last_end - start}
+                "generate_s": self._last_end - start, "scoring_models": self.scoring_models}
+        if self.rows:  # (the trainer's rank 0 reports from the rows it is dealt)
+            return meta, {**meta, "rows": rows, "report": None}
         shown = None
         if report and batch.rollout is not None:
             from mmrlhf.trainer.reporting import compact, report_samples
@@ -216,6 +233,19 @@ class ExperienceMakerHolder:
                                            self.config.trainer.report_groups))
         # columnar: one flat tensor per field (pickling each item's tensors one by one cost more than generating)
         return meta, {**meta, "items": pack_items(batch.items), "report": shown}
+
+    def _rows(self, step: int) -> Any:
+        """``distributed.scoring: trainer``: this share's rows of step ``step``, generated and rewarded (dynamic
+        sampling's kept groups), as a step batch without items (``rollout``: None where this share trains
+        nothing: dynamic sampling kept none of its groups, or its every prompt was skipped)."""
+        from mmrlhf.trainer.rollouts import StepBatch
+
+        rollout, metrics, trains = self.producer.sample_step(step)
+        if rollout is not None:  # generation's phases (the trainer actors add the experience's)
+            metrics.update({f"time/{k}": v for k, v in rollout.seconds.items()})
+            metrics["time/total"] = sum(rollout.seconds.values())
+        kept = rollout if rollout is not None and trains else None
+        return StepBatch([], metrics, kept.distribution if kept is not None else None, rollout=kept)
 
     def _world(self, step: int) -> Any:
         """The world of step ``step``'s collectives: every rollout actor's share (several actors), or this one."""
@@ -369,6 +399,9 @@ class ExperienceMakerHolder:
             raise ValueError(f"update_experience_maker: tensors outside policy./critic.: {other[:5]}")
         if critic and self.maker.critic is None:
             raise ValueError("update_experience_maker: critic tensors sent to a rollout actor without a critic")
+        if self.rows and kind == "lora" and self.config.rollout.engine == "vllm":
+            raise ValueError("update_experience_maker: LoRA adapters sent to a rollout actor without a policy copy "
+                             "(distributed.scoring: trainer sends merged layers)")
         from mmrlhf.models.lora import lora_model
         from mmrlhf.rollout.weight_sync import sync_weights
 

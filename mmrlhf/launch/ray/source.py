@@ -64,18 +64,27 @@ class RaySettings:
     # the old-policy log-probs and entropies are computed here, before the update (the rollout actors hold no
     # scoring copy: mmrlhf.experience.rescoring.policy_on_trainers)
     old_policy: bool = False
+    # distributed.scoring: trainer: the rollout actors send rows (generated and rewarded) and every rank makes its
+    # groups' experiences with ``RayRollouts.maker`` (mmrlhf.experience.rescoring.experiences_on_trainers)
+    rows: bool = False
 
 
 class RayRollouts:
     def __init__(self, pool: Any, world: World, settings: RaySettings, *, reference: Any = None,
-                 teacher: Any = None) -> None:
+                 teacher: Any = None, maker: Any = None, merged_lora: bool = False) -> None:
         s = settings
         self.pool, self.world, self.s = pool, world, settings
         # the reference and the distillation teacher these ranks score the step's items with (sharded like the
         # policy), or None: the rollout actors scored them (or the run needs none)
         self.reference, self.teacher = reference, teacher
+        # ``settings.rows``: this rank's experience maker without an engine (its models sharded with the policy:
+        # mmrlhf.experience.builder.build_scoring_maker); it holds the running state (reward normaliser, KL
+        # coefficient) that a checkpoint saves
+        self.maker = maker
+        if s.rows and maker is None:
+            raise ValueError("RayRollouts: settings.rows needs the trainer's experience maker")
         self.weights = WeightDelivery(pool, world, DeliverySettings(s.max_staleness, s.bucket_bytes, s.weight_kind,
-                                                                    s.push_weights))
+                                                                    s.push_weights, merged_lora))
         self.schedule = RolloutSchedule(pool, ScheduleSettings(s.max_steps, s.max_staleness, s.on_rollout_failure,
                                                                s.max_actor_restarts, s.report_steps), self.weights)
         self.weights.on_dead = self._dead
@@ -95,8 +104,11 @@ class RayRollouts:
         self.rank_seeds = RANK_SEEDS
 
     def start(self, step: int, policy: Any, critic: Any | None) -> None:
-        self.weights.policy, self.weights.critic = policy, critic
+        # (with rows the critic stays here: the rollout actors hold none)
+        self.weights.policy, self.weights.critic = policy, None if self.s.rows else critic
         self.weights.version, self.schedule.submitted = step, step - 1
+        if self.s.rows and self.resume is not None:  # every rank's maker shapes the steps to come
+            self.maker.load_state_dict(running_state(self.resume.get("maker", {})))
         if self.world.is_main and self.resume is not None:
             import ray
 
@@ -134,12 +146,14 @@ class RayRollouts:
                 self.world.scatter_objects([("error", f"{type(exc).__name__}: {user_message(exc)}")]
                                            * self.world.world_size)
                 raise
-            mine = self.world.scatter_objects(parts if self.world.world_size == 1 else
+            mine = self.world.scatter_objects(parts if self.world.world_size == 1 or self.s.rows else
                                               [{**part, "items": pack_items(part["items"])} for part in parts])
         else:
             mine = self.world.scatter_objects(None)
             if isinstance(mine, tuple):
                 raise RolloutSourceError(mine[1])
+        if self.s.rows:
+            return self._experiences(step, mine, t0)
         items, distribution = mine["items"], mine["distribution"]
         if isinstance(items, PackedItems):  # another rank's part, columnar on the wire (mmrlhf.experience.wire)
             items = unpack_items(items)
@@ -167,6 +181,30 @@ class RayRollouts:
         return StepBatch(items, metrics, distribution, seconds={"rollout": time.perf_counter() - t0},
                          report=mine.get("report"))
 
+    def _experiences(self, step: int, mine: dict[str, Any], t0: float) -> StepBatch:
+        """``settings.rows``: this rank's experiences of its dealt rows, made by its maker over the ranks (the
+        forwards of the sharded models paired, the shaping's step statistics and running state the step's), then
+        the sync check as in :meth:`collect`. Every rank calls it; none has rows where the step kept no group."""
+        from mmrlhf.experience.batching import split_experience
+
+        rows, metrics = mine["rows"], dict(mine["metrics"])
+        seconds = {"rollout": time.perf_counter() - t0}
+        if rows is None:  # (every rank alike: dynamic sampling kept no group of the step)
+            return StepBatch([], metrics, seconds=seconds)
+        t1 = time.perf_counter()
+        experiences = self.maker.experiences_from(rows, world=self.world, step=step)
+        items = [item for exp in experiences for item in split_experience(exp)]
+        seconds["experience"] = time.perf_counter() - t1
+        if mine["describe"]:  # what the stage made (the rows' own metrics are the step's, on rank 0)
+            made = experiences[0].info["batch"]
+            metrics.update({k: v for k, v in made.items()
+                            if k not in rows.metrics and k not in metrics and k != "time/total"})
+        current = [it.token["action_log_probs"] for it in items]
+        metrics.update(self.weights.sync_check(items, current, mine["fresh"]))
+        metrics.update(token_versions(items, self.weights.version, self.s.max_staleness))
+        describe = mine["describe"] and self.world.is_main
+        return StepBatch(items, metrics, rows.distribution, rollout=rows if describe else None, seconds=seconds)
+
     def _parts(self, step: int) -> list[dict[str, Any]]:
         """Rank 0: step ``step``'s samples from every rollout actor, counted and dealt to the ranks."""
         t0 = time.perf_counter()
@@ -179,13 +217,14 @@ class RayRollouts:
         waited = time.perf_counter() - t0
         payloads = self.schedule.take(step)
         staleness = [check_staleness(self.weights.version, p["version"], self.s.max_staleness) for p in payloads]
-        parts = deal(step, payloads, staleness, self.world.world_size, self.ledger)
+        parts = (deal_rows if self.s.rows else deal)(step, payloads, staleness, self.world.world_size, self.ledger)
         for s, p in zip(staleness, payloads):
             self.stats.add(s, p["samples"])
         parts[0]["metrics"].update(self._step_metrics(step, metas, staleness, waited))
         parts[0]["report"] = payloads[0].get("report")  # rollout actor 0's share, on report steps (rank 0 writes it)
         for part in parts:  # each rank's own count: the loop weighs its per-rank metrics by it, and sums it
-            part["metrics"]["samples"] = float(len(part["items"]) - part.pop("inert", 0))
+            held = part["rows"] if self.s.rows else part["items"]
+            part["metrics"]["samples"] = float((0 if held is None else len(held)) - part.pop("inert", 0))
         # what was sampled beyond what trains (dynamic sampling's dropped groups) counts as generated, as in one
         # process: on rank 0, so the ranks' sum is the step's
         parts[0]["metrics"]["samples"] += _generated(metas) - sum(p["metrics"]["samples"] for p in parts)
@@ -204,7 +243,9 @@ class RayRollouts:
         out.update(self.stats.metrics(staleness))
         out.update(self.waits.add(waited, sum(m["rollout_wait_s"] for m in metas) / len(metas)))
         out.update({"async/policy_version": float(self.weights.version),
-                    "ray/actor_restarts": float(self.schedule.restarted())})
+                    "ray/actor_restarts": float(self.schedule.restarted()),
+                    # models a rollout actor scores with beside its engine (0: the trainer actors score them all)
+                    "ray/rollout_scoring_models": float(max(m.get("scoring_models", 0) for m in metas))})
         return out
 
     def publish(self, policy: Any, critic: Any | None, *, updated: bool) -> dict[str, float]:
@@ -257,7 +298,8 @@ class RayRollouts:
         stream = self.stream_after.get(step - 1)  # read from the last step's metadata: its actor may be gone since
         if stream is None:
             stream = ray.get(self.pool.handles[0].stream_state.remote(step))
-        state = {"stream": stream, "maker": {"calls": step * self.pool.count, **self.running},
+        running = running_state(self.maker.state_dict()) if self.s.rows else self.running  # (after the last step)
+        state = {"stream": stream, "maker": {"calls": step * self.pool.count, **running},
                  "policy_version": self.weights.version,
                  "staleness": self.stats.state_dict(), "actor_restarts": self.schedule.restarted(), "inflight": []}
         if self.schedule.deferred is None:  # else a dead actor stopped the run: a resume generates with its version
@@ -328,6 +370,52 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
             part["items"].append(inert_item(dealt[0][0]))  # this rank's forwards and update with the others'
             part["fresh"].append(False)
             part["inert"] = 1
+    parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
+    return parts
+
+
+def deal_rows(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int], ranks: int,
+              ledger: ExperienceLedger) -> list[dict[str, Any]]:
+    """:func:`deal` for rows (``distributed.scoring: trainer``): the shares' rows (``ScoredRollout``, or None where
+    a share trains nothing) joined and dealt to ``ranks`` ranks as whole groups by cost, each rank's in the shares'
+    order, every share counted in the ledger. A rank left without a group (fewer groups than ranks) gets the first
+    row made inert (its forwards and update pair with the others', it trains nothing); ``describe`` False there.
+    Every part's ``rows`` is None when no share sent any."""
+    from mmrlhf.experience.rollout import ScoredRollout
+    from mmrlhf.trainer.rollouts import inert
+
+    sent = [(p, s) for p, s in zip(payloads, staleness) if p.get("rows") is not None]
+    for p in payloads:
+        n = 0 if p.get("rows") is None else len(p["rows"])
+        if n != p["samples"]:
+            raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, {n} rows sent")
+        ledger.produce(step, p["share"], p["samples"])
+        ledger.consume(step, p["share"], n)
+    parts = [{"rows": None, "fresh": [], "describe": False, "metrics": {"samples": 0.0}} for _ in range(ranks)]
+    if not sent:
+        parts[0]["metrics"]["ray/rank_cost_imbalance"] = 1.0
+        return parts
+    scorings = {p["rows"].distribution for p, _ in sent}
+    if len(scorings) != 1:
+        raise ValueError(f"step {step}: rows sampled under different distributions {sorted(map(str, scorings))}")
+    joined = ScoredRollout.concat([p["rows"] for p, _ in sent])  # group ids made unique over the shares
+    joined.seconds = {}  # (generation's phases are the rollout actors', reported with the step's metrics)
+    fresh = [s == 0 for p, s in sent for _ in range(len(p["rows"]))]
+    rows = joined.rows
+    order: dict[int, int] = {}  # group id -> group index, in arrival order
+    cost: list[float] = []
+    for i, g in enumerate(rows.group):
+        k = order.setdefault(g, len(order))
+        if k == len(cost):
+            cost.append(0.0)
+        cost[k] += len(rows.prompt_ids[i]) + len(rows.response_ids[i]) + patch_rows(rows.vision[i])
+    rank_of = deal_by_cost(cost, ranks)
+    for r, part in enumerate(parts):
+        mine = [i for i, g in enumerate(rows.group) if rank_of[order[g]] == r]
+        if mine:
+            part.update(rows=joined.select(mine), fresh=[fresh[i] for i in mine], describe=True)
+        else:  # fewer groups than ranks (dynamic sampling kept few): one inert copy pairs this rank's work
+            part.update(rows=inert(joined), fresh=[False], inert=1)
     parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
     return parts
 

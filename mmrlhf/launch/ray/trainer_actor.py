@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from mmrlhf.experience.rescoring import policy_on_trainers, reference_on_trainers, teacher_on_trainers
+from mmrlhf.experience.rescoring import (experiences_on_trainers, policy_on_trainers, reference_on_trainers,
+                                         teacher_on_trainers)
 from mmrlhf.launch.ray.source import RayRollouts, RaySettings
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,10 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     """The rollout factory of a trainer rank (:data:`~mmrlhf.trainer.builder.RolloutFactory`): the policy built on
     this rank's device (no engine here), the rollout actors as the source; and the reference and the distillation
     teacher where the trainer actors score them (:func:`~mmrlhf.experience.rescoring.reference_on_trainers`,
-    :func:`~mmrlhf.experience.rescoring.teacher_on_trainers`: the builder shards them with the policy)."""
+    :func:`~mmrlhf.experience.rescoring.teacher_on_trainers`: the builder shards them with the policy). Under
+    ``distributed.scoring: trainer`` an experience maker without an engine, holding this rank's policy, critic,
+    reference and teacher (:func:`~mmrlhf.experience.builder.build_scoring_maker`), makes the experiences of the
+    rows the rollout actors send (:func:`~mmrlhf.experience.rescoring.experiences_on_trainers`)."""
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device
@@ -46,6 +50,17 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     # Score the distribution the engine samples from (a rollout actor's maker does the same to its actor copy).
     actor.excluded_token_ids = forbidden_token_ids(actor.adapter, policy_sampling(config, processor.tokenizer,
                                                                                   actor.model))
+    rows = experiences_on_trainers(config)
+    # a LoRA policy's adapters travel alone to a rollout actor's policy copy; without one (rows, a vLLM engine) the
+    # engine's layers are merged here
+    merged = rows and bool(m.lora.rank) and config.rollout.engine == "vllm"
+    maker, scorers = None, ()
+    if rows:
+        from mmrlhf.experience.builder import build_scoring_maker
+
+        stack = build_scoring_maker(config, actor, processor.tokenizer, critic=critic,
+                                    device=resolve_device(t.device))
+        maker, scorers = stack.maker, tuple(x for x in (stack.reference, stack.teacher) if x is not None)
     reference = None
     if reference_on_trainers(config):  # the KL loss's reference: sharded with the policy (mmrlhf.experience.rescoring)
         from mmrlhf.experience.builder import load_model
@@ -63,15 +78,16 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     settings = RaySettings(max_steps=t.max_steps, max_staleness=d.max_staleness,
                            on_rollout_failure=d.on_rollout_failure, max_actor_restarts=d.max_actor_restarts,
                            bucket_bytes=config.rollout.weight_sync_bucket_mb * 2**20,
-                           weight_kind="lora" if m.lora.rank else "full", push_weights=push_weights,
+                           weight_kind="lora" if m.lora.rank and not merged else "full", push_weights=push_weights,
                            scoring_micro_batch_size=config.rollout.micro_rollout_batch_size,
                            scoring_max_tokens=config.rollout.max_tokens_per_micro_batch,
                            report_steps=t.report_steps, sequential=config.algorithm.dynamic_sampling,
                            kl_estimator=config.algorithm.kl_estimator, distill_topk=config.algorithm.distill_topk,
-                           old_policy=policy_on_trainers(config))
-    source = RayRollouts(pool, world, settings, reference=reference, teacher=teacher)
+                           old_policy=policy_on_trainers(config), rows=rows)
+    source = RayRollouts(pool, world, settings, reference=reference, teacher=teacher, maker=maker,
+                         merged_lora=merged)
     return Rollouts(actor, source, processor, processor.tokenizer,
-                    scorers=tuple(model for model in (reference, teacher) if model is not None))
+                    scorers=scorers + tuple(model for model in (reference, teacher) if model is not None))
 
 
 class RayTrainerRank:
