@@ -47,11 +47,11 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     passes its checkpoint's model folder), while the reference stays the initial policy. ``before_engine(actor)``
     runs before the engine is built (the trainer freezes parameters there, so a transformers engine sharing the
     actor sees the final module). ``score_reference=False``: no reference here although the KL loss needs one (a Ray
-    rollout actor whose trainer actors score it: :func:`~mmrlhf.experience.rescoring.reference_on_trainers`); the
+    rollout actor whose trainer actors score it: :func:`~mmrlhf.models.ray_placement.reference_on_trainers`); the
     experiences then carry none. ``score_teacher=False``: likewise for the distillation loss term's teacher
-    (:func:`~mmrlhf.experience.rescoring.teacher_on_trainers`). ``score_policy=False``: the actor is the policy's
+    (:func:`~mmrlhf.models.ray_placement.teacher_on_trainers`). ``score_policy=False``: the actor is the policy's
     modules without weights (:func:`weightless_policy`: the engine, the processor and the samples read its config
-    only) and the maker runs no policy forward (:func:`~mmrlhf.experience.rescoring.policy_on_trainers`).
+    only) and the maker runs no policy forward (:func:`~mmrlhf.models.ray_placement.policy_on_trainers`).
     ``generate_only=True``: a maker for :meth:`~mmrlhf.experience.fast_maker.FastExperienceMaker.generate_rollout`
     only (a Ray rollout actor under ``distributed.scoring: trainer``, whose trainer actors make the experiences with
     :func:`build_scoring_maker`): a weightless policy, no reference, teacher, critic or KL controller."""
@@ -95,7 +95,7 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
                              "maker must hold it")
         settings = dataclasses.replace(settings, distill_topk=0)
     if not score_policy:
-        from mmrlhf.experience.rescoring import policy_scoring_blockers
+        from mmrlhf.models.ray_placement import policy_scoring_blockers
 
         if settings.need_reference or settings.distill_coef > 0 or critic is not None or settings.routing_metrics:
             raise ValueError("the experience maker must score the policy here: "

@@ -333,7 +333,7 @@ class FastExperienceMaker(ExperienceMaker):
                 out = self.actor(b.samples, vision_extra=b.vision_extra, return_entropy=self.settings.compute_entropy,
                                  temperature=temperature, truncation=truncation, return_routing=routed)
             log_probs, entropy, action_mask, outside = out.log_probs, out.entropy, out.action_mask, out.outside
-        else:  # the trainer scores the policy (mmrlhf.experience.rescoring.policy_on_trainers): the mask only
+        else:  # the trainer scores the policy (mmrlhf.models.ray_placement.policy_on_trainers): the mask only
             log_probs = entropy = outside = None
             routed = False  # the routing metrics compare the policy's own routing: refused without it (rescoring)
             action_mask = response_index(b.samples)[2]  # [b, A] bool, as the actor's forward returns it

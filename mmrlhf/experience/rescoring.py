@@ -1,7 +1,7 @@
 """Scoring a step's train items again with a model of this rank: the Ray trainer actors' forwards over what the
 rollout actors sent (the policy's log-probs: the sync check and, with ``max_staleness >= 1``, the PPO ratio's old
 policy; the reference's and the distillation teacher's where the trainer actors hold them,
-:func:`reference_on_trainers`, :func:`teacher_on_trainers`).
+:func:`~mmrlhf.models.ray_placement.reference_on_trainers`, :func:`~mmrlhf.models.ray_placement.teacher_on_trainers`).
 
 The micro-batches are planned by cost (the rollout's scoring split, :mod:`mmrlhf.parallel.micro_batches`) and
 agreed over the world: a sharded model's forwards are collectives (:mod:`mmrlhf.parallel.aligned`), so every rank
@@ -108,90 +108,6 @@ def with_teacher(teacher: Any, items: Sequence[TrainItem], distribution: Scoring
             out[i] = out[i].with_token(teacher_topk_log_probs=res.topk_log_probs[j, :a].float(),
                                        teacher_topk_ids=res.topk_ids[j, :a].to(torch.int32))
     return out
-
-
-def experiences_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode, the trainer actors make the experiences (``distributed.scoring: trainer``): the
-    rollout actors generate and reward only and send the step's rows, and every trainer rank runs the experience
-    maker's second stage on its groups with the sharded policy, reference, teacher and critic, the step's shaping
-    statistics and running state (reward normalisation, the adaptive KL coefficient) taken over the trainer ranks,
-    as torchrun ranks take them. Every configuration runs so; the rollout actors then hold their engine alone
-    (no scoring copy, reference, teacher or critic). Refused with vLLM's own LoRA (``model.lora.sync:
-    vllm_lora``): the trainers send merged layers."""
-    if config.distributed.scoring != "trainer":
-        return False
-    if config.model.lora.rank and config.model.lora.sync == "vllm_lora":
-        raise ValueError("distributed.scoring=trainer sends the engines merged LoRA layers: set model.lora.sync=merged "
-                         "(or distributed.scoring=auto, whose rollout actors load the adapter from their policy copy)")
-    return True
-
-
-def reference_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors score the reference (sharded
-    with the policy) beside the experiences the rollout actors made: where the reference serves the KL loss only
-    (``algorithm.kl_loss_coef > 0`` with ``kl_reward_coef == 0``), so nothing the rollout actors compute (the shaped
-    rewards, the advantages) reads it. Not with LoRA: there the reference is the rollout actor's own policy copy with
-    its adapters off, which costs no memory. A KL term in the reward keeps it on the rollout actors (their shaping
-    needs it). (Under ``scoring: trainer`` the trainers' experience maker holds it: :func:`experiences_on_trainers`.)"""
-    a = config.algorithm
-    return a.kl_loss_coef > 0 and a.kl_reward_coef == 0 and not config.model.lora.rank \
-        and config.distributed.scoring != "trainer"
-
-
-def teacher_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors score the distillation teacher
-    (sharded with the policy): where it serves the loss term only (``algorithm.distill_loss_coef > 0`` with
-    ``distill_coef == 0``); the distillation advantage (``distill_coef > 0``) is shaped on the rollout actors, which
-    then keep it."""
-    a = config.algorithm
-    return bool(config.model.teacher) and a.distill_loss_coef > 0 and a.distill_coef == 0 \
-        and config.distributed.scoring != "trainer"
-
-
-def policy_scoring_blockers(config: Any) -> list[str]:
-    """What makes a Ray rollout actor read the old-policy log-probs (or entropies) itself, so that it must hold a
-    scoring copy of the policy beside its engine: one reason per setting (empty: nothing on the rollout side reads
-    them). Rewards, dynamic sampling, the whitening and normalisation of the shaping and the step reports read
-    rewards and masks only; the policy entropy and ``high_entropy_top_p`` are the trainer's (the items carry the
-    entropies), and so is the rollout correction (engine log-probs against the old ones)."""
-    from mmrlhf.models.truncation import Truncation
-
-    a, r, m = config.algorithm, config.rollout, config.model
-    found = []
-    if r.engine != "vllm":
-        found.append(f"rollout.engine={r.engine}: it generates with the copy itself")
-    if m.lora.rank:
-        found.append("model.lora.rank > 0: the engine's adapters or merged layers come from the copy")
-    if a.kl_reward_coef > 0:
-        found.append("algorithm.kl_reward_coef > 0: the reward's KL term reads them")
-    elif a.kl_loss_coef > 0 and not reference_on_trainers(config):
-        found.append("the KL loss's reference stays on the rollout actors: their KL record reads them")
-    if a.distill_coef > 0:
-        found.append("algorithm.distill_coef > 0: the distillation advantage reads them")
-    if a.advantage_estimator == "gae":
-        found.append("algorithm.advantage_estimator=gae: the critic's values are scored beside them")
-    if r.routing_replay != "none":
-        found.append(f"rollout.routing_replay={r.routing_replay}: the expert-routing metrics read the copy's routing")
-    if config.agent.enabled:
-        found.append("agent: the per-turn engine divergence of agent rows reads them")
-    if r.temperature > 0 and r.logprob_mode == "sampled" and \
-            Truncation(top_k=r.top_k, top_p=r.top_p, min_p=r.min_p).active:
-        found.append("a truncating sampler scored as sampled (rollout.top_k / top_p / min_p): the shaping's token "
-                     "mask drops the tokens outside the copy's kept set")
-    return found
-
-
-def policy_on_trainers(config: Any) -> bool:
-    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors compute the old-policy
-    log-probs and entropies of the rollout actors' experiences with the sharded policy before the update, the rollout
-    actors holding no scoring copy of the policy: where :func:`policy_scoring_blockers` finds nothing (``rollout``
-    keeps the copy; ``trainer`` makes the whole experience on the trainers instead, :func:`experiences_on_trainers`).
-    Exact: at ``distributed.max_staleness`` 0 the trainer's weights before the update are the behaviour policy's
-    (the copy held the same); at >= 1 the trainer replaced the copy's log-probs with its own already (the PPO
-    ratio's old policy)."""
-    if config.distributed.scoring != "auto":
-        return False
-    return not policy_scoring_blockers(config)
 
 
 def with_reference(items: Sequence[TrainItem], log_probs: Sequence[torch.Tensor], ref_log_probs: Sequence[torch.Tensor],

@@ -31,7 +31,7 @@ class ExperienceSettings:
     distill_topk: int = 0
     compute_entropy: bool = False  # per-token entropy (high-entropy filtering, logging)
     # False: no policy forward here, the experiences carry no old log-probs or entropies (a Ray rollout actor whose
-    # trainer actors score the policy: mmrlhf.experience.rescoring.policy_on_trainers); the actor is shapes only
+    # trainer actors score the policy: mmrlhf.models.ray_placement.policy_on_trainers); the actor is shapes only
     score_policy: bool = True
     routing_metrics: bool = False  # rollout.routing_replay != none: log expert load and engine/trainer agreement
     overlong_buffer_len: int = 0  # DAPO overlong penalty buffer (0 = off)

@@ -21,7 +21,7 @@ class Experience(TensorContainer):
 
     sequences: torch.Tensor  # [B, S] | [1, T]
     # [B, A] actor log-probs of the sampled tokens (at generation time); None: the trainer scores them (Ray,
-    # mmrlhf.experience.rescoring.policy_on_trainers)
+    # mmrlhf.models.ray_placement.policy_on_trainers)
     action_log_probs: torch.Tensor | None
     base_action_log_probs: torch.Tensor | None  # [B, A] reference-policy log-probs (None without KL)
     values: torch.Tensor | None  # [B, A] critic values (None without a critic)

@@ -216,7 +216,7 @@ class PolicyUpdater:
                   *, micro_batch_size: int,
                   max_tokens: Budget) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """:meth:`score` with each item's [A_i] entropy too: the old policy's log-probs and entropies where the
-        trainer computes them before the update (Ray, :func:`~mmrlhf.experience.rescoring.policy_on_trainers`)."""
+        trainer computes them before the update (Ray, :func:`~mmrlhf.models.ray_placement.policy_on_trainers`)."""
         self.actor.eval()
         return score_items_with_entropy(self.actor, items, distribution, self.item_layout(), world,
                                         micro_batch_size=micro_batch_size, max_tokens=max_tokens)

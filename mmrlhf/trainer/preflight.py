@@ -35,9 +35,9 @@ def check_before_models(config: MMRLHFConfig) -> None:
 
 def check_scoring_placement(config: MMRLHFConfig) -> None:
     """Refuse ``distributed.scoring=trainer`` in the Ray mode with a setting its trainer-made experiences cannot
-    serve (:func:`~mmrlhf.experience.rescoring.experiences_on_trainers`: vLLM's own LoRA)."""
+    serve (:func:`~mmrlhf.models.ray_placement.experiences_on_trainers`: vLLM's own LoRA)."""
     if config.distributed.backend == "ray":
-        from mmrlhf.experience.rescoring import experiences_on_trainers
+        from mmrlhf.models.ray_placement import experiences_on_trainers
 
         experiences_on_trainers(config)
 

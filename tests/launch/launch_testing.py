@@ -76,6 +76,17 @@ def checkpoint_weights(out: Path, step: int) -> dict:
     return load_file(str(next((out / "checkpoints" / f"step-{step:08d}" / "model").glob("*.safetensors"))))
 
 
+def tiny_update(out: Path, step: int) -> dict:
+    """A run's weight update from the tiny Qwen2-VL it started from (seed 0) to its checkpoint of ``step``."""
+    from safetensors.torch import load_file
+
+    from mmrlhf.testing.tiny_models import tiny_model_dir
+
+    init = load_file(str(next(Path(tiny_model_dir("qwen2_vl", "tiny", 0)).glob("*.safetensors"))))
+    final = checkpoint_weights(out, step)
+    return {k: final[k] - init[k] for k in init}
+
+
 def update_gap(a: Path, b: Path, step: int, since: dict) -> float:
     """The largest difference of two runs' weight updates from ``since`` (a state dict) to ``step``, in units of
     the learning rate (Adam moves an element by up to ~lr a step; float noise in a gradient element near Adam's eps

@@ -2,7 +2,7 @@
 actors, sharded with the policy, and give one process's training.
 
 Nothing on the rollout side reads the old-policy log-probs here (GRPO, no KL term in the reward, no critic, an
-untruncated sampler: :func:`~mmrlhf.experience.rescoring.policy_on_trainers`), so the rollout actor holds no
+untruncated sampler: :func:`~mmrlhf.models.ray_placement.policy_on_trainers`), so the rollout actor holds no
 scoring copy of the policy (its actor's parameters are on the meta device) and reports no ``actor`` phase; the
 trainer actors compute the old log-probs and entropies before the update (max_staleness 0: their weights are the
 behaviour policy's).
@@ -19,12 +19,13 @@ before, the rollout actor reported the actor (policy), reference and teacher pha
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
+
+from launch_testing import metric_rows, tiny_update
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -54,20 +55,6 @@ def _config(out: Path, *overrides: str):
         *overrides])
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _update(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    from mmrlhf.testing.tiny_models import tiny_model_dir
-
-    init = load_file(str(next(Path(tiny_model_dir("qwen2_vl", "tiny", 0)).glob("*.safetensors"))))
-    final = load_file(str(next((out / "checkpoints" / f"step-{STEPS:08d}" / "model").glob("*.safetensors"))))
-    return {k: final[k] - init[k] for k in init}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from mmrlhf.launch import run
@@ -85,13 +72,14 @@ def runs(tmp_path_factory):
 
 
 def test_the_trainer_actors_score_the_reference_and_the_teacher_as_one_process_does(runs):
-    single, two = (_rows(out) for out in runs)
+    single, two = (metric_rows(out) for out in runs)
     assert len(single) == len(two) == STEPS
     # where the policy, the reference and the teacher were scored: in one process's maker; in the Ray run not on
     # the rollout actor (no policy forward there, so no copy of it to compare with its engine either: its
     # engine_logprob_diff/mean|max; the trainer actors' check of the engine against their own policy stands)
     for phase in ("time/actor", "time/reference", "time/teacher", "engine_logprob_diff/max"):
         assert all(phase in r for r in single) and not any(phase in r for r in two), phase
+    assert all(r["ray/rollout_scoring_models"] == 0 for r in two), [r["ray/rollout_scoring_models"] for r in two]
     assert all(r["engine_logprob_diff/trainer_max"] < 1e-4 for r in two), [r["engine_logprob_diff/trainer_max"]
                                                                          for r in two]
     # the teacher is another model too: its loss term is not that of a teacher equal to the student (~0)
@@ -113,7 +101,7 @@ def test_the_trainer_actors_score_the_reference_and_the_teacher_as_one_process_d
             "policy/approx_kl", "policy/pg_loss"} <= set(gaps), sorted(gaps)
     assert gaps["kl/mean"] <= 1e-5 and gaps["policy/kl_loss"] <= 1e-4 and gaps["policy/distill_loss"] <= 1e-4, gaps
     assert max(gaps.values()) <= 1e-4, gaps
-    a, b = (_update(out) for out in runs)
+    a, b = (tiny_update(out, STEPS) for out in runs)
     gap = max(float((a[k] - b[k]).abs().max()) for k in a) / LR
     moved = max(float(a[k].abs().max()) for k in a) / LR
     print(f"update gap {gap:.3f} lr (largest update {moved:.2f} lr)")

@@ -1,5 +1,5 @@
 """``distributed.scoring: trainer``: the Ray rollout actors generate and reward only, and the trainer actors make the
-experiences (:func:`~mmrlhf.experience.rescoring.experiences_on_trainers`), in the configurations whose rollout
+experiences (:func:`~mmrlhf.models.ray_placement.experiences_on_trainers`), in the configurations whose rollout
 actors kept a float32 copy of the policy under ``auto``: a critic (GAE), a KL term in the reward with an adaptive
 coefficient, reward normalisation (both running state, now the trainers'), the distillation advantage and a
 truncating sampler scored as sampled.
@@ -14,12 +14,13 @@ score the old policy)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
+
+from launch_testing import metric_rows, tiny_update
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -61,20 +62,6 @@ def _config(out: Path, *overrides: str):
         *overrides])
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _update(out: Path) -> dict:
-    from safetensors.torch import load_file
-
-    from mmrlhf.testing.tiny_models import tiny_model_dir
-
-    init = load_file(str(next(Path(tiny_model_dir("qwen2_vl", "tiny", 0)).glob("*.safetensors"))))
-    final = load_file(str(next((out / "checkpoints" / f"step-{STEPS:08d}" / "model").glob("*.safetensors"))))
-    return {k: final[k] - init[k] for k in init}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from mmrlhf.launch import run
@@ -97,7 +84,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("case", ["full", "lora"])
 def test_the_trainer_actors_make_the_experiences_as_one_process_does(runs, case):
     pair = (runs["single"], runs["ray2"]) if case == "full" else (runs["single_lora"], runs["ray2_lora"])
-    single, two = (_rows(out) for out in pair)
+    single, two = (metric_rows(out) for out in pair)
     assert len(single) == len(two) == STEPS
     assert all(r["ray/rollout_scoring_models"] == 0 for r in two), [r["ray/rollout_scoring_models"] for r in two]
     # the engine sampled with the trainer's weights (the fresh samples' log-probs, engine vs trainer actors)
@@ -124,10 +111,10 @@ def test_the_trainer_actors_make_the_experiences_as_one_process_does(runs, case)
     assert max(gaps.values()) <= 1e-4, worst
     if case == "lora":  # the adapters' merged layers, not the whole policy: the untouched tensors (embeddings,
         # norms, every layer without an adapter) stay (here 1.1 of 2.1 MB travel)
-        full = _rows(runs["ray2"])[0]["sync/megabytes"]
+        full = metric_rows(runs["ray2"])[0]["sync/megabytes"]
         assert 0 < two[0]["sync/megabytes"] < 0.8 * full, (two[0]["sync/megabytes"], full)
         return  # (the checkpoint's model is the base; the adapter's update is compared through the metrics)
-    a, b = (_update(out) for out in pair)
+    a, b = (tiny_update(out, STEPS) for out in pair)
     gap = max(float((a[k] - b[k]).abs().max()) for k in a) / LR
     moved = max(float(a[k].abs().max()) for k in a) / LR
     print(f"update gap {gap:.3f} lr (largest update {moved:.2f} lr)")

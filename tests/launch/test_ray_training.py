@@ -104,6 +104,7 @@ def test_sync_run_learns_with_verified_weight_sync(learning_runs):
         # nothing on the rollout side reads the old log-probs here, so the trainer actors compute them and the
         # rollout actor holds no scoring copy to compare with its engine (mmrlhf.experience.rescoring)
         assert "engine_logprob_diff/max" not in h
+        assert h["ray/rollout_scoring_models"] == 0
     assert history[-1]["async/staleness_count_0"] == STEPS * BATCH
 
 
@@ -276,6 +277,9 @@ def test_lora_adapters_travel_from_two_trainer_actors_to_the_rollout_actor(clust
     print(f"\nLoRA in Ray: engine-vs-trainer and engine-vs-scoring-copy max |diff|, MB pushed per step: {seen}")
     assert all(trainer < 1e-3 and copy < 1e-4 for trainer, copy, _ in seen)
     assert all(mb < 1.0 for _, _, mb in seen)  # the adapters, not the model (~110 MB)
+    # under distributed.scoring auto a LoRA rollout actor keeps its policy copy (the adapters' merge): one model
+    assert all(h["ray/rollout_scoring_models"] == 1 for h in history), [h["ray/rollout_scoring_models"]
+                                                                          for h in history]
     # the checkpoint is written as one process writes it: the merged model in plain names, plus the peft adapter
     from safetensors import safe_open
     from safetensors.torch import load_file

@@ -67,7 +67,7 @@ class ExperienceMakerHolder:
         defer_full_collections()  # until the engine and the models are built (mmrlhf.startup)
         from mmrlhf.config import build_config
         from mmrlhf.devices import resolve_device
-        from mmrlhf.experience.rescoring import (experiences_on_trainers, policy_on_trainers, reference_on_trainers,
+        from mmrlhf.models.ray_placement import (experiences_on_trainers, policy_on_trainers, reference_on_trainers,
                                                  teacher_on_trainers)
         from mmrlhf.parallel.world import single
         from mmrlhf.trainer.builder import build_critic, local_rollouts

@@ -62,10 +62,10 @@ class RaySettings:
     kl_estimator: str = "k3"  # algorithm.kl_estimator: the per-token KL recorded beside the trainers' reference
     distill_topk: int = 16  # algorithm.distill_topk: the teacher tokens the trainers record per position
     # the old-policy log-probs and entropies are computed here, before the update (the rollout actors hold no
-    # scoring copy: mmrlhf.experience.rescoring.policy_on_trainers)
+    # scoring copy: mmrlhf.models.ray_placement.policy_on_trainers)
     old_policy: bool = False
     # distributed.scoring: trainer: the rollout actors send rows (generated and rewarded) and every rank makes its
-    # groups' experiences with ``RayRollouts.maker`` (mmrlhf.experience.rescoring.experiences_on_trainers)
+    # groups' experiences with ``RayRollouts.maker`` (mmrlhf.models.ray_placement.experiences_on_trainers)
     rows: bool = False
 
 

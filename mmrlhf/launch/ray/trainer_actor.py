@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-from mmrlhf.experience.rescoring import (experiences_on_trainers, policy_on_trainers, reference_on_trainers,
-                                         teacher_on_trainers)
 from mmrlhf.launch.ray.source import RayRollouts, RaySettings
+from mmrlhf.models.ray_placement import (experiences_on_trainers, policy_on_trainers, reference_on_trainers,
+                                         teacher_on_trainers)
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +31,11 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
                  pool: Any, push_weights: bool) -> Any:
     """The rollout factory of a trainer rank (:data:`~mmrlhf.trainer.builder.RolloutFactory`): the policy built on
     this rank's device (no engine here), the rollout actors as the source; and the reference and the distillation
-    teacher where the trainer actors score them (:func:`~mmrlhf.experience.rescoring.reference_on_trainers`,
-    :func:`~mmrlhf.experience.rescoring.teacher_on_trainers`: the builder shards them with the policy). Under
+    teacher where the trainer actors score them (:func:`~mmrlhf.models.ray_placement.reference_on_trainers`,
+    :func:`~mmrlhf.models.ray_placement.teacher_on_trainers`: the builder shards them with the policy). Under
     ``distributed.scoring: trainer`` an experience maker without an engine, holding this rank's policy, critic,
     reference and teacher (:func:`~mmrlhf.experience.builder.build_scoring_maker`), makes the experiences of the
-    rows the rollout actors send (:func:`~mmrlhf.experience.rescoring.experiences_on_trainers`)."""
+    rows the rollout actors send (:func:`~mmrlhf.models.ray_placement.experiences_on_trainers`)."""
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device

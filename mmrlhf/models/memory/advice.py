@@ -119,6 +119,8 @@ def _candidates(config: Any, p: PlanInputs, facts: ModelFacts) -> list[list[str]
         out.append(["rollout.enable_sleep=true"])
     if p.engine == "vllm" and not p.offload:
         out.append(["distributed.offload=params"])
+    if p.backend == "ray" and p.rollout_models:  # the rollout actors' scoring models move onto the trainer actors
+        out.append(["distributed.scoring=trainer"])
     return out
 
 
@@ -226,6 +228,7 @@ def to_json(plan: MemoryPlan) -> dict[str, Any]:
 
     inputs = dataclasses.asdict(plan.inputs)
     inputs["judges"] = [list(j) for j in inputs["judges"]]  # JSON has lists, not tuples
+    inputs["rollout_models"] = list(inputs["rollout_models"])
     return {"model": plan.facts.name, "gpu_bytes": plan.inputs.gpu_bytes,
             "parameters": dataclasses.asdict(plan.facts.counts), "decoder": dataclasses.asdict(plan.facts.decoder),
             "vision": dataclasses.asdict(plan.facts.vision), "inputs": inputs, "launch": launch(plan.launch),

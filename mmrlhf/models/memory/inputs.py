@@ -17,6 +17,7 @@ from typing import Any
 from mmrlhf.models.memory.activations import INT64, MicroBatch
 from mmrlhf.models.memory.counts import ModelFacts, model_facts
 from mmrlhf.models.memory.plan import GIB, PlanInputs
+from mmrlhf.models.ray_placement import rollout_actor_models
 
 DEFAULT_GPU_GIB = 80.0  # the plan's GPU when none is visible and none is given
 DEFAULT_RANKS = 8  # torchrun world size planned when the config does not say (one node)
@@ -228,7 +229,7 @@ def plan_inputs(config: Any, facts: ModelFacts, *, gpu_gib: float | None = None,
         keys=fix_keys(config), compute_copy=compute_copy(config),
         lora_base_bytes=lora_base_dtype(m, "cuda").itemsize if m.lora.rank else 0,  # the plan is a GPU's
         offload=dist.offload == "params", teacher_bytes=teacher_bytes(config, p.compute.itemsize, teacher_shape),
-        judges=judge_shares(config),
+        judges=judge_shares(config), rollout_models=rollout_actor_models(config),
         routing_bytes=(mb(train_samples).tokens * facts.decoder.layers * facts.decoder.top_k * INT64
                        if r.routing_replay == "replay" and facts.decoder.moe_layers else 0))
 

@@ -92,6 +92,9 @@ class PlanInputs:
     # in-process vLLM judges (``backend: vllm`` reward sources): (gpu_memory_utilization, sleeps between calls)
     judges: tuple[tuple[float, bool], ...] = ()
     routing_bytes: int = 0  # ``rollout.routing_replay: replay``: the engine's experts of one training micro-batch
+    # Ray: what each rollout actor scores with (mmrlhf.models.ray_placement.rollout_actor_models); the trainer
+    # actors hold the rest (none: ``distributed.scoring: trainer``, the trainers make the experiences)
+    rollout_models: tuple[str, ...] = ()
 
 
 @dataclass
@@ -373,7 +376,9 @@ def plan_launch(facts: ModelFacts, p: PlanInputs, mode: str | None = None, ranks
     else:
         raise ValueError(f"unknown launch mode {mode!r}; valid: single, torchrun, ray")
     if p.offload:  # the trainers' states, in host memory
-        gpus[-1].host = host_states(facts, p, shards)
+        gpus[-1].host = (host_states(facts, p, shards, reference=ray_trainer_reference(p),
+                                     scores="teacher" not in p.rollout_models) if mode == "ray"
+                         else host_states(facts, p, shards))
         label += ", offload"
     plan = LaunchPlan(mode, label, gpus, p.gpu_bytes, problems=problems, processes_per_node=per_node)
     for g in gpus:
@@ -405,9 +410,9 @@ def _group_problems(ranks: int, tp: int, per_node: int) -> list[str]:
 
 
 def ray_gpus(facts: ModelFacts, p: PlanInputs, *, trainers: int) -> list[GpuPlan]:
-    """A rollout actor's GPU (its share of the engine and nothing else; the transformers engine: the float32
-    policy it generates with and its KV cache) and a trainer actor's GPU (the training states, the scoring models'
-    shards and every scoring forward)."""
+    """A rollout actor's GPU (its share of the engine; the transformers engine: the float32 policy it generates
+    with and its KV cache; and whatever it scores with, ``p.rollout_models``, with its scoring forward) and a
+    trainer actor's GPU (the training states, the shards of the scoring models it holds, its scoring forwards)."""
     c = facts.counts
     if p.engine == "vllm":
         resident = {"engine (vLLM, awake)": int(p.utilization * p.gpu_bytes)}
@@ -415,14 +420,40 @@ def ray_gpus(facts: ModelFacts, p: PlanInputs, *, trainers: int) -> list[GpuPlan
         resident = {"policy copy (float32, transformers engine)": (c.total + c.lora) * p.master_bytes,
                     "generation KV cache (transformers engine)":
                         p.generate_rows * p.max_model_len * kv_bytes_per_token(facts, p.compute_bytes)}
+    resident.update(rollout_scoring_models(facts, p))
     judges = judge_engines(p)
-    generate = {**resident, **judges.get("generate", {})}
+    phases = {"generate": {**resident, **judges.get("generate", {})}}
+    if p.rollout_models:  # its engine stays awake (a rollout actor's engine never sleeps)
+        n = numerics(p.compute_bytes, p.master_bytes, sharded=False)
+        phases["score"] = {**resident, "scoring forward": scoring_bytes(facts, n, p.score.tokens,
+                                                                        p.score.response_tokens, p.chunk)}
     rollout = GpuPlan("a rollout actor's GPU", p.rollout_actors * p.rollout_gpus,
-                      {"generate": {k: v for k, v in generate.items() if v}})
+                      {k: {n_: v for n_, v in parts.items() if v} for k, parts in phases.items()})
     trainer = GpuPlan("a trainer actor's GPU", trainers,
-                      trainer_phases(facts, p, shards=trainers, engine={}, reference=p.reference))
+                      trainer_phases(facts, p, shards=trainers, engine={}, reference=ray_trainer_reference(p),
+                                     scores="teacher" not in p.rollout_models))
     trainer.phases.pop("generate", None)
     return [rollout, trainer]
+
+
+def ray_trainer_reference(p: PlanInputs) -> bool:
+    """Whether the Ray trainer actors hold the (sharded) reference: the run has one and no rollout actor keeps it."""
+    return p.reference and "reference" not in p.rollout_models
+
+
+def rollout_scoring_models(facts: ModelFacts, p: PlanInputs) -> dict[str, int]:
+    """What a Ray rollout actor scores with beside its engine, whole (``p.rollout_models``): a float32 copy of the
+    policy (a vLLM engine's; the transformers engine's is its own module), the reference and teacher in
+    ``model.dtype``, a float32 critic."""
+    c, models = facts.counts, p.rollout_models
+    out = {}
+    if "policy" in models and p.engine == "vllm":
+        out["policy scoring copy weights (float32)"] = (c.total + c.lora) * p.master_bytes
+    out.update(scoring_models(facts, p, 1, reference=p.reference and "reference" in models,
+                              scores="teacher" in models))
+    if "critic" in models:
+        out["critic copy weights (float32)"] = (c.total + facts.decoder.hidden + 1) * p.master_bytes
+    return out
 
 
 def summary_modes(p: PlanInputs) -> list[tuple[str, int | None]]:

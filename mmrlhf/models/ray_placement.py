@@ -1,0 +1,120 @@
+"""Where the Ray mode keeps each model: pure predicates of a run's config, read by the launchers (which process
+builds what), the experience maker's builder and the memory plan (what a rollout actor's GPU holds).
+
+``distributed.scoring`` decides it: ``trainer`` makes the whole experience on the trainer actors
+(:func:`experiences_on_trainers`); ``auto`` re-scores on the trainer actors what nothing on the rollout side reads
+(:func:`policy_on_trainers`, :func:`reference_on_trainers`, :func:`teacher_on_trainers`) and leaves the rest on the
+rollout actors (:func:`policy_scoring_blockers`); ``rollout`` scores everything there. :func:`rollout_actor_models`
+names what a rollout actor then holds beside its engine. docs/distributed.md, "Where the Ray mode scores".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def experiences_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode, the trainer actors make the experiences (``distributed.scoring: trainer``): the
+    rollout actors generate and reward only and send the step's rows, and every trainer rank runs the experience
+    maker's second stage on its groups with the sharded policy, reference, teacher and critic, the step's shaping
+    statistics and running state (reward normalisation, the adaptive KL coefficient) taken over the trainer ranks,
+    as torchrun ranks take them. Every configuration runs so; the rollout actors then hold their engine alone
+    (no scoring copy, reference, teacher or critic). Refused with vLLM's own LoRA (``model.lora.sync:
+    vllm_lora``): the trainers send merged layers."""
+    if config.distributed.scoring != "trainer":
+        return False
+    if config.model.lora.rank and config.model.lora.sync == "vllm_lora":
+        raise ValueError("distributed.scoring=trainer sends the engines merged LoRA layers: set model.lora.sync=merged "
+                         "(or distributed.scoring=auto, whose rollout actors load the adapter from their policy copy)")
+    return True
+
+
+def reference_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors score the reference (sharded
+    with the policy) beside the experiences the rollout actors made: where the reference serves the KL loss only
+    (``algorithm.kl_loss_coef > 0`` with ``kl_reward_coef == 0``), so nothing the rollout actors compute (the shaped
+    rewards, the advantages) reads it. Not with LoRA: there the reference is the rollout actor's own policy copy with
+    its adapters off, which costs no memory. A KL term in the reward keeps it on the rollout actors (their shaping
+    needs it). (Under ``scoring: trainer`` the trainers' experience maker holds it: :func:`experiences_on_trainers`.)"""
+    a = config.algorithm
+    return a.kl_loss_coef > 0 and a.kl_reward_coef == 0 and not config.model.lora.rank \
+        and config.distributed.scoring != "trainer"
+
+
+def teacher_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors score the distillation teacher
+    (sharded with the policy): where it serves the loss term only (``algorithm.distill_loss_coef > 0`` with
+    ``distill_coef == 0``); the distillation advantage (``distill_coef > 0``) is shaped on the rollout actors, which
+    then keep it."""
+    a = config.algorithm
+    return bool(config.model.teacher) and a.distill_loss_coef > 0 and a.distill_coef == 0 \
+        and config.distributed.scoring != "trainer"
+
+
+def policy_scoring_blockers(config: Any) -> list[str]:
+    """What makes a Ray rollout actor read the old-policy log-probs (or entropies) itself, so that it must hold a
+    scoring copy of the policy beside its engine: one reason per setting (empty: nothing on the rollout side reads
+    them). Rewards, dynamic sampling, the whitening and normalisation of the shaping and the step reports read
+    rewards and masks only; the policy entropy and ``high_entropy_top_p`` are the trainer's (the items carry the
+    entropies), and so is the rollout correction (engine log-probs against the old ones)."""
+    from mmrlhf.models.truncation import Truncation
+
+    a, r, m = config.algorithm, config.rollout, config.model
+    found = []
+    if r.engine != "vllm":
+        found.append(f"rollout.engine={r.engine}: it generates with the copy itself")
+    if m.lora.rank:
+        found.append("model.lora.rank > 0: the engine's adapters or merged layers come from the copy")
+    if a.kl_reward_coef > 0:
+        found.append("algorithm.kl_reward_coef > 0: the reward's KL term reads them")
+    elif a.kl_loss_coef > 0 and not reference_on_trainers(config):
+        found.append("the KL loss's reference stays on the rollout actors: their KL record reads them")
+    if a.distill_coef > 0:
+        found.append("algorithm.distill_coef > 0: the distillation advantage reads them")
+    if a.advantage_estimator == "gae":
+        found.append("algorithm.advantage_estimator=gae: the critic's values are scored beside them")
+    if r.routing_replay != "none":
+        found.append(f"rollout.routing_replay={r.routing_replay}: the expert-routing metrics read the copy's routing")
+    if config.agent.enabled:
+        found.append("agent: the per-turn engine divergence of agent rows reads them")
+    if r.temperature > 0 and r.logprob_mode == "sampled" and \
+            Truncation(top_k=r.top_k, top_p=r.top_p, min_p=r.min_p).active:
+        found.append("a truncating sampler scored as sampled (rollout.top_k / top_p / min_p): the shaping's token "
+                     "mask drops the tokens outside the copy's kept set")
+    return found
+
+
+def policy_on_trainers(config: Any) -> bool:
+    """Whether, in the Ray mode with ``distributed.scoring: auto``, the trainer actors compute the old-policy
+    log-probs and entropies of the rollout actors' experiences with the sharded policy before the update, the rollout
+    actors holding no scoring copy of the policy: where :func:`policy_scoring_blockers` finds nothing (``rollout``
+    keeps the copy; ``trainer`` makes the whole experience on the trainers instead, :func:`experiences_on_trainers`).
+    Exact: at ``distributed.max_staleness`` 0 the trainer's weights before the update are the behaviour policy's
+    (the copy held the same); at >= 1 the trainer replaced the copy's log-probs with its own already (the PPO
+    ratio's old policy)."""
+    if config.distributed.scoring != "auto":
+        return False
+    return not policy_scoring_blockers(config)
+
+
+ROLLOUT_MODELS = ("policy", "reference", "teacher", "critic")  # what a rollout actor may score with
+
+
+def rollout_actor_models(config: Any) -> tuple[str, ...]:
+    """The models (of :data:`ROLLOUT_MODELS`) each Ray rollout actor scores with: none under ``distributed.scoring:
+    trainer``; a transformers engine's ``policy`` is the module it generates with (no second copy). Never raises
+    (the launchers refuse a config :func:`experiences_on_trainers` refuses)."""
+    d, a, m = config.distributed, config.algorithm, config.model
+    if d.scoring == "trainer":
+        return ()
+    out = []
+    if not policy_on_trainers(config):  # (a transformers engine's: the module it generates with, scoring too)
+        out.append("policy")
+    if (a.kl_loss_coef > 0 or a.kl_reward_coef > 0) and not (m.lora.rank and not m.reference) \
+            and not reference_on_trainers(config):
+        out.append("reference")  # (LoRA without model.reference: the copy with its adapters off, no memory)
+    if m.teacher and (a.distill_coef > 0 or a.distill_loss_coef > 0) and not teacher_on_trainers(config):
+        out.append("teacher")
+    if a.advantage_estimator == "gae":
+        out.append("critic")
+    return tuple(out)
