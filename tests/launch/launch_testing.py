@@ -55,17 +55,19 @@ def metric_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def training_gaps(a: list[dict], b: list[dict]) -> dict[str, float]:
-    """Per training metric both runs report (:data:`NOT_COMPARED` left out), the largest |a - b| over the rows
-    relative to the metric's largest |value| (1 for GRPO / REINFORCE's policy loss: a mean of O(1) terms that sums
-    to ~0)."""
+def training_gaps(a: list[dict], b: list[dict], *, skip: tuple[str, ...] = NOT_COMPARED,
+                  term_scale: dict[str, float] | None = None) -> dict[str, float]:
+    """Per training metric both runs report (``skip``'s prefixes left out), the largest |a - b| over the rows
+    relative to the metric's largest |value|, or to its ``term_scale`` (default: 1 for GRPO / REINFORCE's policy
+    loss, a mean of O(1) terms that sums to ~0)."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
+    term_scale = {"policy/pg_loss": 1.0} if term_scale is None else term_scale
     gaps = {}
     for key in sorted({k for r in a for k in r} & {k for r in b for k in r}):
-        if key == "step" or key.startswith(NOT_COMPARED):
+        if key == "step" or key.startswith(skip):
             continue
         pairs = [(x[key], y[key]) for x, y in zip(a, b)]
-        scale = 1.0 if key == "policy/pg_loss" else max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
+        scale = term_scale.get(key) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
         gaps[key] = max(abs(u - v) for u, v in pairs) / scale
     return gaps
 

@@ -25,7 +25,7 @@ import pytest
 
 import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
 
-from launch_testing import metric_rows, tiny_update
+from launch_testing import metric_rows, tiny_update, training_gaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -86,13 +86,7 @@ def test_the_trainer_actors_score_the_reference_and_the_teacher_as_one_process_d
     assert single[0]["policy/distill_loss"] > 1e-3, single[0]["policy/distill_loss"]
     # a reference other than the policy: a large KL from the first step (a reference equal to it would give 0)
     assert single[0]["kl/mean"] > 0.01 and two[0]["kl/mean"] > 0.01, (single[0]["kl/mean"], two[0]["kl/mean"])
-    gaps = {}
-    for k in sorted(set(single[0]) & set(two[0])):
-        if k == "step" or k.startswith(SKIP):
-            continue
-        pairs = [(a[k], b[k]) for a, b in zip(single, two)]
-        scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
-        gaps[k] = max(abs(u - v) for u, v in pairs) / scale
+    gaps = training_gaps(single, two, skip=SKIP, term_scale=TERM_SCALE)
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
     print(f"\nRay trainer-scored reference and teacher vs one process, largest gaps: {worst}")
     # the old policy's entropy (the items' action_entropy, from the trainer actors' forward in the Ray run) and the

@@ -20,7 +20,7 @@ import pytest
 
 import ray  # noqa: E402  (requirements/project.txt installs it; a missing ray must fail, not skip)
 
-from launch_testing import metric_rows, tiny_update
+from launch_testing import metric_rows, tiny_update, training_gaps
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -94,13 +94,7 @@ def test_the_trainer_actors_make_the_experiences_as_one_process_does(runs, case)
         assert single[0]["kl/mean"] > 0.01 and two[0]["kl/mean"] > 0.01, (single[0]["kl/mean"], two[0]["kl/mean"])
     else:  # the adapters moved the policy off its base (the reference) by the second step
         assert single[1]["kl/mean"] > 1e-4 and two[1]["kl/mean"] > 1e-4, (single[1]["kl/mean"], two[1]["kl/mean"])
-    gaps = {}
-    for k in sorted(set(single[0]) & set(two[0])):
-        if k == "step" or k.startswith(SKIP):
-            continue
-        pairs = [(a[k], b[k]) for a, b in zip(single, two)]
-        scale = TERM_SCALE.get(k) or max(max(abs(u), abs(v)) for u, v in pairs) or 1.0
-        gaps[k] = max(abs(u - v) for u, v in pairs) / scale
+    gaps = training_gaps(single, two, skip=SKIP, term_scale=TERM_SCALE)
     worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:5]
     print(f"\nRay trainer-made experiences vs one process, largest gaps: {worst}")
     # the critic's values and update, the reward's KL term and its adaptive coefficient, the running reward

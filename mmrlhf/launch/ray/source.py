@@ -345,33 +345,51 @@ def deal(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int]
     distribution = scorings.pop()
     parts = [{"items": [], "fresh": [], "distribution": distribution,
               "metrics": {"samples": 0.0}} for _ in range(ranks)]
-    groups: dict[tuple[int, Any], int] = {}  # (share, group key) -> group index, in arrival order
-    cost: list[float] = []
-    dealt: list[tuple[Any, int, bool]] = []  # (item, group index, fresh)
+    dealt: list[tuple[Any, bool]] = []  # (item, fresh)
+    keys, costs = [], []
     for p, s in zip(payloads, staleness):
         share_items = unpack_items(p["items"])  # columnar from the rollout actor (mmrlhf.experience.wire)
-        if len(share_items) != p["samples"]:
-            raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, "
-                               f"{len(share_items)} items sent")
-        ledger.produce(step, p["share"], p["samples"])
-        ledger.consume(step, p["share"], len(share_items))
+        _count(step, p, len(share_items), "items", ledger)
         for it, key in zip(share_items, group_keys(share_items)):
-            g = groups.setdefault((p["share"], key), len(groups))
-            if g == len(cost):
-                cost.append(0.0)
-            cost[g] += len(it.prompt_ids) + len(it.response_ids) + patch_rows(it.vision)
-            dealt.append((it, g, s == 0))
-    rank_of = deal_by_cost(cost, ranks)
-    for it, g, fresh in dealt:
-        parts[rank_of[g]]["items"].append(it)
-        parts[rank_of[g]]["fresh"].append(fresh)
+            keys.append((p["share"], key))
+            costs.append(len(it.prompt_ids) + len(it.response_ids) + patch_rows(it.vision))
+            dealt.append((it, s == 0))
+    ranks_of, spread = _deal_groups(keys, costs, ranks)
+    for (it, fresh), r in zip(dealt, ranks_of):
+        parts[r]["items"].append(it)
+        parts[r]["fresh"].append(fresh)
     for part in parts:
         if dealt and not part["items"]:  # fewer groups than ranks (dynamic sampling kept few): one inert copy pairs
             part["items"].append(inert_item(dealt[0][0]))  # this rank's forwards and update with the others'
             part["fresh"].append(False)
             part["inert"] = 1
-    parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
+    parts[0]["metrics"]["ray/rank_cost_imbalance"] = spread
     return parts
+
+
+def _count(step: int, payload: dict[str, Any], sent: int, what: str, ledger: ExperienceLedger) -> None:
+    """A share's announced samples against the ``sent`` ones it carries, both counted in the ledger."""
+    if sent != payload["samples"]:
+        raise RuntimeError(f"step {step}, share {payload['share']}: {payload['samples']} samples announced, "
+                           f"{sent} {what} sent")
+    ledger.produce(step, payload["share"], payload["samples"])
+    ledger.consume(step, payload["share"], sent)
+
+
+def _deal_groups(keys: Sequence[Any], costs: Sequence[float], ranks: int) -> tuple[list[int], float]:
+    """Each sample's rank (its group's: whole groups, by ``keys`` in arrival order, dealt by their summed cost,
+    :mod:`mmrlhf.parallel.dealing`) and the most-loaded rank's cost over the mean."""
+    group: dict[Any, int] = {}
+    cost: list[float] = []
+    index = []
+    for key, c in zip(keys, costs):
+        g = group.setdefault(key, len(group))
+        if g == len(cost):
+            cost.append(0.0)
+        cost[g] += c
+        index.append(g)
+    rank_of = deal_by_cost(cost, ranks)
+    return [rank_of[g] for g in index], imbalance(cost, rank_of, ranks)
 
 
 def deal_rows(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int], ranks: int,
@@ -386,11 +404,7 @@ def deal_rows(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence
 
     sent = [(p, s) for p, s in zip(payloads, staleness) if p.get("rows") is not None]
     for p in payloads:
-        n = 0 if p.get("rows") is None else len(p["rows"])
-        if n != p["samples"]:
-            raise RuntimeError(f"step {step}, share {p['share']}: {p['samples']} samples announced, {n} rows sent")
-        ledger.produce(step, p["share"], p["samples"])
-        ledger.consume(step, p["share"], n)
+        _count(step, p, 0 if p.get("rows") is None else len(p["rows"]), "rows", ledger)
     parts = [{"rows": None, "fresh": [], "describe": False, "metrics": {"samples": 0.0}} for _ in range(ranks)]
     if not sent:
         parts[0]["metrics"]["ray/rank_cost_imbalance"] = 1.0
@@ -402,21 +416,15 @@ def deal_rows(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence
     joined.seconds = {}  # (generation's phases are the rollout actors', reported with the step's metrics)
     fresh = [s == 0 for p, s in sent for _ in range(len(p["rows"]))]
     rows = joined.rows
-    order: dict[int, int] = {}  # group id -> group index, in arrival order
-    cost: list[float] = []
-    for i, g in enumerate(rows.group):
-        k = order.setdefault(g, len(order))
-        if k == len(cost):
-            cost.append(0.0)
-        cost[k] += len(rows.prompt_ids[i]) + len(rows.response_ids[i]) + patch_rows(rows.vision[i])
-    rank_of = deal_by_cost(cost, ranks)
+    ranks_of, spread = _deal_groups(rows.group, [len(rows.prompt_ids[i]) + len(rows.response_ids[i])
+                                                 + patch_rows(rows.vision[i]) for i in range(len(rows.group))], ranks)
     for r, part in enumerate(parts):
-        mine = [i for i, g in enumerate(rows.group) if rank_of[order[g]] == r]
+        mine = [i for i, rank in enumerate(ranks_of) if rank == r]
         if mine:
             part.update(rows=joined.select(mine), fresh=[fresh[i] for i in mine], describe=True)
         else:  # fewer groups than ranks (dynamic sampling kept few): one inert copy pairs this rank's work
             part.update(rows=inert(joined), fresh=[False], inert=1)
-    parts[0]["metrics"]["ray/rank_cost_imbalance"] = imbalance(cost, rank_of, ranks)
+    parts[0]["metrics"]["ray/rank_cost_imbalance"] = spread
     return parts
 
 
