@@ -36,7 +36,7 @@ from mmrlhf.experience.costs import forward_layout
 from mmrlhf.experience.grouped import build_grouped_samples
 from mmrlhf.experience.kinds.base import Generated, RolloutCall, RolloutKind
 from mmrlhf.experience.kinds.single_turn import SingleTurn
-from mmrlhf.experience.maker_metrics import engine_mismatch, outside_metrics, rollout_metrics
+from mmrlhf.experience.maker_metrics import engine_mismatch, outside_metrics, rollout_metrics, shaped_means
 from mmrlhf.experience.rollout import Rollout, ScoredRollout, ScoringDistribution, describe_skips
 from mmrlhf.experience.samples import BuiltSamples, build_packed_samples, build_padded_samples
 from mmrlhf.experience.scoring_split import consecutive, regroup, scoring_plan
@@ -243,7 +243,7 @@ class FastExperienceMaker(ExperienceMaker):
             shaped = self._shape_and_advantages(rows, built, scored, rollout.rewards, sampling, world, bonus)
         info = dict(rollout.metrics)
         info.update(bonus_metrics)
-        info.update(self._experience_metrics(rows, scored, shaped))
+        info.update(self._experience_metrics(rows, scored, shaped, world))
         info.update(split_metrics(plan, aligned, "scoring/"))
         seconds = dict(rollout.seconds)
         for phase, sec in timer.with_other(time.perf_counter() - t_start).items():
@@ -399,16 +399,9 @@ class FastExperienceMaker(ExperienceMaker):
                           kl_controller=self.kl_controller, world=world, bonus=bonus,
                           teacher_log_probs=cat("teacher_log_probs") if self.teacher_model is not None else None)
 
-    def _experience_metrics(self, rows: Rollout, scored, shaped) -> dict[str, float]:
-        valid = shaped["valid"]
-        info: dict[str, float] = {
-            # "reward/mean" and the per-source keys come from the reward engine (raw scores); this is after shaping
-            "reward/shaped_mean": float(shaped["seq_reward"][valid].mean()) if valid.any() else 0.0,
-            "reward/valid_frac": float(valid.float().mean()),
-        }
-        if shaped["kl"] is not None:
-            m = shaped["mask"]
-            info["kl/mean"] = float(shaped["kl"][m].mean()) if m.any() else 0.0
+    def _experience_metrics(self, rows: Rollout, scored, shaped, world: World) -> dict[str, float]:
+        # "reward/mean" and the per-source keys come from the reward engine (raw scores); these are after shaping
+        info: dict[str, float] = {"reward/valid_frac": float(shaped["valid"].float().mean())}
         info.update(outside_metrics(scored))
         if any("routing" in r for r in scored):
             info.update(step_routing_metrics([r["routing"] for r in scored if "routing" in r]))
@@ -417,6 +410,7 @@ class FastExperienceMaker(ExperienceMaker):
         if self.settings.score_policy:  # (else the trainer's re-scoring checks the engine: trainer_mean / _max)
             info.update(engine_mismatch(rows, scored))
         info.update(shaped["metrics"])
+        info.update(shaped_means(shaped, world))  # (the step's, over the ranks: replaces the rank's own "kl")
         return info
 
     def _assemble(self, rows: Rollout, built, scored, shaped, rollout: ScoredRollout, info) -> list[ExperienceVL]:

@@ -1,5 +1,6 @@
 """The metrics the experience maker reports about a step: what was sampled (:func:`rollout_metrics`, stage 1) and
-how the scoring forwards agreed with the sampler (:func:`outside_metrics`, :func:`engine_mismatch`, stage 2).
+how the scoring forwards agreed with the sampler (:func:`outside_metrics`, :func:`engine_mismatch`, stage 2), and the
+shaping's step-wide means (:func:`shaped_means`, stage 2).
 
 Kept apart from the maker so that the maker stays orchestration; every function here reads plain rows and tensors.
 """
@@ -13,6 +14,7 @@ import torch
 from mmrlhf.experience.kinds.base import Generated
 from mmrlhf.experience.rollout import Rollout
 from mmrlhf.experience.timing import PhaseTimer
+from mmrlhf.parallel.world import World
 
 
 def rollout_metrics(batch: Any, out: Generated, timer: PhaseTimer) -> dict[str, float]:
@@ -85,4 +87,25 @@ def engine_mismatch(rollout: Rollout, scored) -> dict[str, float]:
         t = torch.cat(turns)
         for k in sorted(set(t.tolist())):
             out[f"engine_logprob_diff/turn_{k}/max"] = float(d[t == k].max())
+    return out
+
+
+def shaped_means(shaped: dict[str, Any], world: World) -> dict[str, float]:
+    """The step's ``reward/shaped_mean`` (over the valid samples) and ``kl/mean`` (with a KL term in the reward,
+    ``kl`` too: the same per-token mean) over the trained tokens of every rank's share: a collective over ``world``,
+    so each rank logs the step's value. A mean of the ranks' own means, weighted by their sample counts (the step
+    merge's rule), is not the step's: the token counts differ from rank to rank, and where the Ray trainer actors
+    make the experiences rank 0's count also holds what dynamic sampling dropped. ``shaped``: :func:`~mmrlhf.
+    experience.step_shaping.shape_step`'s answer (``seq_reward`` [N], ``valid`` [N], ``kl`` [N, A] or None, ``mask``
+    [N, A], ``metrics``)."""
+    valid, kl, mask = shaped["valid"], shaped["kl"], shaped["mask"]
+    sums = [float(shaped["seq_reward"][valid].double().sum()), float(valid.sum())]
+    if kl is not None:
+        sums += [float(kl[mask].double().sum()), float(mask.sum())]
+    sums = world.all_sum(sums)
+    out = {"reward/shaped_mean": sums[0] / sums[1] if sums[1] else 0.0}
+    if kl is not None:
+        out["kl/mean"] = sums[2] / sums[3] if sums[3] else 0.0
+        if "kl" in shaped["metrics"]:
+            out["kl"] = out["kl/mean"]
     return out
