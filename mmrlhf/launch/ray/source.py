@@ -64,8 +64,8 @@ class RaySettings:
     # the old-policy log-probs and entropies are computed here, before the update (the rollout actors hold no
     # scoring copy: mmrlhf.models.ray_placement.policy_on_trainers)
     old_policy: bool = False
-    # distributed.scoring: trainer: the rollout actors send rows (generated and rewarded) and every rank makes its
-    # groups' experiences with ``RayRollouts.maker`` (mmrlhf.models.ray_placement.experiences_on_trainers)
+    # the trainers make the experiences (mmrlhf.models.ray_placement.experiences_on_trainers): the rollout actors
+    # send rows (generated and rewarded) and every rank makes its groups' experiences with ``RayRollouts.maker``
     rows: bool = False
 
 
@@ -298,7 +298,9 @@ class RayRollouts:
         stream = self.stream_after.get(step - 1)  # read from the last step's metadata: its actor may be gone since
         if stream is None:
             stream = ray.get(self.pool.handles[0].stream_state.remote(step))
-        running = running_state(self.maker.state_dict()) if self.s.rows else self.running  # (after the last step)
+        running = dict(self.running)  # the rollout actors' maker after the last step (dynamic sampling: its calls)
+        if self.s.rows:  # the running statistics are the trainers' (their makers shaped the steps)
+            running.update(running_state(self.maker.state_dict()))
         state = {"stream": stream, "maker": {"calls": step * self.pool.count, **running},
                  "policy_version": self.weights.version,
                  "staleness": self.stats.state_dict(), "actor_restarts": self.schedule.restarted(), "inflight": []}
@@ -394,7 +396,8 @@ def _deal_groups(keys: Sequence[Any], costs: Sequence[float], ranks: int) -> tup
 
 def deal_rows(step: int, payloads: Sequence[dict[str, Any]], staleness: Sequence[int], ranks: int,
               ledger: ExperienceLedger) -> list[dict[str, Any]]:
-    """:func:`deal` for rows (``distributed.scoring: trainer``): the shares' rows (``ScoredRollout``, or None where
+    """:func:`deal` for rows (where the trainers make the experiences,
+    :func:`~mmrlhf.models.ray_placement.experiences_on_trainers`): the shares' rows (``ScoredRollout``, or None where
     a share trains nothing) joined and dealt to ``ranks`` ranks as whole groups by cost, each rank's in the shares'
     order, every share counted in the ledger. A rank left without a group (fewer groups than ranks) gets the first
     row made inert (its forwards and update pair with the others', it trains nothing); ``describe`` False there.
