@@ -10,9 +10,8 @@ actor reports the node it runs on. The runs train the greedy toy recipe (``launc
 - ``one_to_two``: ``one_node``'s step-1 checkpoint resumed by 2 trainer actors on the worker node (the rollout actor
   on the head): steps 2 and 3 continue the straight run within fp32 reduction noise (a checkpoint of 1 rank resumed
   on 2: the data stream, the optimiser state re-sharded by torch.distributed.checkpoint, the running counters).
-
-(2 -> 1 is tests/launch/test_rank_changes.py's, under torchrun: a third Ray run here would cost another launch of
-every actor for one step.)
+- ``two_to_one``: ``one_to_two``'s step-2 checkpoint (written by 2 trainer actors) resumed by 1 trainer actor, back
+  on the head: step 3 continues the straight run (a checkpoint of 2 ranks resumed on 1).
 
 In the Ray mode the rollout actor generates every step's experiences whatever the number of trainer actors (seeded
 by (step, actor)), so the continued runs train what the straight run trained; greedy decoding is not needed for that
@@ -92,7 +91,8 @@ def runs(two_nodes, tmp_path_factory):
     one = _ray(tmp_path_factory.mktemp("one_node"))
     two = _ray(stopped_at(one["out"], tmp_path_factory.mktemp("one_to_two"), 1), *PLACED,
                "distributed.num_trainer_actors=2", "distributed.trainer_actor_cpus=0.5", resume=True)
-    return {"one_node": one, "one_to_two": two}
+    back = _ray(stopped_at(two["out"], tmp_path_factory.mktemp("two_to_one"), 2), resume=True)
+    return {"one_node": one, "one_to_two": two, "two_to_one": back}
 
 
 def _initial() -> dict:
@@ -135,6 +135,28 @@ def test_a_run_resumed_on_two_trainer_actors_and_two_nodes_continues_the_one_nod
           f"since step {since}")
     assert gap < 0.05 and moved > 0.5, (gap, moved)
     for step, ranks in ((since, 1), (STEPS, 2)):  # who wrote the checkpoint resumed, and the resumed run's
+        state = json.loads((out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").read_text())
+        assert (state["launch"], state["world_size"]) == ("ray", ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_checkpoint_of_two_trainer_actors_resumes_on_one(runs):
+    """2 trainer actors -> 1 (step 3), from the 2-actor run's step-2 checkpoint: the straight one-node run's metrics
+    (within reduction noise) and weights (within a small fraction of the learning rate)."""
+    straight, out, since = metric_rows(runs["one_node"]["out"]), runs["two_to_one"]["out"], 2
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    gaps = training_gaps(straight[since:], rows[since:])
+    assert {"reward/mean", "policy/grad_norm", "policy/entropy", "samples"} <= set(gaps)
+    worst = sorted(gaps.items(), key=lambda kv: -kv[1])[:4]
+    gap = update_gap(runs["one_node"]["out"], out, STEPS, _initial())
+    moved = _moved(runs["one_node"]["out"], since)
+    print(f"\n2 -> 1 trainer actors: largest metric gaps {worst}; update gap at step {STEPS} {gap:.2e} lr; the "
+          f"straight run moved {moved:.2f} lr since step {since}")
+    assert {k for k, v in gaps.items() if v > 1e-5} <= REDUCTION_NOISE_KEYS and worst[0][1] <= 1e-4, worst
+    assert gap < 0.05 and moved > 0.2, (gap, moved)
+    for step, ranks in ((since, 2), (STEPS, 1)):
         state = json.loads((out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").read_text())
         assert (state["launch"], state["world_size"]) == ("ray", ranks)
 
