@@ -92,13 +92,15 @@ class DistributedConfig(Section):
     the step's rows; the trainer actors make the experiences (old-policy log-probs, reference, teacher, critic values,
     the shaping and its running state) with their FSDP2-sharded models, as torchrun ranks do, so a rollout actor
     holds its engine alone (a 32B policy's float32 copy is ~128 GiB) in every configuration (refused with
-    ``model.lora.sync: vllm_lora``: the trainers send merged LoRA layers). ``auto``: the rollout actors make the
-    experiences, and the trainer actors re-score the old policy (and a KL-loss reference, a distillation-loss
-    teacher) where nothing on the rollout side reads them, else each rollout actor keeps a scoring copy (a KL term in
-    the reward, the distillation advantage, a critic, ``rollout.routing_replay``, ``agent``, a truncating sampler
-    scored as sampled, a transformers engine, LoRA). ``rollout``: each rollout actor scores with its own copy (it
-    then also reports its engine-vs-copy ``engine_logprob_diff/mean|max``). ``ray/rollout_scoring_models`` counts the
-    models a rollout actor scores with beside its engine. docs/distributed.md, "Where the Ray mode scores"."""
+    ``model.lora.sync: vllm_lora``: the trainers send merged LoRA layers). ``auto``: the same wherever the rollout
+    side would read the old policy (a KL term in the reward, the distillation advantage, a critic,
+    ``rollout.routing_replay``, ``agent``, a truncating sampler scored as sampled), except with LoRA (each rollout
+    actor keeps a policy copy that merges the adapters the trainers send: megabytes a sync) and a transformers engine
+    (it generates with the policy's module); elsewhere the rollout actors make the experiences and the trainer
+    actors re-score the old policy (and a KL-loss reference, a distillation-loss teacher). ``rollout``: each rollout
+    actor scores with its own copy (it then also reports its engine-vs-copy ``engine_logprob_diff/mean|max``).
+    ``ray/rollout_scoring_models`` counts the models a rollout actor scores with beside its engine; the memory plan
+    counts them on its GPU. docs/distributed.md, "Where the Ray mode scores"."""
     on_rollout_failure: Literal["stop", "restart"] = "stop"
     """A rollout actor that dies: ``stop`` reports it by name and ends the run cleanly (checkpoint saved); ``restart``
     starts a new one (up to ``max_actor_restarts`` times) and regenerates its unfinished batch."""

@@ -79,8 +79,8 @@ class RolloutConfig(Section):
     """Fraction of GPU memory vLLM may take for its weights, KV cache and CUDA graphs (ignored on CPU). The default
     gives a 7B engine 28 GiB of an 80 GB GPU beside its trainer (15.4 GiB of bf16 weights, the rest KV cache,
     activations and graphs); whether the trainer fits beside it: ``mmrlhf config show CONFIG --plan``
-    (docs/gpu.md). A Ray rollout actor's GPU also holds a float32 scoring copy of the policy where the rollout side
-    reads the old policy (``distributed.scoring``, docs/distributed.md)."""
+    (docs/gpu.md). A Ray rollout actor's GPU also holds a float32 scoring copy of the policy where its actor keeps
+    one (LoRA under ``distributed.scoring: auto``, ``rollout``; docs/distributed.md)."""
     enable_sleep: bool = False
     """vLLM sleep mode (CUDA only; ignored elsewhere): each training step puts the engine to sleep after generation
     (KV cache freed; weights offloaded or discarded, ``sleep_level``) so the experience forwards and the updates get

@@ -53,8 +53,9 @@ def build_experience_maker(config: MMRLHFConfig, *, critic: Any = None, device: 
     modules without weights (:func:`weightless_policy`: the engine, the processor and the samples read its config
     only) and the maker runs no policy forward (:func:`~mmrlhf.models.ray_placement.policy_on_trainers`).
     ``generate_only=True``: a maker for :meth:`~mmrlhf.experience.fast_maker.FastExperienceMaker.generate_rollout`
-    only (a Ray rollout actor under ``distributed.scoring: trainer``, whose trainer actors make the experiences with
-    :func:`build_scoring_maker`): a weightless policy, no reference, teacher, critic or KL controller."""
+    only (a Ray rollout actor whose trainer actors make the experiences with :func:`build_scoring_maker`,
+    :func:`~mmrlhf.models.ray_placement.experiences_on_trainers`): a weightless policy, no reference, teacher,
+    critic or KL controller."""
     from transformers import AutoProcessor
 
     from mmrlhf.data.processor import MultimodalDataProcessor
@@ -164,7 +165,7 @@ def _kl_controller(config: MMRLHFConfig, settings: Any) -> Any:
 def build_scoring_maker(config: MMRLHFConfig, actor: Any, tokenizer: Any, *, critic: Any = None,
                         device: torch.device) -> ExperienceStack:
     """The experience maker's second stage without an engine (:meth:`~mmrlhf.experience.fast_maker.
-    FastExperienceMaker.experiences_from` only): the Ray trainer actors' under ``distributed.scoring: trainer``.
+    FastExperienceMaker.experiences_from` only): the Ray trainer actors' where they make the experiences.
     ``actor`` is this rank's policy (sharded later with the reference and the teacher made here, as the torchrun
     ranks' are); ``critic`` the trainer's. The rows it scores come from the rollout actors' generate-only makers
     (:func:`build_experience_maker` with ``generate_only``)."""

@@ -190,8 +190,8 @@ def local_rollouts(config: MMRLHFConfig, world: World, critic: Any, policy_path:
     :class:`~mmrlhf.trainer.rollouts.LocalSettings`; ``score_reference=False`` / ``score_teacher=False``: the maker
     holds no reference / distillation teacher (a Ray rollout actor whose trainer actors score it);
     ``score_policy=False``: nor a scoring copy of the policy (its actor has no weights; the trainers score it);
-    ``generate_only=True``: the maker generates and rewards only (``distributed.scoring: trainer``: the trainer
-    actors make the experiences), holding no model but the engine."""
+    ``generate_only=True``: the maker generates and rewards only (the trainer actors make the experiences:
+    :func:`~mmrlhf.models.ray_placement.experiences_on_trainers`), holding no model but the engine."""
     from mmrlhf.data.stream import PromptStream
     from mmrlhf.experience.builder import build_experience_maker
 

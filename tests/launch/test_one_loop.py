@@ -200,7 +200,9 @@ def test_one_rank_in_every_launch_mode_trains_exactly_as_one_process(runs, mode)
 
 def test_two_ray_trainer_actors_equal_one_process_within_reduction_noise(runs):
     single, two = _rows(runs["single"]), _rows(runs["ray_2_trainers"])
-    gaps = metric_gaps(single, two)
+    # (the trainer actors make the experiences here, the reward's KL term reading the old policy: each scores its
+    # own groups, so the scoring micro-batches follow the number of ranks, as the update's do)
+    gaps = {k: v for k, v in metric_gaps(single, two).items() if not k.startswith("scoring/micro_batch")}
     print(f"\n2 trainer actors vs one process, largest metric gaps: {sorted(gaps.items(), key=lambda kv: -kv[1])[:5]}")
     assert {k for k in gaps if gaps[k] > 1e-5} <= {"policy/pg_loss", "policy/grad_norm", "policy/entropy",
                                                  "policy/approx_kl", "policy/clip_frac"}, gaps

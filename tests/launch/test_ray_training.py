@@ -205,18 +205,21 @@ def test_sigterm_stops_after_the_step_and_saves_and_resumes(cluster, tmp_path, c
     assert [h["step"] for h in rows(tmp_path)] == list(range(1, 13))
 
 
-def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path):
+@pytest.mark.parametrize("scoring", ["rollout", "auto"])
+def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path, scoring):
     """A killed rollout actor is restarted, given the current weights and regenerates its lost steps; each step
     trains exactly once. Two actors with every key that reads the whole step (they meet in each step's collectives;
     a running state and dynamic sampling's stream run on from step to step): the new actor begins at its first lost
     step with the state and the stream as they stood after the step before it (the trainer's record), while the
     other waits for it inside that step. At the end both actors hold the same running state (a new actor that
-    started afresh would not: its KL coefficient would restart at the initial one)."""
+    started afresh would not: its KL coefficient would restart at the initial one). That is ``distributed.scoring:
+    rollout``'s case; under ``auto`` (the KL term in the reward reads the old policy) the trainer actors make the
+    experiences and hold the running state, so the rollout actors hold none and the restart cannot reset it."""
     from mmrlhf.launch.ray.driver import RayRun
 
     run = RayRun(toy(tmp_path, "trainer.max_steps=6", "distributed.max_staleness=1",
                      "distributed.on_rollout_failure=restart", "distributed.num_rollout_actors=2",
-                     "distributed.rollout_actor_cpus=0.5", *WHOLE_STEP))
+                     "distributed.rollout_actor_cpus=0.5", f"distributed.scoring={scoring}", *WHOLE_STEP))
     try:
         assert run.setup(resume=False) == []
         result = run.fit(on_step=kill_rollout_actor_at(1))
@@ -236,7 +239,12 @@ def test_killed_rollout_actor_restarts_and_regenerates(cluster, tmp_path):
     assert history[-1]["ray/actor_restarts"] == 1
     assert [s["next_step"] for s in states] == [6, 6]
     assert states[0]["running"] == states[1]["running"]
-    assert states[0]["running"]["kl_controller"]["value"] != pytest.approx(0.01)  # it moved, on both
+    assert all(h["ray/rollout_scoring_models"] == (2 if scoring == "rollout" else 0) for h in history)
+    if scoring == "rollout":
+        assert states[0]["running"]["kl_controller"]["value"] != pytest.approx(0.01)  # it moved, on both
+    else:  # the trainers' coefficient, moving on from step to step across the restart
+        assert "kl_controller" not in states[0]["running"]
+        assert len({round(h["kl_coef"], 9) for h in history}) == 6
 
 
 def test_lora_adapters_travel_from_two_trainer_actors_to_the_rollout_actor(cluster, tmp_path):

@@ -93,12 +93,14 @@ def test_ray_rollout_gpus_hold_only_the_engine_and_the_sharded_trainers_score():
     assert rollout["policy copy (float32, transformers engine)"] == 4 * facts.counts.total
 
 
-def test_ray_rollout_gpus_hold_what_auto_leaves_them_and_scoring_trainer_is_the_fix():
-    """A KL term in the reward (and GAE) keeps a scoring copy, the reference and the critic on each rollout actor
-    under ``distributed.scoring: auto``; ``trainer`` moves them onto the sharded trainer actors."""
+def test_ray_rollout_gpus_hold_what_the_scoring_leaves_them_and_scoring_trainer_is_the_fix():
+    """A KL term in the reward (and GAE) reads the old policy on the experience maker's side: ``distributed.scoring:
+    auto`` then makes the experiences on the sharded trainer actors (the rollout GPU holds its engine alone), and
+    ``rollout`` keeps a scoring copy, the reference and the critic whole on each rollout actor. LoRA keeps its copy
+    under ``auto`` (the adapters' merge), which at 32B does not fit: the plan names ``distributed.scoring=trainer``."""
     ray = ["distributed.backend=ray", "distributed.num_trainer_actors=4", "rollout.tensor_parallel_size=2",
            "algorithm.kl_reward_coef=0.01", "algorithm.advantage_estimator=gae"]
-    facts, p = _plan(ray)
+    facts, p = _plan([*ray, "distributed.scoring=rollout"])
     assert p.rollout_models == ("policy", "reference", "critic")
     rollout, trainer = plan_launch(facts, p).gpus
     c = facts.counts
@@ -107,16 +109,18 @@ def test_ray_rollout_gpus_hold_what_auto_leaves_them_and_scoring_trainer_is_the_
     assert rollout.phases["score"]["critic copy weights (float32)"] == 4 * (c.total + facts.decoder.hidden + 1)
     assert "scoring forward" in rollout.phases["score"]
     assert all("reference (model.dtype)" not in parts for parts in trainer.phases.values())
-    facts, p = _plan([*ray, "distributed.scoring=trainer"])
-    assert p.rollout_models == ()
-    rollout, trainer = plan_launch(facts, p).gpus
-    assert set(rollout.phases) == {"generate"} and list(rollout.phases["generate"]) == ["engine (vLLM, awake)"]
-    assert trainer.phases["score"]["reference (model.dtype)"] == 2 * c.total // 4
-    # at 32B the rollout actors' copies do not fit an 80 GiB GPU, and the plan names the key that moves them
+    for scoring in ("auto", "trainer"):
+        facts, p = _plan([*ray, f"distributed.scoring={scoring}"])
+        assert p.rollout_models == (), scoring
+        rollout, trainer = plan_launch(facts, p).gpus
+        assert set(rollout.phases) == {"generate"} and list(rollout.phases["generate"]) == ["engine (vLLM, awake)"]
+        assert trainer.phases["score"]["reference (model.dtype)"] == 2 * c.total // 4
+    # at 32B a LoRA run's rollout copies do not fit an 80 GiB GPU, and the plan names the key that moves them
     big = load_config("examples/grpo_geometry3k_qwen2_5_vl_32b.yaml",
                       ["distributed.backend=ray", "distributed.num_rollout_actors=2", "rollout.tensor_parallel_size=4",
-                       "distributed.num_trainer_actors=4", "algorithm.kl_reward_coef=0.01"])
+                       "distributed.num_trainer_actors=4", "algorithm.kl_reward_coef=0.01", "model.lora.rank=64"])
     plan = memory_plan(big, shape="qwen2_5_vl_32b", gpu_gib=80)
+    assert plan.inputs.rollout_models == ("policy",)
     assert not plan.launch.fits and plan.launch.gpus[0].peak > 80 * GIB
     assert ["distributed.scoring=trainer"] in [f.overrides for f in plan.fixes], [f.label for f in plan.fixes]
     rollout = memory_plan(big, shape="qwen2_5_vl_32b", gpu_gib=80, suggest=False)
@@ -124,6 +128,10 @@ def test_ray_rollout_gpus_hold_what_auto_leaves_them_and_scoring_trainer_is_the_
     moved = memory_plan(build_config(big.model_dump(), ["distributed.scoring=trainer"]), shape="qwen2_5_vl_32b",
                         gpu_gib=80, suggest=False)
     assert moved.launch.gpus[0].peak <= 80 * GIB
+    # vLLM's own LoRA cannot take merged layers: the fix sets the sync too
+    own = memory_plan(build_config(big.model_dump(), ["model.lora.sync=vllm_lora"]), shape="qwen2_5_vl_32b",
+                      gpu_gib=80)
+    assert ["distributed.scoring=trainer", "model.lora.sync=merged"] in [f.overrides for f in own.fixes]
 
 
 def test_sleep_frees_the_engine_between_generation_and_sync():

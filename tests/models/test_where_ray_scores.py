@@ -70,13 +70,43 @@ def test_trainer_scoring_makes_the_experiences_on_the_trainers_in_every_configur
         check_before_models(load_config(TOY, [*refused, "distributed.backend=ray"]))
 
 
+@pytest.mark.parametrize("overrides, made_there", [
+    (["algorithm.kl_reward_coef=0.01"], True),
+    (["algorithm.advantage_estimator=gae", "algorithm.kl_loss_coef=0.05"], True),
+    (["model.teacher=/somewhere", "algorithm.distill_coef=0.5"], True),
+    (["rollout.top_p=0.9"], True),
+    (["rollout.routing_replay=replay"], True),
+    (["agent.tools=[calculator]"], True),
+    ([], False),  # nothing reads the old policy there: the rollout actors make them, the trainers re-score
+    (["algorithm.kl_loss_coef=0.05"], False),
+    (["algorithm.kl_reward_coef=0.01", "model.lora.rank=4"], False),  # the copy merges the adapters
+    (["algorithm.kl_reward_coef=0.01", "rollout.engine=transformers"], False),  # it generates with the module
+    (["algorithm.kl_reward_coef=0.01", "distributed.scoring=rollout"], False),
+])
+def test_auto_makes_the_experiences_on_the_trainers_where_the_rollout_side_reads_the_old_policy(overrides,
+                                                                                                  made_there):
+    config = load_config(TOY, overrides)
+    assert experiences_on_trainers(config) is made_there
+    if made_there:  # its maker holds the reference and the teacher, and no rollout actor scores anything
+        assert not reference_on_trainers(config) and not teacher_on_trainers(config)
+        assert rollout_actor_models(config) == () and not policy_on_trainers(config)
+    else:
+        assert policy_on_trainers(config) is (not policy_scoring_blockers(config)
+                                              and "distributed.scoring=rollout" not in overrides)
+
+
 @pytest.mark.parametrize("overrides, held", [
     ([], ()),  # GRPO: the trainer actors re-score the old policy
     (["algorithm.kl_loss_coef=0.05"], ()),  # and the KL loss's reference
-    (["algorithm.kl_reward_coef=0.01"], ("policy", "reference")),
+    (["algorithm.kl_reward_coef=0.01"], ()),  # the shaping reads the old policy: the trainers make the experiences
+    (["algorithm.advantage_estimator=gae"], ()),
+    (["model.teacher=/somewhere", "algorithm.distill_coef=0.5"], ()),
     (["algorithm.kl_reward_coef=0.01", "model.lora.rank=4"], ("policy",)),  # the reference: its adapters off
-    (["algorithm.advantage_estimator=gae"], ("policy", "critic")),
-    (["model.teacher=/somewhere", "algorithm.distill_coef=0.5"], ("policy", "teacher")),
+    (["algorithm.kl_reward_coef=0.01", "model.lora.rank=4", "model.reference=/elsewhere"], ("policy", "reference")),
+    (["model.lora.rank=4", "algorithm.advantage_estimator=gae"], ("policy", "critic")),
+    (["model.lora.rank=4", "model.teacher=/somewhere", "algorithm.distill_coef=0.5"], ("policy", "teacher")),
+    (["distributed.scoring=rollout", "algorithm.kl_reward_coef=0.01"], ("policy", "reference")),
+    (["distributed.scoring=rollout", "algorithm.advantage_estimator=gae"], ("policy", "critic")),
     (["model.teacher=/somewhere", "algorithm.distill_loss_coef=0.1"], ()),
     (["rollout.engine=transformers"], ("policy",)),  # (its engine's own module: the plan counts it once)
     (["distributed.scoring=rollout"], ("policy",)),

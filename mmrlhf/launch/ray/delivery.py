@@ -28,7 +28,7 @@ class DeliverySettings:
     weight_kind: str  # "full" | "lora" (only the adapters travel)
     push_weights: bool = True  # False: the control of the sync check (versions announced, no tensor sent)
     # a LoRA policy's engine layers merged here (W + BA, kind "full"): rollout actors without a policy copy
-    # (distributed.scoring: trainer) cannot merge the adapters themselves
+    # (where the trainers make the experiences) cannot merge the adapters themselves
     merged_lora: bool = False
 
 

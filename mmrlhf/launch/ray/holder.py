@@ -88,8 +88,8 @@ class ExperienceMakerHolder:
         t = cfg.trainer
         check_before_models(cfg)  # refused by the config or the data: before its engine and models load
         seed_everything(t.seed)
-        # distributed.scoring: trainer: this actor generates and rewards, and sends the step's rows; its trainer
-        # actors make the experiences (no scoring copy, reference, teacher or critic here)
+        # where the trainers make the experiences (experiences_on_trainers) this actor generates and rewards, and
+        # sends the step's rows (no scoring copy, reference, teacher or critic here)
         self.rows = experiences_on_trainers(cfg)
         critic = build_critic(cfg) if cfg.algorithm.advantage_estimator == "gae" and not self.rows else None
         if critic is not None:
@@ -235,9 +235,10 @@ class ExperienceMakerHolder:
         return meta, {**meta, "items": pack_items(batch.items), "report": shown}
 
     def _rows(self, step: int) -> Any:
-        """``distributed.scoring: trainer``: this share's rows of step ``step``, generated and rewarded (dynamic
-        sampling's kept groups), as a step batch without items (``rollout``: None where this share trains
-        nothing: dynamic sampling kept none of its groups, or its every prompt was skipped)."""
+        """Where the trainers make the experiences (``experiences_on_trainers``): this share's rows of step
+        ``step``, generated and rewarded (dynamic sampling's kept groups), as a step batch without items
+        (``rollout``: None where this share trains nothing: dynamic sampling kept none of its groups, or its every
+        prompt was skipped)."""
         from mmrlhf.trainer.rollouts import StepBatch
 
         rollout, metrics, trains = self.producer.sample_step(step)

@@ -32,10 +32,11 @@ def ray_rollouts(config: Any, world: Any, critic: Any, policy_path: str | None, 
     """The rollout factory of a trainer rank (:data:`~mmrlhf.trainer.builder.RolloutFactory`): the policy built on
     this rank's device (no engine here), the rollout actors as the source; and the reference and the distillation
     teacher where the trainer actors score them (:func:`~mmrlhf.models.ray_placement.reference_on_trainers`,
-    :func:`~mmrlhf.models.ray_placement.teacher_on_trainers`: the builder shards them with the policy). Under
-    ``distributed.scoring: trainer`` an experience maker without an engine, holding this rank's policy, critic,
-    reference and teacher (:func:`~mmrlhf.experience.builder.build_scoring_maker`), makes the experiences of the
-    rows the rollout actors send (:func:`~mmrlhf.models.ray_placement.experiences_on_trainers`)."""
+    :func:`~mmrlhf.models.ray_placement.teacher_on_trainers`: the builder shards them with the policy). Where the
+    trainers make the experiences (:func:`~mmrlhf.models.ray_placement.experiences_on_trainers`) an experience maker
+    without an engine, holding this rank's policy, critic, reference and teacher
+    (:func:`~mmrlhf.experience.builder.build_scoring_maker`), makes the experiences of the rows the rollout actors
+    send."""
     from transformers import AutoProcessor
 
     from mmrlhf.devices import resolve_device

@@ -120,7 +120,8 @@ def _candidates(config: Any, p: PlanInputs, facts: ModelFacts) -> list[list[str]
     if p.engine == "vllm" and not p.offload:
         out.append(["distributed.offload=params"])
     if p.backend == "ray" and p.rollout_models:  # the rollout actors' scoring models move onto the trainer actors
-        out.append(["distributed.scoring=trainer"])
+        merged = ["model.lora.sync=merged"] if m.lora.rank and m.lora.sync == "vllm_lora" else []  # (it sends them)
+        out.append(["distributed.scoring=trainer", *merged])
     return out
 
 

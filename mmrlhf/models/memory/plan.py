@@ -93,7 +93,7 @@ class PlanInputs:
     judges: tuple[tuple[float, bool], ...] = ()
     routing_bytes: int = 0  # ``rollout.routing_replay: replay``: the engine's experts of one training micro-batch
     # Ray: what each rollout actor scores with (mmrlhf.models.ray_placement.rollout_actor_models); the trainer
-    # actors hold the rest (none: ``distributed.scoring: trainer``, the trainers make the experiences)
+    # actors hold the rest (none where the trainers make the experiences: ray_placement.experiences_on_trainers)
     rollout_models: tuple[str, ...] = ()
 
 
