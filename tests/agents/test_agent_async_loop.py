@@ -275,7 +275,8 @@ def test_turns_ready_within_the_gathering_window_go_to_the_engine_together(tiny,
     if later_calls is None:
         assert len(calls) > 2, calls  # one by one (4 calls on an idle machine)
     else:
-        assert calls[1:] == later_calls, calls
+        # which turns share a call, in any order within it (the tools' threads finish in any order under load)
+        assert [sorted(c) for c in calls[1:]] == later_calls, calls
     if window == 2.0:
         assert took < 1.5, took
     if window == 0.1:  # the fast three did not wait for the slow call
