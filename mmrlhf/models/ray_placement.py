@@ -84,10 +84,8 @@ def policy_scoring_blockers(config: Any) -> list[str]:
         found.append(f"rollout.engine={r.engine}: it generates with the copy itself")
     if m.lora.rank:
         found.append("model.lora.rank > 0: the engine's adapters or merged layers come from the copy")
-    if a.kl_reward_coef > 0:
+    if a.kl_reward_coef > 0:  # (a KL loss's reference alone moves to the trainers; with LoRA it is the copy's)
         found.append("algorithm.kl_reward_coef > 0: the reward's KL term reads them")
-    elif a.kl_loss_coef > 0 and not _reference_for_the_loss_only(config):
-        found.append("the KL loss's reference stays with the experience maker: its KL record reads them")
     if a.distill_coef > 0:
         found.append("algorithm.distill_coef > 0: the distillation advantage reads them")
     if a.advantage_estimator == "gae":
